@@ -1,0 +1,36 @@
+"""Log sequence numbers: a position in PostgreSQL's write-ahead log.
+
+`Lsn` is an `int` (so it compares, hashes and sorts for free) that formats as
+PostgreSQL does, ``X/Y`` in upper-case hex, and parses from that form.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Lsn", "INVALID_LSN"]
+
+
+class Lsn(int):
+    __slots__ = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "Lsn":
+        """Parse ``'16/B374D848'`` (as PostgreSQL prints it) into an Lsn."""
+        high, sep, low = text.strip().partition("/")
+        if not sep or not high or not low:
+            raise ValueError(f"invalid lsn {text!r}: expected 'X/Y' in hex")
+        try:
+            hi, lo = int(high, 16), int(low, 16)
+        except ValueError:
+            raise ValueError(f"invalid lsn {text!r}: expected 'X/Y' in hex") from None
+        if not (0 <= hi <= 0xFFFFFFFF and 0 <= lo <= 0xFFFFFFFF):
+            raise ValueError(f"invalid lsn {text!r}: each half must fit in 32 bits")
+        return cls((hi << 32) | lo)
+
+    def __str__(self) -> str:
+        return f"{self >> 32:X}/{self & 0xFFFFFFFF:X}"
+
+    def __repr__(self) -> str:
+        return f"Lsn('{self}')"
+
+
+INVALID_LSN = Lsn(0)

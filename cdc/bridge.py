@@ -1,0 +1,341 @@
+"""The bridge: committed changes from the slot, projected, batched into Redis, acknowledged.
+
+One thread, one loop. It reads pgoutput messages in commit order, turns changes
+to mapped tables into stream entries, and writes them in batches. The slot is
+told a transaction is done (standby status ``flush``) only once Redis has
+confirmed every entry of it, so the slot never moves past anything unwritten.
+Batches are flushed when full, when older than ``max_delay_ms``, or as soon as
+the server has nothing more to send, which keeps latency low when quiet and
+batches large when busy. A transaction is published in pieces if it is large
+(memory stays bounded): pgoutput without streaming only sends committed
+transactions, and each entry's position ``(commit LSN, seq)`` is known from the
+Begin message, so the per-stream high-water marks make a replay exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import psycopg
+import tenacity
+
+from . import pgoutput as pg
+from .catalog import load_types
+from .config import Settings
+from .errors import CdcError, MappingError, SourceError, TransientError
+from .lsn import Lsn
+from .mapping import Mapping
+from .projection import ColumnShape, Projector, TableShape, message_entry
+from .publisher import Publisher, StreamBatch, position
+from .replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
+from .values import TypeCatalog
+from .walproto import parse_copy_data, pg_now_us, pg_ts_to_unix_ms
+
+__all__ = ["Bridge"]
+
+log = logging.getLogger("cdc.bridge")
+
+_W = 0x77  # XLogData
+_XLOG_HEADER = 25
+_BEGIN, _COMMIT, _RELATION, _INSERT, _UPDATE, _DELETE, _TRUNCATE, _MESSAGE = (ord(c) for c in "BCRIUDTM")
+_IGNORED = frozenset(ord(c) for c in "OY")
+_CAUGHT_UP_POLL_S = 0.1
+
+
+class _Target:
+    """Where a bound projector writes: its mapping and one batch per partition stream."""
+
+    __slots__ = ("projector", "batches", "version")
+
+    def __init__(self, projector: Projector, batches: list[StreamBatch]) -> None:
+        self.projector = projector
+        self.batches = batches
+        self.version = projector.mapping.version
+
+
+class Bridge:
+    """Streams the slot into Redis until stopped (or caught up, if asked)."""
+
+    def __init__(self, settings: Settings, mappings: Sequence[Mapping], *, until_caught_up: bool = False) -> None:
+        self.settings = settings
+        self.mappings = list(mappings)
+        self.until_caught_up = until_caught_up
+        self.stopping = False
+        self.target_lsn: Lsn | None = None
+        self._by_table: dict[tuple[str, str], list[Mapping]] = defaultdict(list)
+        self._message_mappings = [m for m in self.mappings if m.message_prefix is not None]
+        for m in self.mappings:
+            if m.table is not None:
+                self._by_table[m.table].append(m)
+        self._batches: dict[str, StreamBatch] = {}
+        self.catalog = TypeCatalog()
+        # counters, readable in repr and by status reporting
+        self.changes_read = 0
+        self.entries_queued = 0
+        self.entries_published = 0
+        self.transactions = 0
+        self.sessions = 0
+        self.durable_lsn = Lsn(0)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Bridge changes_read={self.changes_read} entries_published={self.entries_published} "
+            f"transactions={self.transactions} durable_lsn={self.durable_lsn} sessions={self.sessions}>"
+        )
+
+    def stop(self) -> None:
+        """Ask the loop to finish its batch, acknowledge and return (signal-safe)."""
+        self.stopping = True
+
+    def _batch(self, stream: str) -> StreamBatch:
+        batch = self._batches.get(stream)
+        if batch is None:
+            batch = self._batches[stream] = StreamBatch(stream)
+        return batch
+
+    # -- retrying sessions -------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run sessions, retrying transient failures with jittered exponential backoff."""
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(TransientError),
+            wait=tenacity.wait_exponential_jitter(initial=0.2, max=5.0),
+            stop=lambda state: self.stopping,
+            sleep=self._sleep,
+            before_sleep=lambda state: log.warning(
+                "transient failure, retrying in %.1fs: %s", state.next_action.sleep, state.outcome.exception()
+            ),
+            reraise=True,
+        )
+        try:
+            retrying(self._session)
+        except TransientError:
+            if not self.stopping:
+                raise
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    # -- one session ---------------------------------------------------------------------
+
+    def _connect_catalog(self) -> psycopg.Connection:
+        try:
+            return psycopg.connect(self.settings.postgres.dsn, autocommit=True, options=SESSION_OPTIONS, connect_timeout=10)
+        except Exception as exc:
+            raise classify_pg_error(exc) from exc
+
+    def _session(self) -> None:
+        if self.stopping:
+            return
+        self.sessions += 1
+        pgs = self.settings.postgres
+        catalog_conn = self._connect_catalog()
+        publisher = Publisher(self.settings.redis.url)
+        stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication)
+        try:
+            try:
+                level = catalog_conn.execute("SHOW wal_level").fetchone()[0]
+                if level != "logical":
+                    raise SourceError(
+                        f"postgres wal_level is {level!r}, logical decoding needs 'logical'",
+                        hint="set wal_level = logical in postgresql.conf and restart PostgreSQL",
+                    )
+                if self.until_caught_up and self.target_lsn is None:
+                    self.target_lsn = Lsn.parse(catalog_conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+                    log.info("catching up to %s", self.target_lsn)
+            except psycopg.Error as exc:
+                raise classify_pg_error(exc) from exc
+            publisher.ping()
+            stream.start(0, messages=bool(self._message_mappings))
+            self._stream(stream, publisher, catalog_conn)
+        finally:
+            stream.close()
+            publisher.close()
+            catalog_conn.close()
+
+    def _bind(self, relation: pg.Relation, catalog_conn: psycopg.Connection) -> list[_Target]:
+        mappings = self._by_table.get((relation.namespace, relation.name))
+        if not mappings:
+            return []
+        try:
+            load_types(catalog_conn, self.catalog, [c.type_oid for c in relation.columns])
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from exc
+        shape = TableShape(
+            schema=relation.namespace,
+            name=relation.name,
+            columns=tuple(ColumnShape(c.name, c.type_oid, c.is_key) for c in relation.columns),
+            replica_identity=relation.replica_identity,
+        )
+        targets = []
+        for m in mappings:
+            projector = Projector(m, shape, self.catalog)
+            targets.append(_Target(projector, [self._batch(s) for s in m.stream_keys()]))
+        log.info("bound %s to %s", relation.namespace + "." + relation.name, ", ".join(m.entity for m in mappings))
+        return targets
+
+    def _stream(self, stream: ReplicationStream, publisher: Publisher, catalog_conn: psycopg.Connection) -> None:
+        batch_cfg = self.settings.batch
+        max_entries = batch_cfg.max_entries
+        max_delay = batch_cfg.max_delay_ms / 1000.0
+        status_interval = batch_cfg.status_interval_s
+        decoder = pg.PgOutputDecoder()
+        targets: dict[int, list[_Target]] = {}
+        message_batches = [(m.message_prefix, m.version, self._batch(m.stream_key())) for m in self._message_mappings]
+        batches = self._batches
+        for b in batches.values():
+            b.clear()
+
+        pending = 0  # entries queued since the last flush
+        first_pending_at = 0.0
+        ackable = self.durable_lsn  # end LSN of the last complete transaction seen
+        in_tx = False
+        lsn_s = xid_s = ts_s = pos_prefix = ""
+        seq = 0
+        next_status = time.monotonic()
+        next_poll = 0.0
+        monotonic = time.monotonic
+
+        def flush() -> None:
+            nonlocal pending
+            if pending:
+                publisher.publish(batches.values())
+                for b in batches.values():
+                    b.clear()
+                self.entries_published += pending
+                pending = 0
+            if ackable > self.durable_lsn:
+                self.durable_lsn = ackable
+
+        def report(reply: bool = False) -> None:
+            nonlocal next_status
+            stream.send_status(self.durable_lsn, self.durable_lsn, self.durable_lsn, reply)
+            next_status = monotonic() + status_interval
+
+        try:
+            while not self.stopping:
+                if pending:
+                    raw = stream.read(0)
+                else:
+                    raw = stream.read(max(0.0, min(next_status, next_poll or next_status) - monotonic()))
+                now = monotonic()
+                if raw is None:
+                    if pending:
+                        flush()
+                        report()
+                    elif now >= next_status:
+                        report()
+                    if self.until_caught_up and not in_tx:
+                        if self.durable_lsn >= self.target_lsn:
+                            log.info("caught up at %s", self.durable_lsn)
+                            return
+                        if now >= next_poll:
+                            report(reply=True)  # the answer tells how far the server has sent
+                            next_poll = now + _CAUGHT_UP_POLL_S
+                    continue
+                if raw[0] != _W:
+                    keepalive = parse_copy_data(raw)
+                    if not in_tx and not pending and keepalive.wal_end > ackable:
+                        ackable = self.durable_lsn = Lsn(keepalive.wal_end)
+                    if keepalive.reply_requested:
+                        report()
+                    continue
+                kind = raw[_XLOG_HEADER]
+                if kind == _INSERT or kind == _UPDATE or kind == _DELETE:
+                    relid = int.from_bytes(raw[_XLOG_HEADER + 1 : _XLOG_HEADER + 5], "big")
+                    self.changes_read += 1
+                    tlist = targets.get(relid)
+                    if tlist:
+                        msg = decoder.decode(raw[_XLOG_HEADER:])
+                        for t in tlist:
+                            proj = t.projector
+                            if kind == _INSERT:
+                                out = proj.insert(msg.new)
+                            elif kind == _UPDATE:
+                                out = proj.update(msg.new, msg.old, msg.old_kind == "O")
+                            else:
+                                out = proj.delete(msg.old, msg.old_kind == "O")
+                            if out is not None:
+                                fields = out.fields
+                                fields += (b"lsn", lsn_s, b"seq", seq, b"xid", xid_s, b"ts_ms", ts_s, b"v", t.version)
+                                t.batches[out.partition].add(pos_prefix + f"{seq:010d}", fields)
+                                if not pending:
+                                    first_pending_at = now
+                                pending += 1
+                    seq += 1
+                elif kind == _BEGIN:
+                    msg = decoder.decode(raw[_XLOG_HEADER:])
+                    in_tx = True
+                    seq = 0
+                    lsn_s = str(int(msg.final_lsn))
+                    pos_prefix = f"{int(msg.final_lsn):020d}"
+                    xid_s = str(msg.xid)
+                    ts_s = str(pg_ts_to_unix_ms(msg.commit_ts))
+                elif kind == _COMMIT:
+                    msg = decoder.decode(raw[_XLOG_HEADER:])
+                    in_tx = False
+                    self.transactions += 1
+                    ackable = msg.end_lsn
+                    if not pending and ackable > self.durable_lsn:
+                        self.durable_lsn = ackable
+                elif kind == _RELATION:
+                    msg = decoder.decode(raw[_XLOG_HEADER:])
+                    targets[msg.relid] = self._bind(msg, catalog_conn)
+                elif kind == _TRUNCATE:
+                    msg = decoder.decode(raw[_XLOG_HEADER:])
+                    self.changes_read += 1
+                    for relid in msg.relids:
+                        for t in targets.get(relid, ()):
+                            for out in t.projector.truncate():
+                                fields = out.fields
+                                fields += (b"lsn", lsn_s, b"seq", seq, b"xid", xid_s, b"ts_ms", ts_s, b"v", t.version)
+                                t.batches[out.partition].add(pos_prefix + f"{seq:010d}", fields)
+                                if not pending:
+                                    first_pending_at = now
+                                pending += 1
+                    seq += 1
+                elif kind == _MESSAGE:
+                    msg = decoder.decode(raw[_XLOG_HEADER:])
+                    if msg.transactional:
+                        m_lsn, m_pos, m_xid, m_ts, m_seq = lsn_s, pos_prefix + f"{seq:010d}", xid_s, ts_s, seq
+                        seq += 1
+                    else:
+                        m_lsn, m_pos, m_xid, m_ts, m_seq = (
+                            str(int(msg.lsn)), position(msg.lsn, 0), "0", str(pg_ts_to_unix_ms(pg_now_us())), 0,
+                        )
+                    for prefix, version, batch in message_batches:
+                        if msg.prefix.startswith(prefix):
+                            fields = message_entry(msg.prefix, msg.content)
+                            fields += (b"lsn", m_lsn, b"seq", m_seq, b"xid", m_xid, b"ts_ms", m_ts, b"v", version)
+                            batch.add(m_pos, fields)
+                            if not pending:
+                                first_pending_at = now
+                            pending += 1
+                            break
+                elif kind not in _IGNORED:
+                    msg = decoder.decode(raw[_XLOG_HEADER:])
+                    raise SourceError(f"unexpected pgoutput message {type(msg).__name__} (streaming and two-phase are not enabled)")
+                if pending and (pending >= max_entries or now - first_pending_at >= max_delay):
+                    flush()
+                    report()
+                elif now >= next_status:
+                    report()
+            # stopping: finish the batch, acknowledge
+            flush()
+            report()
+            log.info("stopped at %s", self.durable_lsn)
+        except (MappingError, pg.DecodeError) as exc:
+            # Publish what came before the failure so a fixed restart resumes right there.
+            try:
+                flush()
+                report()
+            except CdcError:
+                pass
+            if isinstance(exc, pg.DecodeError):
+                raise SourceError(f"cannot decode a pgoutput message: {exc}") from exc
+            raise

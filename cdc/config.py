@@ -1,0 +1,147 @@
+"""Typed settings from a YAML file, each key overridable from the environment.
+
+``CDC_<SECTION>_<KEY>`` overrides ``section.key`` (``CDC_POSTGRES_DSN``,
+``CDC_REDIS_URL``, ``CDC_BATCH_MAX_ENTRIES``); top-level keys drop the section
+(``CDC_MAPPINGS``). ``CDC_..._FILE`` reads the value from a file instead, so a
+secret such as a DSN with a password never has to appear in a command line or
+in the config file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .yamlsrc import LocatedDict, load_yaml_file, where
+
+__all__ = ["BatchSettings", "PostgresSettings", "RedisSettings", "Settings"]
+
+
+@dataclass(frozen=True)
+class PostgresSettings:
+    dsn: str = "postgresql://localhost/postgres"
+    slot: str = "cdc"
+    publication: str = "cdc"
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    url: str = "redis://localhost:6379/0"
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    #: most entries written to Redis in one round trip
+    max_entries: int = 2000
+    #: longest a change waits in the batch while more keeps arriving, in milliseconds
+    max_delay_ms: int = 20
+    #: seconds between standby status updates to PostgreSQL when idle
+    status_interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    postgres: PostgresSettings = field(default_factory=PostgresSettings)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    mappings: Path = Path("mappings")
+    source: str = "<defaults>"
+
+    @classmethod
+    def from_file(cls, path: str | Path, env: Mapping[str, str] | None = None) -> "Settings":
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} not found", hint="pass --config with the path of your cdc.yaml")
+        docs = load_yaml_file(path)
+        if len(docs) > 1:
+            raise ConfigError(f"{path}: expected one YAML document, found {len(docs)}")
+        raw = docs[0] if docs else LocatedDict()
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where(raw)}: the config must be a mapping of sections (postgres, redis, mappings)")
+        return cls.from_dict(raw, base_dir=path.parent, env=os.environ if env is None else env, source=str(path))
+
+    @classmethod
+    def from_dict(
+        cls,
+        raw: Mapping[str, Any],
+        *,
+        base_dir: Path = Path("."),
+        env: Mapping[str, str] | None = None,
+        source: str = "<dict>",
+    ) -> "Settings":
+        env = {} if env is None else env
+        sections: dict[str, Any] = {}
+        known = {f.name for f in dataclasses.fields(cls)} - {"source"}
+        for key in raw:
+            if key not in known:
+                raise ConfigError(
+                    f"{where(raw, key)}: unknown config key {key!r}",
+                    hint=f"expected one of: {', '.join(sorted(known))}",
+                )
+        for f in dataclasses.fields(cls):
+            if f.name in ("source", "mappings"):
+                continue
+            section_cls = f.type if isinstance(f.type, type) else globals()[f.type]
+            sections[f.name] = _section(section_cls, f.name, raw.get(f.name) or {}, raw, env)
+        mappings = _override(env, "CDC_MAPPINGS", raw.get("mappings", "mappings"))
+        mappings_path = Path(str(mappings))
+        if not mappings_path.is_absolute():
+            mappings_path = base_dir / mappings_path
+        return cls(**sections, mappings=mappings_path, source=source)
+
+
+def _override(env: Mapping[str, str], name: str, default: Any) -> Any:
+    if name in env:
+        return env[name]
+    file_name = env.get(name + "_FILE")
+    if file_name:
+        try:
+            return Path(file_name).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"{name}_FILE: cannot read {file_name}: {exc.strerror}") from None
+    return default
+
+
+def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mapping[str, str]) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where(parent, name)}: {name!r} must be a mapping of settings")
+    fields = {f.name: f for f in dataclasses.fields(section_cls)}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(
+                f"{where(raw, key)}: unknown setting {name}.{key}",
+                hint=f"{name} accepts: {', '.join(fields)}",
+            )
+    values: dict[str, Any] = {}
+    for key, f in fields.items():
+        env_name = f"CDC_{name}_{key}".upper()
+        value = _override(env, env_name, raw.get(key, f.default))
+        try:
+            values[key] = _coerce(value, type(f.default))
+        except (TypeError, ValueError):
+            origin = env_name if env_name in env else where(raw, key)
+            raise ConfigError(
+                f"{origin}: {name}.{key} must be a {type(f.default).__name__}, got {value!r}"
+            ) from None
+    return section_cls(**values)
+
+
+def _coerce(value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return bool(value)
+    if kind in (int, float) and isinstance(value, bool):
+        raise TypeError(value)
+    if kind is int and isinstance(value, float):
+        raise TypeError(value)
+    return kind(value)

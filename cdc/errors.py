@@ -1,0 +1,72 @@
+"""One exception tree, grouped by what the operator must do.
+
+The CLI turns any `CdcError` into one line on stderr and the error's `exit_code`;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CdcError",
+    "ConfigError",
+    "MappingError",
+    "SourceError",
+    "SlotError",
+    "PrivilegeError",
+    "PublishError",
+    "TransientError",
+]
+
+
+class CdcError(Exception):
+    """Base of every error the bridge reports to an operator."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message}; {self.hint}"
+        return self.message
+
+
+class ConfigError(CdcError):
+    """The configuration file or environment is wrong: fix the config."""
+
+    exit_code = 2
+
+
+class MappingError(CdcError):
+    """A mapping is invalid or no longer matches its table: fix the mapping."""
+
+    exit_code = 3
+
+
+class SourceError(CdcError):
+    """PostgreSQL is not set up for logical replication as needed: fix the server."""
+
+    exit_code = 4
+
+
+class SlotError(SourceError):
+    """The replication slot or publication is missing or unusable."""
+
+
+class PrivilegeError(SourceError):
+    """The database role lacks a privilege the bridge needs."""
+
+
+class PublishError(CdcError):
+    """Redis refused the data for a reason that retrying will not fix."""
+
+    exit_code = 5
+
+
+class TransientError(CdcError):
+    """A failure worth retrying: a connection dropped, a server restarting."""
+
+    exit_code = 75

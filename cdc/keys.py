@@ -1,0 +1,47 @@
+"""Every Redis key name the bridge writes, in one place.
+
+A stream's high-water mark lives in a key sharing the stream's Redis Cluster hash
+slot, so a batch and its mark can be written by one atomic script on any topology:
+when the stream key already has a hash tag (``cdc:{ride}:0``) the mark reuses it;
+otherwise the whole stream key becomes the tag (``{cdc:ride}:hwm``), which hashes
+exactly like the plain stream key.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "mark_key", "stream_key"]
+
+DEFAULT_STREAM_TEMPLATE = "cdc:{entity}"
+PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
+MARK_SUFFIX = ":hwm"
+
+
+def has_hash_tag(key: str) -> bool:
+    """True when Redis Cluster would hash only part of `key` (a non-empty ``{...}``)."""
+    start = key.find("{")
+    if start < 0:
+        return False
+    end = key.find("}", start + 1)
+    return end > start + 1
+
+
+def mark_key(stream: str) -> str:
+    """The key holding `stream`'s high-water mark, in the same cluster slot."""
+    if has_hash_tag(stream):
+        return stream + MARK_SUFFIX
+    return "{" + stream + "}" + MARK_SUFFIX
+
+
+PLACEHOLDERS = ("entity", "schema", "table", "partition")
+
+
+def stream_key(template: str, **fields: object) -> str:
+    """Fill a stream key template.
+
+    Only the placeholders in `PLACEHOLDERS` are replaced; any other brace text is
+    kept, so ``cdc:{{entity}}`` gives ``cdc:{ride}``, a key with a hash tag.
+    """
+    key = template
+    for name, value in fields.items():
+        key = key.replace("{" + name + "}", str(value))
+    return key

@@ -1,0 +1,200 @@
+"""Embedded local servers: a throwaway PostgreSQL (logical WAL) and Redis.
+
+Used by ``make run`` (the demo) and by the tests. PostgreSQL refuses to run as
+root, so when we are root the server runs as the ``postgres`` OS user. Every
+wait is a condition polled with a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["LocalPostgres", "LocalRedis", "free_port", "wait_for"]
+
+log = logging.getLogger("cdc.local")
+
+PG_BIN = Path(os.environ.get("CDC_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 0.05):
+    """Poll `check()` until it returns a truthy value; raise TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as exc:  # the condition is not met yet
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_exc})" if last_exc else ""
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
+        time.sleep(interval)
+
+
+def _as_server_user() -> list[str]:
+    if os.geteuid() == 0:
+        return ["runuser", "-u", "postgres", "--"]
+    return []
+
+
+def _chown_to_server_user(path: Path) -> None:
+    if os.geteuid() == 0:
+        shutil.chown(path, "postgres", "postgres")
+
+
+class LocalPostgres:
+    """A PostgreSQL 15 cluster in `root` with ``wal_level=logical`` on a loopback port."""
+
+    def __init__(self, root: Path, port: int | None = None, *, settings: dict[str, str] | None = None) -> None:
+        self.root = Path(root)
+        self.data = self.root / "data"
+        self.sockdir = self.root / "run"
+        self.port = port or free_port()
+        self.settings = {
+            "wal_level": "logical",
+            "max_replication_slots": "20",
+            "max_wal_senders": "20",
+            "fsync": "off",
+            "synchronous_commit": "on",
+            "full_page_writes": "off",
+            "shared_buffers": "128MB",
+            "max_connections": "100",
+            "listen_addresses": "'127.0.0.1'",
+            "wal_sender_timeout": "60s",
+            "logging_collector": "off",
+        }
+        self.settings.update(settings or {})
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def dsn_for(self, user: str, password: str | None = None, dbname: str = "postgres") -> str:
+        auth = f"{user}:{password}" if password else user
+        return f"postgresql://{auth}@127.0.0.1:{self.port}/{dbname}"
+
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([*_as_server_user(), *args], check=check, capture_output=True, text=True)
+
+    def init(self) -> None:
+        if (self.data / "PG_VERSION").exists():
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        _chown_to_server_user(self.root)
+        self.data.mkdir(exist_ok=True)
+        _chown_to_server_user(self.data)
+        result = self._run(str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
+                           "-E", "UTF8", "--locale=C", "--no-sync", check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"initdb failed: {result.stderr.strip()}")
+
+    def write_config(self) -> None:
+        conf = "\n".join(f"{k} = {v}" for k, v in self.settings.items())
+        auto = self.data / "postgresql.auto.conf"
+        auto.write_text(f"port = {self.port}\nunix_socket_directories = '{self.sockdir}'\n{conf}\n")
+        _chown_to_server_user(auto)
+        hba = self.data / "pg_hba.conf"
+        hba.write_text(
+            "local all all trust\nlocal replication all trust\n"
+            "host all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n"
+        )
+        _chown_to_server_user(hba)
+
+    def start(self) -> "LocalPostgres":
+        self.init()
+        self.sockdir.mkdir(exist_ok=True)
+        _chown_to_server_user(self.sockdir)
+        self.write_config()
+        result = self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"),
+                           "-w", "-t", "60", "start", check=False)
+        if result.returncode != 0:
+            log_tail = (self.root / "postgres.log").read_text(errors="replace")[-2000:] if (self.root / "postgres.log").exists() else ""
+            raise RuntimeError(f"postgres failed to start: {result.stderr.strip()} {log_tail}")
+        wait_for(self.ready, 60, f"postgres on port {self.port}")
+        return self
+
+    def ready(self) -> bool:
+        import psycopg
+
+        with psycopg.connect(self.dsn, connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+    def running(self) -> bool:
+        return self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "status", check=False).returncode == 0
+
+    def stop(self, mode: str = "fast") -> None:
+        if self.data.exists():
+            self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop", check=False)
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def set_setting(self, name: str, value: str) -> None:
+        self.settings[name] = value
+
+
+class LocalRedis:
+    """A redis-server on a loopback port with its files in `root`."""
+
+    def __init__(self, root: Path, port: int | None = None, *, appendonly: bool = True, extra: list[str] | None = None) -> None:
+        self.root = Path(root)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.extra = extra or []
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "LocalRedis":
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found: install it with apt-get install redis-server")
+        self.root.mkdir(parents=True, exist_ok=True)
+        args = [
+            exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.root),
+            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
+            "--save", "", "--daemonize", "no", "--logfile", str(self.root / "redis.log"), *self.extra,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(self.ready, 30, f"redis on port {self.port}")
+        return self
+
+    def ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.root / 'redis.log'}")
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()

@@ -1,0 +1,200 @@
+"""Writing batches of entries into Redis Streams, exactly once per source change.
+
+Each stream has a high-water mark: the source position ``(commit LSN, seq)`` of
+the last entry written, in a key sharing the stream's cluster slot (`cdc.keys`).
+One Lua script per stream and batch appends only the entries past the mark and
+moves the mark, atomically. A crash between any two steps leaves stream and mark
+in agreement, so replaying a transaction after a restart appends nothing twice.
+
+Positions are fixed-width decimal strings (20 digits of LSN, 10 of seq) so the
+script compares them as strings: Lua numbers are doubles and cannot hold an LSN.
+
+The hot path packs commands with hiredis and pipelines every stream's script
+call in one round trip: redis-py's per-command Python overhead is the bottleneck
+otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Mapping
+
+import hiredis
+import redis
+from redis.exceptions import (
+    BusyLoadingError,
+    ConnectionError as RedisConnectionError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+    TimeoutError as RedisTimeoutError,
+)
+
+from . import keys
+from .errors import PublishError, TransientError
+
+__all__ = ["Publisher", "StreamBatch", "position", "split_position"]
+
+log = logging.getLogger("cdc.publish")
+
+APPEND_SCRIPT = b"""
+local mark = redis.call('GET', KEYS[2])
+local n = #ARGV
+local i = 1
+local last = false
+local added = 0
+while i <= n do
+  local pos = ARGV[i]
+  local count = tonumber(ARGV[i + 1])
+  if (not mark) or pos > mark then
+    redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 2, i + 1 + count))
+    last = pos
+    added = added + 1
+  end
+  i = i + 2 + count
+end
+if last then
+  redis.call('SET', KEYS[2], last)
+end
+return added
+"""
+APPEND_SHA = hashlib.sha1(APPEND_SCRIPT).hexdigest()
+
+TRANSIENT_REPLIES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS")
+
+
+def position(lsn: int, seq: int) -> str:
+    """The comparable form of a source position, as stored in marks."""
+    return f"{lsn:020d}{seq:010d}"
+
+
+def split_position(pos: str | bytes) -> tuple[int, int]:
+    text = pos.decode() if isinstance(pos, bytes) else pos
+    return int(text[:20]), int(text[20:])
+
+
+class StreamBatch:
+    """Entries waiting for one stream, already flattened into script arguments."""
+
+    __slots__ = ("stream", "mark", "args", "count")
+
+    def __init__(self, stream: str) -> None:
+        self.stream = stream
+        self.mark = keys.mark_key(stream)
+        self.args: list = []
+        self.count = 0
+
+    def add(self, pos: str, fields: list) -> None:
+        self.args.append(pos)
+        self.args.append(len(fields))
+        self.args.extend(fields)
+        self.count += 1
+
+    def clear(self) -> None:
+        self.args = []
+        self.count = 0
+
+
+def _classify(exc: Exception) -> Exception:
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ReadOnlyError, OSError)):
+        return TransientError(f"redis unavailable: {exc}")
+    if isinstance(exc, ResponseError):
+        text = str(exc)
+        if text.startswith(TRANSIENT_REPLIES) or "OOM" in text:
+            return TransientError(f"redis refused the write for now: {text}")
+        if text.startswith("NOPERM") or "NOPERM" in text:
+            return PublishError(f"redis denied a command: {text}", hint="grant the bridge's ACL user EVALSHA, XADD, SET, GET on its keys")
+        return PublishError(f"redis rejected the batch: {text}")
+    return exc
+
+
+class Publisher:
+    """Appends batches to streams over one connection; counts what it wrote."""
+
+    def __init__(self, url: str, *, socket_timeout: float = 30.0) -> None:
+        self.url = url
+        try:
+            self._pool = redis.ConnectionPool.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
+        except ValueError as exc:
+            from .errors import ConfigError
+
+            raise ConfigError(f"invalid redis url: {exc}", hint="use redis://host:port/db or rediss:// for TLS") from None
+        self._conn = None
+        self.entries_written = 0
+        self.entries_skipped = 0
+        self.batches = 0
+
+    def __repr__(self) -> str:
+        return f"<Publisher written={self.entries_written} skipped={self.entries_skipped} batches={self.batches}>"
+
+    def _connection(self):
+        if self._conn is None:
+            try:
+                self._conn = self._pool.get_connection()
+            except Exception as exc:
+                raise _classify(exc) from exc
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._pool.release(self._conn)
+            self._conn = None
+        self._pool.disconnect()
+
+    def _round_trip(self, commands: list[bytes]) -> list:
+        """Send packed commands in one write; read every reply (errors returned, not raised)."""
+        conn = self._connection()
+        try:
+            conn.send_packed_command([b"".join(commands)], check_health=False)
+            replies = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except Exception as exc:
+            conn.disconnect()
+            self._pool.release(conn)
+            self._conn = None
+            raise _classify(exc) from exc
+
+    def publish(self, batches: Iterable[StreamBatch]) -> int:
+        """Write every batch (one script call per stream, one round trip); return entries appended."""
+        pending = [b for b in batches if b.count]
+        if not pending:
+            return 0
+        commands = [hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, b.stream, b.mark, *b.args)) for b in pending]
+        replies = self._round_trip(commands)
+        if any(isinstance(r, NoScriptError) for r in replies):
+            # Redis restarted or flushed its script cache: load and resend; the marks make it safe.
+            self._round_trip([hiredis.pack_command((b"SCRIPT", b"LOAD", APPEND_SCRIPT))])
+            replies = self._round_trip(commands)
+        added = 0
+        for batch, reply in zip(pending, replies):
+            if isinstance(reply, Exception):
+                raise _classify(reply)
+            added += reply
+            self.entries_skipped += batch.count - reply
+        self.entries_written += added
+        self.batches += 1
+        return added
+
+    def marks(self, streams: Iterable[str]) -> Mapping[str, tuple[int, int] | None]:
+        """The high-water mark of each stream, as (commit LSN, seq), or None if never written."""
+        streams = list(streams)
+        if not streams:
+            return {}
+        replies = self._round_trip([hiredis.pack_command((b"GET", keys.mark_key(s))) for s in streams])
+        result = {}
+        for stream, reply in zip(streams, replies):
+            if isinstance(reply, Exception):
+                raise _classify(reply)
+            result[stream] = split_position(reply) if reply else None
+        return result
+
+    def ping(self) -> None:
+        reply = self._round_trip([hiredis.pack_command((b"PING",))])[0]
+        if isinstance(reply, Exception):
+            raise _classify(reply)

@@ -1,0 +1,170 @@
+"""Fixtures: one throwaway PostgreSQL and Redis per test session, a fresh database,
+slot and Redis keyspace per test. Nothing depends on a server started by hand."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from cdc.local import LocalPostgres, LocalRedis, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+SQL = ROOT / "sql"
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def servers_root():
+    path = Path(tempfile.mkdtemp(prefix="cdc-tests-"))
+    if os.geteuid() == 0:
+        shutil.chown(path, "postgres", "postgres")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres(servers_root):
+    server = LocalPostgres(servers_root / "pg")
+    server.start()
+    yield server
+    server.stop("immediate")
+
+
+@pytest.fixture(scope="session")
+def redis_server(servers_root):
+    server = LocalRedis(servers_root / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+class Env:
+    """One test's database, slot, Redis keyspace and config file."""
+
+    def __init__(self, postgres: LocalPostgres, redis_server: LocalRedis, dbname: str, tmp: Path) -> None:
+        self.postgres = postgres
+        self.redis_server = redis_server
+        self.dbname = dbname
+        self.slot = f"slot_{dbname}"
+        self.publication = "cdc"
+        self.tmp = tmp
+        self.mappings_dir = tmp / "mappings"
+        self.mappings_dir.mkdir()
+        self.config_path = tmp / "cdc.yaml"
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def dsn(self) -> str:
+        return self.postgres.dsn_for("postgres", dbname=self.dbname)
+
+    def connect(self, **kwargs) -> psycopg.Connection:
+        return psycopg.connect(self.dsn, autocommit=True, **kwargs)
+
+    def execute(self, sql: str, params=None) -> list:
+        with self.connect() as conn:
+            cur = conn.execute(sql, params)
+            return cur.fetchall() if cur.description else []
+
+    def apply_sql(self, *names: str) -> None:
+        for name in names:
+            self.execute((SQL / name).read_text())
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_server.url)
+
+    def write_mapping(self, name: str, text: str) -> Path:
+        path = self.mappings_dir / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    def copy_mappings(self, *names: str) -> None:
+        for name in names:
+            shutil.copy(ROOT / "mappings" / name, self.mappings_dir / name)
+
+    def write_config(self, extra: str = "", dsn: str | None = None) -> Path:
+        self.config_path.write_text(
+            f"postgres: {{dsn: '{dsn or self.dsn}', slot: {self.slot}, publication: {self.publication}}}\n"
+            f"redis: {{url: '{self.redis_server.url}'}}\n"
+            f"mappings: mappings/\n{extra}"
+        )
+        return self.config_path
+
+    def cdc(self, *args: str, timeout: float = 120, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+        if not self.config_path.exists():
+            self.write_config()
+        cmd = [sys.executable, "-m", "cdc", "--log-format", "text", args[0], "--config", str(self.config_path), *args[1:]]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        if check and result.returncode != 0:
+            raise AssertionError(f"cdc {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def start_bridge(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        if not self.config_path.exists():
+            self.write_config()
+        cmd = [sys.executable, "-m", "cdc", "--log-format", "text", "run", "--config", str(self.config_path), *args]
+        log = open(self.tmp / f"bridge-{len(self.procs)}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc.log_path = log.name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def confirmed_flush(self) -> int:
+        row = self.execute("SELECT confirmed_flush_lsn - '0/0'::pg_lsn FROM pg_replication_slots WHERE slot_name = %s", (self.slot,))
+        return int(row[0][0])
+
+    def current_wal(self) -> int:
+        return int(self.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")[0][0])
+
+    def wait_slot_inactive(self, timeout: float = 30) -> None:
+        wait_for(lambda: not self.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (self.slot,))[0][0],
+                 timeout, "the slot to become inactive")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def env(postgres, redis_server, tmp_path):
+    dbname = f"t{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{dbname}"')
+    redis.Redis.from_url(redis_server.url).flushall()
+    e = Env(postgres, redis_server, dbname, tmp_path)
+    yield e
+    e.close()
+    with psycopg.connect(postgres.dsn, autocommit=True) as conn:
+        for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (dbname,)).fetchall():
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            except psycopg.Error:
+                pass
+        conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+
+def read_stream(client: redis.Redis, stream: str) -> list[dict]:
+    """Every entry of a stream, fields decoded; JSON fields parsed."""
+    import orjson
+
+    entries = []
+    for entry_id, fields in client.xrange(stream):
+        item = {k.decode(): v.decode() for k, v in fields.items()}
+        for name in ("key", "data", "before", "unchanged"):
+            if name in item:
+                item[name] = orjson.loads(item[name])
+        item["_id"] = entry_id.decode()
+        entries.append(item)
+    return entries

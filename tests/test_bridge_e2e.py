@@ -1,0 +1,90 @@
+"""End to end: changes in PostgreSQL become entries in Redis streams, exactly."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from conftest import read_stream
+
+pytestmark = pytest.mark.integration
+
+
+def setup_rides(env) -> None:
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml", "rider.yaml")
+    env.cdc("init", check=True)
+
+
+def test_init_is_idempotent_and_reports(env):
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml", "rider.yaml")
+    first = env.cdc("init", check=True).stdout
+    assert "created publication cdc for 2 table(s)" in first
+    assert f"created logical slot {env.slot} (pgoutput)" in first
+    second = env.cdc("init", check=True).stdout
+    assert "publication cdc already covers the mapped tables" in second
+    assert f"slot {env.slot} already exists" in second
+
+
+def test_inserts_updates_deletes_reach_streams_in_commit_order(env):
+    setup_rides(env)
+    with env.connect() as conn:
+        conn.execute("INSERT INTO riders (id, name, email, phone) VALUES (1, 'Ann', 'ann@example.com', '555-1234')")
+        with conn.transaction():
+            conn.execute("INSERT INTO rides (id, rider_id, distance_m, internal_note) VALUES (10, 1, 1234.5, 'secret')")
+            conn.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (11, 1, 0.001)")
+        conn.execute("UPDATE rides SET distance_m = 99999999.999 WHERE id = 10")
+        conn.execute("DELETE FROM rides WHERE id = 11")
+        # rolled back: must never appear
+        with pytest.raises(RuntimeError):
+            with conn.transaction():
+                conn.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (12, 1, 5)")
+                raise RuntimeError("abort")
+    result = env.cdc("run", "--until-caught-up", check=True)
+    assert "caught up" in result.stderr
+
+    rides = read_stream(env.redis, "cdc:ride")
+    assert [(e["op"], e["key"]) for e in rides] == [
+        ("c", {"id": 10}), ("c", {"id": 11}), ("u", {"id": 10}), ("d", {"id": 11}),
+    ]
+    assert rides[0]["data"] == {"id": 10, "distance": "1234.500", "rider": 1}
+    assert rides[2]["data"] == {"id": 10, "distance": "99999999.999", "rider": 1}
+    assert "data" not in rides[3]
+    # the two inserts share a transaction: same lsn and xid, seq 0 and 1
+    assert rides[0]["lsn"] == rides[1]["lsn"] and rides[0]["xid"] == rides[1]["xid"]
+    assert (rides[0]["seq"], rides[1]["seq"]) == ("0", "1")
+    lsns = [int(e["lsn"]) for e in rides]
+    assert lsns == sorted(lsns) and len(set(lsns)) == 3
+    assert all(e["v"] == "1" for e in rides)
+    assert all(int(e["ts_ms"]) > 1_600_000_000_000 for e in rides)
+    # the unmapped column never leaves the database
+    raw = env.redis.xrange("cdc:ride")
+    assert not any(b"secret" in v or b"internal_note" in v for _, f in raw for v in [*f.values(), *f.keys()])
+
+    riders = read_stream(env.redis, "cdc:rider")
+    assert len(riders) == 1
+    data = riders[0]["data"]
+    assert data["email"] == hashlib.sha256(b"ann@example.com").hexdigest()
+    assert data["phone"] == "***"
+    assert isinstance(data["since"], int)
+
+    # the slot was acknowledged up to the end of what was published
+    assert env.confirmed_flush() >= max(lsns)
+
+
+def test_truncate_and_rerun_publishes_nothing_twice(env):
+    setup_rides(env)
+    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'Ann', 'a@x')")
+    env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 50) g")
+    env.cdc("run", "--until-caught-up", check=True)
+    assert env.redis.xlen("cdc:ride") == 50
+    env.execute("TRUNCATE rides")
+    env.cdc("run", "--until-caught-up", check=True)
+    rides = read_stream(env.redis, "cdc:ride")
+    assert len(rides) == 51
+    assert rides[-1]["op"] == "t" and rides[-1]["key"] == {}
+    # nothing new: running again appends nothing
+    env.cdc("run", "--until-caught-up", check=True)
+    assert env.redis.xlen("cdc:ride") == 51

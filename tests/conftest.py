@@ -113,9 +113,10 @@ class Env:
         if not self.config_path.exists():
             self.write_config()
         cmd = [sys.executable, "-m", "cdc", "--log-format", "text", "run", "--config", str(self.config_path), *args]
-        log = open(self.tmp / f"bridge-{len(self.procs)}.log", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        proc.log_path = log.name  # type: ignore[attr-defined]
+        log_path = self.tmp / f"bridge-{len(self.procs)}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc.log_path = log_path  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
 

@@ -1,0 +1,32 @@
+# `make run`: the bridge on an embedded local PostgreSQL + Redis with a sample writer.
+# `make test`: the whole test suite against servers the tests start themselves.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install run test bench clean servers-deps
+
+install: $(VENV)/.installed servers-deps
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+servers-deps:
+	@test -x /usr/lib/postgresql/15/bin/postgres || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql-15; }
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
+
+run: install
+	$(BIN)/python -m cdc.demo
+
+test: install
+	$(BIN)/pytest
+
+bench: install
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf .local $(VENV) *.egg-info

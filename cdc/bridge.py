@@ -191,7 +191,7 @@ class Bridge:
         for b in batches.values():
             b.clear()
 
-        pending = 0  # entries queued since the last flush
+        pending = 0  # entries queued since the last send
         first_pending_at = 0.0
         ackable = self.durable_lsn  # end LSN of the last complete transaction seen
         in_tx = False
@@ -201,15 +201,32 @@ class Bridge:
         next_poll = 0.0
         monotonic = time.monotonic
 
-        def flush() -> None:
-            nonlocal pending
+        inflight = False  # a batch sent to Redis and not yet confirmed
+        inflight_ack = ackable
+        inflight_count = 0
+
+        def flush(wait: bool) -> None:
+            """Confirm the batch in flight, send the pending one; with `wait`, confirm that too.
+
+            Redis appends one batch while the next is decoded: at most one is in flight,
+            and the slot position moves only to what Redis confirmed.
+            """
+            nonlocal pending, inflight, inflight_ack, inflight_count
+            if inflight:
+                publisher.confirm()
+                self.entries_published += inflight_count
+                inflight = False
+                if inflight_ack > self.durable_lsn:
+                    self.durable_lsn = inflight_ack
             if pending:
-                publisher.publish(batches.values())
+                publisher.send(batches.values())
                 for b in batches.values():
                     b.clear()
-                self.entries_published += pending
+                inflight, inflight_ack, inflight_count = True, ackable, pending
                 pending = 0
-            if ackable > self.durable_lsn:
+                if wait:
+                    flush(False)
+            elif ackable > self.durable_lsn:
                 self.durable_lsn = ackable
 
         def report(reply: bool = False) -> None:
@@ -225,8 +242,8 @@ class Bridge:
                     raw = stream.read(max(0.0, min(next_status, next_poll or next_status) - monotonic()))
                 now = monotonic()
                 if raw is None:
-                    if pending:
-                        flush()
+                    if pending or inflight:
+                        flush(wait=True)
                         report()
                     elif now >= next_status:
                         report()
@@ -240,7 +257,7 @@ class Bridge:
                     continue
                 if raw[0] != _W:
                     keepalive = parse_copy_data(raw)
-                    if not in_tx and not pending and keepalive.wal_end > ackable:
+                    if not in_tx and not pending and not inflight and keepalive.wal_end > ackable:
                         ackable = self.durable_lsn = Lsn(keepalive.wal_end)
                     if keepalive.reply_requested:
                         report()
@@ -281,7 +298,7 @@ class Bridge:
                     in_tx = False
                     self.transactions += 1
                     ackable = msg.end_lsn
-                    if not pending and ackable > self.durable_lsn:
+                    if not pending and not inflight and ackable > self.durable_lsn:
                         self.durable_lsn = ackable
                 elif kind == _RELATION:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
@@ -321,18 +338,18 @@ class Bridge:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
                     raise SourceError(f"unexpected pgoutput message {type(msg).__name__} (streaming and two-phase are not enabled)")
                 if pending and (pending >= max_entries or now - first_pending_at >= max_delay):
-                    flush()
+                    flush(wait=False)
                     report()
                 elif now >= next_status:
                     report()
             # stopping: finish the batch, acknowledge
-            flush()
+            flush(wait=True)
             report()
             log.info("stopped at %s", self.durable_lsn)
         except (MappingError, pg.DecodeError) as exc:
             # Publish what came before the failure so a fixed restart resumes right there.
             try:
-                flush()
+                flush(wait=True)
                 report()
             except CdcError:
                 pass

@@ -121,6 +121,7 @@ class Publisher:
 
             raise ConfigError(f"invalid redis url: {exc}", hint="use redis://host:port/db or rediss:// for TLS") from None
         self._conn = None
+        self._inflight: tuple[list[bytes], list[int]] | None = None
         self.entries_written = 0
         self.entries_skipped = 0
         self.batches = 0
@@ -137,49 +138,87 @@ class Publisher:
         return self._conn
 
     def close(self) -> None:
+        self._inflight = None
         if self._conn is not None:
             self._pool.release(self._conn)
             self._conn = None
         self._pool.disconnect()
 
-    def _round_trip(self, commands: list[bytes]) -> list:
-        """Send packed commands in one write; read every reply (errors returned, not raised)."""
+    def _drop_connection(self, conn) -> None:
+        conn.disconnect()
+        self._pool.release(conn)
+        self._conn = None
+
+    def _send(self, commands: list[bytes]) -> None:
         conn = self._connection()
         try:
             conn.send_packed_command([b"".join(commands)], check_health=False)
-            replies = []
-            for _ in commands:
+        except Exception as exc:
+            self._drop_connection(conn)
+            raise _classify(exc) from exc
+
+    def _receive(self, n: int) -> list:
+        """Read `n` replies; error replies are returned, not raised."""
+        conn = self._connection()
+        replies = []
+        try:
+            for _ in range(n):
                 try:
                     replies.append(conn.read_response())
                 except ResponseError as exc:
                     replies.append(exc)
             return replies
         except Exception as exc:
-            conn.disconnect()
-            self._pool.release(conn)
-            self._conn = None
+            self._drop_connection(conn)
             raise _classify(exc) from exc
 
-    def publish(self, batches: Iterable[StreamBatch]) -> int:
-        """Write every batch (one script call per stream, one round trip); return entries appended."""
+    def _round_trip(self, commands: list[bytes]) -> list:
+        self._send(commands)
+        return self._receive(len(commands))
+
+    # -- batches: send now, confirm later ------------------------------------------
+
+    def send(self, batches: Iterable[StreamBatch]) -> None:
+        """Send every non-empty batch (one script call per stream) without waiting.
+
+        At most one send is outstanding: `confirm()` must be called before the next
+        `send()`. The batches may be cleared as soon as this returns.
+        """
+        if self._inflight is not None:
+            raise RuntimeError("confirm() the previous send first")
         pending = [b for b in batches if b.count]
-        if not pending:
-            return 0
         commands = [hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, b.stream, b.mark, *b.args)) for b in pending]
-        replies = self._round_trip(commands)
+        self._inflight = (commands, [b.count for b in pending])
+        if commands:
+            self._send(commands)
+
+    def confirm(self) -> int:
+        """Wait until Redis applied the outstanding send; return the entries appended."""
+        if self._inflight is None:
+            return 0
+        commands, counts = self._inflight
+        self._inflight = None
+        if not commands:
+            return 0
+        replies = self._receive(len(commands))
         if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or flushed its script cache: load and resend; the marks make it safe.
             self._round_trip([hiredis.pack_command((b"SCRIPT", b"LOAD", APPEND_SCRIPT))])
             replies = self._round_trip(commands)
         added = 0
-        for batch, reply in zip(pending, replies):
+        for count, reply in zip(counts, replies):
             if isinstance(reply, Exception):
                 raise _classify(reply)
             added += reply
-            self.entries_skipped += batch.count - reply
+            self.entries_skipped += count - reply
         self.entries_written += added
         self.batches += 1
         return added
+
+    def publish(self, batches: Iterable[StreamBatch]) -> int:
+        """Write every batch and wait for Redis to confirm; return entries appended."""
+        self.send(batches)
+        return self.confirm()
 
     def marks(self, streams: Iterable[str]) -> Mapping[str, tuple[int, int] | None]:
         """The high-water mark of each stream, as (commit LSN, seq), or None if never written."""

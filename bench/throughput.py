@@ -1,0 +1,205 @@
+"""Throughput and latency of the bridge, side by side with pg_recvlogical, in one run.
+
+1. Commits N changes (inserts, updates, deletes over riders and rides).
+2. (a) pg_recvlogical with pgoutput drains them to /dev/null; (b) the bridge streams
+   the same changes (its own slot, created at the same point) into Redis.
+3. Latency: the bridge runs continuously while a writer commits a steady
+   10,000 changes/s; each entry's latency is its Redis entry time minus its
+   commit time (ts_ms).
+
+Prints changes/s of both, their ratio, the bridge's peak RSS and latency p50/p99.
+Usage: python bench/throughput.py [--changes 1000000] [--latency-seconds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import psycopg
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cdc.local import PG_BIN, LocalPostgres, LocalRedis, wait_for  # noqa: E402
+
+SCHEMA = """
+CREATE TABLE riders (id bigint PRIMARY KEY, name text NOT NULL, email text NOT NULL);
+CREATE TABLE rides (id bigint PRIMARY KEY, rider_id bigint NOT NULL, distance_m numeric(12,3) NOT NULL,
+                    status text NOT NULL DEFAULT 'done', internal_note text);
+CREATE PUBLICATION cdc FOR TABLE riders, rides;
+"""
+MAPPINGS = {
+    "ride.yaml": "entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id, distance: distance_m, rider: rider_id, status: status}\n",
+    "rider.yaml": "entity: rider\ntable: public.riders\nkey: [id]\nfields: {id: id, name: name, email: email}\n",
+}
+TX_ROWS = 1000
+
+
+def workload(conn: psycopg.Connection, changes: int) -> int:
+    """Commit about `changes` changes in transactions of TX_ROWS rows: 20% rider inserts,
+    40% ride inserts, 25% ride updates, 15% ride deletes. Returns the exact count."""
+    n_riders, n_rides = changes * 20 // 100, changes * 40 // 100
+    n_updates, n_deletes = changes * 25 // 100, changes * 15 // 100
+    for start in range(0, n_riders, TX_ROWS):
+        end = min(start + TX_ROWS, n_riders)
+        conn.execute(f"INSERT INTO riders SELECT g, 'rider ' || g, 'r' || g || '@example.com' FROM generate_series({start + 1}, {end}) g")
+    for start in range(0, n_rides, TX_ROWS):
+        end = min(start + TX_ROWS, n_rides)
+        conn.execute(
+            f"INSERT INTO rides (id, rider_id, distance_m, internal_note) "
+            f"SELECT g, 1 + g % {max(n_riders, 1)}, (g % 100000) / 7.0, 'private' FROM generate_series({start + 1}, {end}) g"
+        )
+    for start in range(0, n_updates, TX_ROWS):
+        end = min(start + TX_ROWS, n_updates)
+        conn.execute(f"UPDATE rides SET distance_m = distance_m + 1 WHERE id BETWEEN {start % n_rides + 1} AND {(end - 1) % n_rides + 1}")
+    for start in range(0, n_deletes, TX_ROWS):
+        end = min(start + TX_ROWS, n_deletes)
+        conn.execute(f"DELETE FROM rides WHERE id BETWEEN {n_rides - end + 1} AND {n_rides - start}")
+    return n_riders + n_rides + n_updates + n_deletes
+
+
+def stream_total(client: redis.Redis) -> int:
+    return client.xlen("cdc:ride") + client.xlen("cdc:rider")
+
+
+def id_ms(entry_id: bytes) -> int:
+    return int(entry_id.split(b"-")[0])
+
+
+def run_bridge(config: Path, args: list[str]) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen([sys.executable, "-m", "cdc", "--log-level", "warning", "run", "--config", str(config), *args], cwd=ROOT)
+    peak = [0]
+
+    def sample() -> None:
+        p = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                peak[0] = max(peak[0], p.memory_info().rss)
+            except psutil.NoSuchProcess:
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=sample, daemon=True).start()
+    return proc, peak
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--changes", type=int, default=1_000_000)
+    parser.add_argument("--latency-seconds", type=float, default=10.0)
+    parser.add_argument("--latency-rate", type=int, default=10_000, help="changes per second during the latency run")
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="cdc-bench-"))
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+    pg = LocalPostgres(root / "pg", settings={"synchronous_commit": "off", "max_wal_size": "4GB"})
+    rd = LocalRedis(root / "redis", appendonly=False)
+    try:
+        pg.start()
+        rd.start()
+        client = redis.Redis.from_url(rd.url)
+        (root / "mappings").mkdir()
+        for name, text in MAPPINGS.items():
+            (root / "mappings" / name).write_text(text)
+        config = root / "cdc.yaml"
+        config.write_text(f"postgres: {{dsn: '{pg.dsn}', slot: bridge, publication: cdc}}\nredis: {{url: '{rd.url}'}}\nmappings: mappings/\n")
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            conn.execute(SCHEMA)
+            conn.execute("SELECT pg_create_logical_replication_slot('recv', 'pgoutput')")
+            conn.execute("SELECT pg_create_logical_replication_slot('bridge', 'pgoutput')")
+            print(f"committing {args.changes:,} changes ...", flush=True)
+            t0 = time.monotonic()
+            total = workload(conn, args.changes)
+            end_lsn = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
+            print(f"  committed {total:,} changes in {time.monotonic() - t0:.1f}s (end {end_lsn})", flush=True)
+
+        # (a) pg_recvlogical draining to /dev/null
+        t0 = time.monotonic()
+        subprocess.run(
+            [str(PG_BIN / "pg_recvlogical"), "-d", pg.dsn, "--slot", "recv", "--start", "--endpos", end_lsn,
+             "-o", "proto_version=1", "-o", "publication_names=cdc", "-f", "/dev/null", "--no-loop"],
+            check=True,
+        )
+        recv_s = time.monotonic() - t0
+        recv_rate = total / recv_s
+
+        # (b) the bridge, until everything is in Redis
+        t0 = time.monotonic()
+        proc, peak = run_bridge(config, ["--until-caught-up"])
+        if proc.wait() != 0:
+            print("bridge failed", file=sys.stderr)
+            return 1
+        wall_s = time.monotonic() - t0
+        got = stream_total(client)
+        assert got == total, f"bridge published {got} entries, expected {total}"
+        firsts = [client.xrange(s, count=1)[0][0] for s in ("cdc:ride", "cdc:rider")]
+        lasts = [client.xrevrange(s, count=1)[0][0] for s in ("cdc:ride", "cdc:rider")]
+        bridge_s = (max(map(id_ms, lasts)) - min(map(id_ms, firsts))) / 1000
+        bridge_rate = total / bridge_s
+
+        # latency at a steady rate
+        client.flushall()
+        proc, _ = run_bridge(config, [])
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            wait_for(lambda: conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = 'bridge'").fetchone()[0],
+                     60, "the bridge to attach")
+        latencies = steady_latency(pg.dsn, client, args.latency_rate, args.latency_seconds, total)
+        proc.terminate()
+        proc.wait(30)
+
+        print()
+        print(f"changes                      {total:>12,}")
+        print(f"pg_recvlogical (pgoutput)    {recv_rate:>12,.0f} changes/s  ({recv_s:.1f}s)")
+        print(f"bridge, first to last entry  {bridge_rate:>12,.0f} changes/s  ({bridge_s:.1f}s; {wall_s:.1f}s wall incl. start-up)")
+        print(f"ratio bridge / pg_recvlogical {bridge_rate / recv_rate:>11.2f}")
+        print(f"bridge peak RSS              {peak[0] / 2**20:>12.1f} MiB")
+        latencies.sort()
+        if latencies:
+            p50 = latencies[len(latencies) // 2]
+            p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+            print(f"commit-to-stream latency at {args.latency_rate:,} changes/s: p50 {p50} ms, p99 {p99} ms ({len(latencies):,} entries)")
+        return 0
+    finally:
+        rd.stop()
+        pg.stop("immediate")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, base_id: int) -> list[int]:
+    """Commit `rate` changes/s for `seconds` (100-row transactions); return per-entry latency in ms."""
+    per_tx = 100
+    interval = per_tx / rate
+    n_tx = int(seconds * rate / per_tx)
+    next_id = base_id * 10 + 1
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = on")  # commits reach the walsender at once
+        start = time.monotonic()
+        for i in range(n_tx):
+            conn.execute(
+                f"INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1, 1.5 FROM generate_series({next_id}, {next_id + per_tx - 1}) g"
+            )
+            next_id += per_tx
+            delay = start + (i + 1) * interval - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)  # pacing the writer to the target rate
+    expected = n_tx * per_tx
+    wait_for(lambda: client.xlen("cdc:ride") >= expected, 120, "the latency run to arrive")
+    latencies = []
+    for entry_id, fields in client.xrange("cdc:ride"):
+        latencies.append(id_ms(entry_id) - int(fields[b"ts_ms"]))
+    return latencies
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -148,12 +148,18 @@ def main() -> int:
         bridge_s = (max(map(id_ms, lasts)) - min(map(id_ms, firsts))) / 1000
         bridge_rate = total / bridge_s
 
-        # latency at a steady rate
+        # latency at a steady rate, after the bulk run's vacuum and checkpoint work is done
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE")
+            conn.execute("CHECKPOINT")
         client.flushall()
         proc, _ = run_bridge(config, [])
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            wait_for(lambda: conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = 'bridge'").fetchone()[0],
-                     60, "the bridge to attach")
+            # wait until the walsender has skipped the WAL already acknowledged: latency is steady-state
+            now_lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+            wait_for(lambda: conn.execute("SELECT active AND confirmed_flush_lsn >= %s FROM pg_replication_slots "
+                                          "WHERE slot_name = 'bridge'", (now_lsn,)).fetchone()[0],
+                     120, "the bridge to attach and catch up")
         latencies = steady_latency(pg.dsn, client, args.latency_rate, args.latency_seconds, total)
         proc.terminate()
         proc.wait(30)
@@ -198,6 +204,8 @@ def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, bas
     latencies = []
     for entry_id, fields in client.xrange("cdc:ride"):
         latencies.append(id_ms(entry_id) - int(fields[b"ts_ms"]))
+    if os.environ.get("CDC_BENCH_DUMP"):
+        Path(os.environ["CDC_BENCH_DUMP"]).write_text("\n".join(map(str, latencies)))
     return latencies
 
 

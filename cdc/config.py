@@ -126,9 +126,12 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
         except (TypeError, ValueError):
             origin = env_name if env_name in env else where(raw, key)
             raise ConfigError(
-                f"{origin}: {name}.{key} must be a {type(f.default).__name__}, got {value!r}"
+                f"{origin}: {name}.{key} must be {_KIND_NAMES[type(f.default)]}, got {value!r}"
             ) from None
     return section_cls(**values)
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def _coerce(value: Any, kind: type) -> Any:

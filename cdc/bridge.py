@@ -45,6 +45,10 @@ _IGNORED = frozenset(ord(c) for c in "OY")
 _CAUGHT_UP_POLL_S = 0.1
 
 
+class _ConnectionSilent(TransientError):
+    """The replication connection went quiet past the receive timeout: deemed dead."""
+
+
 class _Target:
     """Where a bound projector writes: its mapping and one batch per partition stream."""
 
@@ -71,6 +75,7 @@ class Bridge:
             if m.table is not None:
                 self._by_table[m.table].append(m)
         self._batches: dict[str, StreamBatch] = {}
+        self._stale_pid = 0  # backend of our own replication connection that went silent
         self.catalog = TypeCatalog()
         # counters, readable in repr and by status reporting
         self.changes_read = 0
@@ -151,12 +156,43 @@ class Bridge:
             except psycopg.Error as exc:
                 raise classify_pg_error(exc) from exc
             publisher.ping()
+            self._release_stale_walsender(catalog_conn)
             stream.start(0, messages=bool(self._message_mappings))
-            self._stream(stream, publisher, catalog_conn)
+            try:
+                self._stream(stream, publisher, catalog_conn)
+            except _ConnectionSilent:
+                self._stale_pid = stream.backend_pid
+                raise
         finally:
             stream.close()
             publisher.close()
             catalog_conn.close()
+
+    def _release_stale_walsender(self, catalog_conn: psycopg.Connection) -> None:
+        """End our own previous walsender if it still holds the slot.
+
+        A connection that died silently keeps the slot active on the server until
+        its wal_sender_timeout; only the backend we ourselves abandoned is ended,
+        never another bridge's.
+        """
+        if not self._stale_pid:
+            return
+        pid, self._stale_pid = self._stale_pid, 0
+        try:
+            row = catalog_conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s AND active_pid = %s",
+                (self.settings.postgres.slot, pid),
+            ).fetchone()
+        except psycopg.Error as exc:
+            log.warning("could not end the stale walsender %d: %s", pid, exc)
+            return
+        if row and row[0]:
+            log.info("ended our stale walsender %d holding slot %s", pid, self.settings.postgres.slot)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and catalog_conn.execute(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (self.settings.postgres.slot,)
+            ).fetchone()[0]:
+                time.sleep(0.05)  # the backend is exiting; START_REPLICATION retries anyway
 
     def _bind(self, relation: pg.Relation, catalog_conn: psycopg.Connection) -> list[_Target]:
         mappings = self._by_table.get((relation.namespace, relation.name))
@@ -184,6 +220,7 @@ class Bridge:
         max_entries = batch_cfg.max_entries
         max_delay = batch_cfg.max_delay_ms / 1000.0
         status_interval = batch_cfg.status_interval_s
+        receive_timeout = self.settings.postgres.receive_timeout_s
         decoder = pg.PgOutputDecoder()
         targets: dict[int, list[_Target]] = {}
         message_batches = [(m.message_prefix, m.version, self._batch(m.stream_key())) for m in self._message_mappings]
@@ -198,6 +235,7 @@ class Bridge:
         lsn_s = xid_s = ts_s = pos_prefix = ""
         seq = 0
         next_status = time.monotonic()
+        last_heard = next_status
         next_poll = 0.0
         monotonic = time.monotonic
 
@@ -246,7 +284,10 @@ class Bridge:
                         flush(wait=True)
                         report()
                     elif now >= next_status:
-                        report()
+                        # ask for an answer when the server has been silent: a dead peer shows up
+                        report(reply=now - last_heard > status_interval)
+                    if now - last_heard > receive_timeout:
+                        raise _ConnectionSilent(f"no message from postgres in {receive_timeout:.0f}s; reconnecting")
                     if self.until_caught_up and not in_tx:
                         if self.durable_lsn >= self.target_lsn:
                             log.info("caught up at %s", self.durable_lsn)
@@ -255,6 +296,7 @@ class Bridge:
                             report(reply=True)  # the answer tells how far the server has sent
                             next_poll = now + _CAUGHT_UP_POLL_S
                     continue
+                last_heard = now
                 if raw[0] != _W:
                     keepalive = parse_copy_data(raw)
                     if not in_tx and not pending and not inflight and keepalive.wal_end > ackable:

@@ -27,6 +27,8 @@ class PostgresSettings:
     dsn: str = "postgresql://localhost/postgres"
     slot: str = "cdc"
     publication: str = "cdc"
+    #: seconds without any message from the server before the connection is deemed dead
+    receive_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,7 @@ class ReplicationStream:
         self.conn: psycopg.Connection | None = None
         self.proto_version = 0
         self.server_version = 0
+        self.backend_pid = 0
 
     def _fail(self, exc: BaseException) -> CdcError:
         return classify_pg_error(exc, slot=self.slot, publication=self.publication)
@@ -113,6 +114,7 @@ class ReplicationStream:
                 self.dsn, replication="database", autocommit=True, options=SESSION_OPTIONS, connect_timeout=10
             )
             self.server_version = self.conn.info.server_version
+            self.backend_pid = self.conn.info.backend_pid
             self.proto_version = proto_version_for(self.server_version)
             options = [
                 f"proto_version '{self.proto_version}'",

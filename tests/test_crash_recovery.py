@@ -101,3 +101,31 @@ def test_redis_restart_and_postgres_restart_are_retried_without_loss(env):
     assert [e["key"]["id"] for e in entries[-2:]] == [100000, 100001]
     positions = [(int(e["lsn"]), int(e["seq"])) for e in entries]
     assert len(set(positions)) == len(positions)
+
+
+def test_a_silently_dead_connection_is_detected_and_replaced(env):
+    from proxy import FreezableProxy
+
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml")
+    env.cdc("init", check=True)
+    proxy = FreezableProxy(env.postgres.port)
+    try:
+        dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/{env.dbname}"
+        env.config_path.write_text(
+            f"postgres: {{dsn: '{dsn}', slot: {env.slot}, publication: cdc, receive_timeout_s: 3}}\n"
+            f"redis: {{url: '{env.redis_server.url}'}}\nmappings: mappings/\nbatch: {{status_interval_s: 0.5}}\n"
+        )
+        proc = env.start_bridge()
+        env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")
+        env.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1)")
+        wait_for(lambda: env.redis.xlen("cdc:ride") == 1, 30, "the first ride")
+        proxy.freeze()  # the network silently drops everything on the open connections
+        env.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (2, 1, 2)")
+        wait_for(lambda: env.redis.xlen("cdc:ride") == 2, 60, "the ride written after the network froze")
+        assert "no message from postgres in 3s" in proc.log_path.read_text()
+        assert [e["key"]["id"] for e in read_stream(env.redis, "cdc:ride")] == [1, 2]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        proxy.close()

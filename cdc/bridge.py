@@ -15,6 +15,7 @@ Begin message, so the per-stream high-water marks make a replay exact.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ _W = 0x77  # XLogData
 _XLOG_HEADER = 25
 _BEGIN, _COMMIT, _RELATION, _INSERT, _UPDATE, _DELETE, _TRUNCATE, _MESSAGE = (ord(c) for c in "BCRIUDTM")
 _IGNORED = frozenset(ord(c) for c in "OY")
+_RELID = struct.Struct(">I").unpack_from  # a change's relid, read before deciding to decode it
 _CAUGHT_UP_POLL_S = 0.1
 
 
@@ -306,7 +308,7 @@ class Bridge:
                     continue
                 kind = raw[_XLOG_HEADER]
                 if kind == _INSERT or kind == _UPDATE or kind == _DELETE:
-                    relid = int.from_bytes(raw[_XLOG_HEADER + 1 : _XLOG_HEADER + 5], "big")
+                    relid = _RELID(raw, _XLOG_HEADER + 1)[0]
                     self.changes_read += 1
                     tlist = targets.get(relid)
                     if tlist:

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 import hiredis
+import msgpack
 import redis
 from redis.exceptions import (
     BusyLoadingError,
@@ -38,21 +39,23 @@ __all__ = ["Publisher", "StreamBatch", "position", "split_position"]
 
 log = logging.getLogger("cdc.publish")
 
+# ARGV[1]: a MessagePack array of entries; each entry is its field/value list
+# followed by its position. One packed argument per stream keeps the client's
+# per-argument packing cost off the hot path.
 APPEND_SCRIPT = b"""
 local mark = redis.call('GET', KEYS[2])
-local n = #ARGV
-local i = 1
+local entries = cmsgpack.unpack(ARGV[1])
 local last = false
 local added = 0
-while i <= n do
-  local pos = ARGV[i]
-  local count = tonumber(ARGV[i + 1])
+for i = 1, #entries do
+  local e = entries[i]
+  local n = #e
+  local pos = e[n]
   if (not mark) or pos > mark then
-    redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 2, i + 1 + count))
+    redis.call('XADD', KEYS[1], '*', unpack(e, 1, n - 1))
     last = pos
     added = added + 1
   end
-  i = i + 2 + count
 end
 if last then
   redis.call('SET', KEYS[2], last)
@@ -60,6 +63,8 @@ end
 return added
 """
 APPEND_SHA = hashlib.sha1(APPEND_SCRIPT).hexdigest()
+
+_packb = msgpack.Packer(use_bin_type=False).pack  # the old spec: what Redis' cmsgpack reads
 
 TRANSIENT_REPLIES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS")
 
@@ -75,25 +80,26 @@ def split_position(pos: str | bytes) -> tuple[int, int]:
 
 
 class StreamBatch:
-    """Entries waiting for one stream, already flattened into script arguments."""
+    """Entries waiting for one stream: each its field/value list with its position appended."""
 
-    __slots__ = ("stream", "mark", "args", "count")
+    __slots__ = ("stream", "mark", "entries")
 
     def __init__(self, stream: str) -> None:
         self.stream = stream
         self.mark = keys.mark_key(stream)
-        self.args: list = []
-        self.count = 0
+        self.entries: list[list] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.entries)
 
     def add(self, pos: str, fields: list) -> None:
-        self.args.append(pos)
-        self.args.append(len(fields))
-        self.args.extend(fields)
-        self.count += 1
+        """Queue an entry; `fields` (field, value, ...) is taken over, not copied."""
+        fields.append(pos)
+        self.entries.append(fields)
 
     def clear(self) -> None:
-        self.args = []
-        self.count = 0
+        self.entries = []
 
 
 def _classify(exc: Exception) -> Exception:
@@ -187,7 +193,9 @@ class Publisher:
         if self._inflight is not None:
             raise RuntimeError("confirm() the previous send first")
         pending = [b for b in batches if b.count]
-        commands = [hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, b.stream, b.mark, *b.args)) for b in pending]
+        commands = [
+            hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, b.stream, b.mark, _packb(b.entries))) for b in pending
+        ]
         self._inflight = (commands, [b.count for b in pending])
         if commands:
             self._send(commands)

@@ -269,6 +269,15 @@ class Bridge:
             elif ackable > self.durable_lsn:
                 self.durable_lsn = ackable
 
+        def queue(batch: StreamBatch, fields: list, lsn: str, seq: int, xid: str, ts: str, version: int, pos: str) -> None:
+            """Complete an entry with its source position fields and add it to its stream's batch."""
+            nonlocal pending, first_pending_at
+            fields += (b"lsn", lsn, b"seq", seq, b"xid", xid, b"ts_ms", ts, b"v", version)
+            batch.add(pos, fields)
+            if not pending:
+                first_pending_at = monotonic()
+            pending += 1
+
         def report(reply: bool = False) -> None:
             nonlocal next_status
             stream.send_status(self.durable_lsn, self.durable_lsn, self.durable_lsn, reply)
@@ -322,12 +331,7 @@ class Bridge:
                             else:
                                 out = proj.delete(msg.old, msg.old_kind == "O")
                             if out is not None:
-                                fields = out.fields
-                                fields += (b"lsn", lsn_s, b"seq", seq, b"xid", xid_s, b"ts_ms", ts_s, b"v", t.version)
-                                t.batches[out.partition].add(pos_prefix + f"{seq:010d}", fields)
-                                if not pending:
-                                    first_pending_at = now
-                                pending += 1
+                                queue(t.batches[out.partition], out.fields, lsn_s, seq, xid_s, ts_s, t.version, pos_prefix + f"{seq:010d}")
                     seq += 1
                 elif kind == _BEGIN:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
@@ -353,12 +357,7 @@ class Bridge:
                     for relid in msg.relids:
                         for t in targets.get(relid, ()):
                             for out in t.projector.truncate():
-                                fields = out.fields
-                                fields += (b"lsn", lsn_s, b"seq", seq, b"xid", xid_s, b"ts_ms", ts_s, b"v", t.version)
-                                t.batches[out.partition].add(pos_prefix + f"{seq:010d}", fields)
-                                if not pending:
-                                    first_pending_at = now
-                                pending += 1
+                                queue(t.batches[out.partition], out.fields, lsn_s, seq, xid_s, ts_s, t.version, pos_prefix + f"{seq:010d}")
                     seq += 1
                 elif kind == _MESSAGE:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
@@ -371,12 +370,7 @@ class Bridge:
                         )
                     for prefix, version, batch in message_batches:
                         if msg.prefix.startswith(prefix):
-                            fields = message_entry(msg.prefix, msg.content)
-                            fields += (b"lsn", m_lsn, b"seq", m_seq, b"xid", m_xid, b"ts_ms", m_ts, b"v", version)
-                            batch.add(m_pos, fields)
-                            if not pending:
-                                first_pending_at = now
-                            pending += 1
+                            queue(batch, message_entry(msg.prefix, msg.content), m_lsn, m_seq, m_xid, m_ts, version, m_pos)
                             break
                 elif kind not in _IGNORED:
                     msg = decoder.decode(raw[_XLOG_HEADER:])

@@ -15,6 +15,7 @@ Begin message, so the per-stream high-water marks make a replay exact.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import time
 from collections import defaultdict
@@ -142,7 +143,7 @@ class Bridge:
         self.sessions += 1
         pgs = self.settings.postgres
         catalog_conn = self._connect_catalog()
-        publisher = Publisher(self.settings.redis.url)
+        publisher = Publisher(self.settings.redis.url, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)))
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication)
         try:
             try:

@@ -101,6 +101,68 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_callable(spec: str):
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise CdcError(f"--handler {spec!r} must be module:function", hint="for example cdc.rocketrides:ride_totals")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise CdcError(f"cannot load handler {spec!r}: {exc}") from None
+
+
+def _entity(mappings, name: str):
+    for m in mappings:
+        if m.entity == name:
+            return m
+    raise CdcError(f"no entity {name!r}", hint=f"entities: {', '.join(m.entity for m in mappings)}")
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
+    import os
+    import threading
+
+    import redis
+
+    from .consumer import Consumer
+
+    settings, mappings = _load(args)
+    mapping = _entity(mappings, args.entity)
+    if bool(args.handler) == bool(args.sink):
+        raise CdcError("give exactly one of --handler module:function or --sink schema.table")
+    if args.shared and args.handler:
+        raise CdcError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
+    client = redis.Redis.from_url(settings.redis.url)
+    consumer = Consumer(
+        client, mapping.stream_keys(), args.group, args.name, exclusive=not args.shared, count=args.count,
+        claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries, lease_ttl_ms=args.lease_ttl_ms,
+    )
+    consumer.create_group(args.start)
+    state_dsn = args.state_dsn or settings.postgres.dsn
+    if args.handler:
+        from .checkpoint import TransactionalHandler
+
+        handler = TransactionalHandler(
+            state_dsn, args.group, _load_callable(args.handler), epoch_of=consumer.epoch,
+            crash_before_commit=float(os.environ.get("CDC_FAULT_CRASH_BEFORE_COMMIT", 0)),
+        )
+    else:
+        from .sinks import TableSink
+
+        handler = TableSink(state_dsn, args.sink)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        consumer.run(handler, stop)
+    finally:
+        handler.close()
+        logging.getLogger("cdc.consumer").info("consumer stopped %r %r", consumer, handler)
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from .admin import json_schemas
 
@@ -142,6 +204,19 @@ def build_parser() -> argparse.ArgumentParser:
     command("check", cmd_check, "validate the server and every mapping against the live schema")
     run = command("run", cmd_run, "stream changes into Redis until SIGTERM/SIGINT")
     run.add_argument("--until-caught-up", action="store_true", help="exit once everything committed before start is in Redis")
+    consume = command("consume", cmd_consume, "run a consumer of one entity's streams")
+    consume.add_argument("--entity", required=True)
+    consume.add_argument("--group", required=True, help="consumer group (also names the state it keeps)")
+    consume.add_argument("--name", help="consumer name (default: host-pid)")
+    consume.add_argument("--start", default="$", help="where a new group starts: $, 0, an entry ID or an ISO-8601 time")
+    consume.add_argument("--handler", help="module:function applying entries in a PostgreSQL transaction with checkpoints")
+    consume.add_argument("--sink", help="schema.table to mirror the entity into, idempotently")
+    consume.add_argument("--shared", action="store_true", help="many consumers per stream (only with --sink)")
+    consume.add_argument("--state-dsn", help="where state and checkpoints live (default: postgres.dsn)")
+    consume.add_argument("--count", type=int, default=100, help="entries per batch")
+    consume.add_argument("--claim-idle-ms", type=int, default=30_000)
+    consume.add_argument("--max-deliveries", type=int, default=5)
+    consume.add_argument("--lease-ttl-ms", type=int, default=10_000)
     schema = command("schema", cmd_schema, "print a JSON Schema per entity")
     schema.add_argument("--entity", help="only this entity")
     status = command("status", cmd_status, "show the slot, lag and streams")

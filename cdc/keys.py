@@ -45,3 +45,18 @@ def stream_key(template: str, **fields: object) -> str:
     for name, value in fields.items():
         key = key.replace("{" + name + "}", str(value))
     return key
+
+
+def dead_letter_key(group: str) -> str:
+    """Where `group`'s entries go after too many failed deliveries (one stream per group)."""
+    return f"cdc:dlq:{group}"
+
+
+def lease_key(stream: str, group: str) -> str:
+    """The lease giving one consumer of `group` exclusive use of `stream` (same slot as the stream)."""
+    return mark_key(stream)[: -len(MARK_SUFFIX)] + f":lease:{group}"
+
+
+def lease_epoch_key(stream: str, group: str) -> str:
+    """A counter: each new lease holder gets a higher epoch, used to fence old holders."""
+    return lease_key(stream, group) + ":epoch"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 from collections.abc import Iterable, Mapping
 
 import hiredis
@@ -118,8 +119,11 @@ def _classify(exc: Exception) -> Exception:
 class Publisher:
     """Appends batches to streams over one connection; counts what it wrote."""
 
-    def __init__(self, url: str, *, socket_timeout: float = 30.0) -> None:
+    def __init__(self, url: str, *, socket_timeout: float = 30.0, double_send: float = 0.0) -> None:
         self.url = url
+        #: test-only fault: probability of appending a batch a second time, bypassing the marks,
+        #: to prove consumers are exact even when a producer without marks sends twice
+        self.double_send = double_send
         try:
             self._pool = redis.ConnectionPool.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
         except ValueError as exc:
@@ -127,7 +131,7 @@ class Publisher:
 
             raise ConfigError(f"invalid redis url: {exc}", hint="use redis://host:port/db or rediss:// for TLS") from None
         self._conn = None
-        self._inflight: tuple[list[bytes], list[int]] | None = None
+        self._inflight: tuple[list[bytes], list[int], int] | None = None
         self.entries_written = 0
         self.entries_skipped = 0
         self.batches = 0
@@ -196,19 +200,23 @@ class Publisher:
         commands = [
             hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, b.stream, b.mark, _packb(b.entries))) for b in pending
         ]
-        self._inflight = (commands, [b.count for b in pending])
+        duplicates = []
+        if self.double_send and random.random() < self.double_send:
+            duplicates = [hiredis.pack_command((b"XADD", b.stream, b"*", *e[:-1])) for b in pending for e in b.entries]
+            log.warning("fault injection: sending a batch of %d entries twice", len(duplicates))
+        self._inflight = (commands, [b.count for b in pending], len(duplicates))
         if commands:
-            self._send(commands)
+            self._send(commands + duplicates)
 
     def confirm(self) -> int:
         """Wait until Redis applied the outstanding send; return the entries appended."""
         if self._inflight is None:
             return 0
-        commands, counts = self._inflight
+        commands, counts, duplicates = self._inflight
         self._inflight = None
         if not commands:
             return 0
-        replies = self._receive(len(commands))
+        replies = self._receive(len(commands) + duplicates)[: len(commands)]
         if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or flushed its script cache: load and resend; the marks make it safe.
             self._round_trip([hiredis.pack_command((b"SCRIPT", b"LOAD", APPEND_SCRIPT))])

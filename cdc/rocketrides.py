@@ -79,3 +79,41 @@ class RideWriter(threading.Thread):
                         )
                 self.transactions += 1
                 self.stopped.wait(1.0 / self.rate)
+
+
+def ride_totals(conn: psycopg.Connection, entries: list, consumer: str) -> None:
+    """The example consumer: total distance per rider and overall (rider 0) in consumer_states.
+
+    An apply function for `cdc.checkpoint.TransactionalHandler` (run it with
+    ``cdc consume --handler cdc.rocketrides:ride_totals``). Updates and deletes
+    need the before-image, so rides has REPLICA IDENTITY FULL.
+    """
+    deltas: dict[int, Decimal] = {}
+
+    def add(rider: int, amount: Decimal) -> None:
+        deltas[rider] = deltas.get(rider, Decimal(0)) + amount
+        deltas[0] = deltas.get(0, Decimal(0)) + amount
+
+    def flush() -> None:
+        if deltas:
+            conn.cursor().executemany(
+                "INSERT INTO consumer_states (consumer, rider_id, total_distance) VALUES (%s, %s, %s) "
+                "ON CONFLICT (consumer, rider_id) DO UPDATE "
+                "SET total_distance = consumer_states.total_distance + EXCLUDED.total_distance",
+                [(consumer, rider, amount) for rider, amount in sorted(deltas.items())],
+            )
+            deltas.clear()
+
+    for e in entries:
+        if e.op in ("c", "r"):
+            add(int(e.data["rider"]), Decimal(e.data["distance"]))
+        elif e.op in ("u", "d"):
+            if e.before is None or "distance" not in e.before:
+                raise ValueError(f"{e.stream} {e.id}: a {e.op} without a before-image; rides needs REPLICA IDENTITY FULL")
+            add(int(e.before["rider"]), -Decimal(e.before["distance"]))
+            if e.op == "u":
+                add(int(e.data["rider"]), Decimal(e.data["distance"]))
+        elif e.op == "t":
+            deltas.clear()
+            conn.execute("DELETE FROM consumer_states WHERE consumer = %s", (consumer,))
+    flush()

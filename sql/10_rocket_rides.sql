@@ -15,6 +15,8 @@ CREATE TABLE IF NOT EXISTS public.rides (
     created_at  timestamptz NOT NULL DEFAULT now(),
     internal_note text  -- never mapped: must never reach Redis
 );
+-- consumers keeping totals need the old distance of updated and deleted rides
+ALTER TABLE public.rides REPLICA IDENTITY FULL;
 
 DO $$
 BEGIN

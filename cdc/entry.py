@@ -1,0 +1,64 @@
+"""A stream entry as consumers see it: the fields of the entry contract, parsed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+__all__ = ["Entry", "parse_entry"]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    stream: str
+    id: str
+    op: str
+    key: dict
+    data: dict | None
+    before: dict | None
+    unchanged: tuple[str, ...]
+    lsn: int
+    seq: int
+    xid: int
+    ts_ms: int
+    v: int
+    fields: dict  # every field as sent, bytes to bytes
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Where the change sits in the source: (commit LSN, seq); duplicates share it."""
+        return (self.lsn, self.seq)
+
+    @property
+    def id_ms(self) -> int:
+        return int(self.id.partition("-")[0])
+
+
+def _json(fields: dict, name: bytes) -> Any:
+    raw = fields.get(name)
+    return None if raw is None else orjson.loads(raw)
+
+
+def parse_entry(stream: str | bytes, entry_id: str | bytes, fields: dict) -> Entry:
+    """An `Entry` from XREADGROUP/XRANGE output (bytes keys and values)."""
+    if isinstance(stream, bytes):
+        stream = stream.decode()
+    if isinstance(entry_id, bytes):
+        entry_id = entry_id.decode()
+    return Entry(
+        stream=stream,
+        id=entry_id,
+        op=fields[b"op"].decode(),
+        key=_json(fields, b"key") or {},
+        data=_json(fields, b"data"),
+        before=_json(fields, b"before"),
+        unchanged=tuple(_json(fields, b"unchanged") or ()),
+        lsn=int(fields[b"lsn"]),
+        seq=int(fields[b"seq"]),
+        xid=int(fields.get(b"xid", b"0")),
+        ts_ms=int(fields.get(b"ts_ms", b"0")),
+        v=int(fields.get(b"v", b"1")),
+        fields=fields,
+    )

@@ -1,0 +1,130 @@
+"""Consumers: exact totals under double sends, crashes before commit and SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from decimal import Decimal
+
+import psycopg
+import pytest
+
+from cdc.local import wait_for
+
+pytestmark = pytest.mark.integration
+
+CONSUME = [sys.executable, "-m", "cdc", "--log-format", "text", "consume"]
+
+
+class Supervisor(threading.Thread):
+    """Keeps `n` consumer processes of a group running; counts how they ended."""
+
+    def __init__(self, env, group: str, n: int, extra_env: dict) -> None:
+        super().__init__(daemon=True)
+        self.env, self.group, self.n, self.extra_env = env, group, n, extra_env
+        self.procs: list[subprocess.Popen] = []
+        self.exits: list[int] = []
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()
+
+    def spawn(self) -> subprocess.Popen:
+        log = open(self.env.tmp / f"{self.group}-{len(self.exits)}-{time.monotonic_ns()}.log", "w")
+        with log:
+            return subprocess.Popen(
+                [*CONSUME, "--config", str(self.env.config_path), "--entity", "ride", "--group", self.group,
+                 "--start", "0", "--handler", "cdc.rocketrides:ride_totals", "--count", "50",
+                 "--max-deliveries", "1000", "--lease-ttl-ms", "1500"],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env},
+            )
+
+    def run(self) -> None:
+        with self.lock:
+            self.procs = [self.spawn() for _ in range(self.n)]
+        while not self.stopped.is_set():
+            with self.lock:
+                for i, proc in enumerate(self.procs):
+                    code = proc.poll()
+                    if code is not None:
+                        self.exits.append(code)
+                        self.procs[i] = self.spawn()
+            self.stopped.wait(0.1)
+
+    def kill_one(self, rng: random.Random) -> None:
+        with self.lock:
+            rng.choice(self.procs).send_signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+        for proc in self.procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            proc.wait(30)
+
+
+def truth(env) -> dict[int, Decimal]:
+    rows = env.execute("SELECT rider_id, sum(distance_m) FROM rides GROUP BY rider_id")
+    totals = {rider: total for rider, total in rows}
+    totals[0] = sum(totals.values(), Decimal(0))
+    return totals
+
+
+def state(env, consumer: str) -> dict[int, Decimal]:
+    rows = env.execute("SELECT rider_id, total_distance FROM consumer_states WHERE consumer = %s AND total_distance <> 0", (consumer,))
+    return {rider: total for rider, total in rows}
+
+
+@pytest.mark.slow
+def test_totals_are_exact_despite_double_sends_crashes_and_kills(env):
+    env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")
+    env.copy_mappings("ride.yaml")
+    env.write_config()
+    env.cdc("init", check=True)
+    env.execute("INSERT INTO riders (id, name, email) SELECT g, 'r' || g, 'e' FROM generate_series(1, 20) g")
+    bridge = env.start_bridge(env={"CDC_FAULT_DOUBLE_SEND": "0.1"})
+    faults = {"CDC_FAULT_CRASH_BEFORE_COMMIT": "0.1"}
+    groups = [Supervisor(env, "totals-a", 2, faults), Supervisor(env, "totals-b", 1, faults)]
+    for g in groups:
+        g.start()
+    rng = random.Random(5)
+    rides = 3000
+    with psycopg.connect(env.dsn, autocommit=True) as conn:
+        next_kill = time.monotonic() + 1
+        written = 0
+        while written < rides:
+            with conn.transaction():
+                for _ in range(rng.randint(1, 10)):
+                    conn.execute("INSERT INTO rides (rider_id, distance_m) VALUES (%s, %s)",
+                                 (rng.randint(1, 20), Decimal(rng.randint(1, 10**7)) / 1000))
+                    written += 1
+                roll = rng.random()
+                if roll < 0.2:
+                    conn.execute("UPDATE rides SET distance_m = distance_m * 2, rider_id = %s "
+                                 "WHERE id = (SELECT max(id) FROM rides)", (rng.randint(1, 20),))
+                elif roll < 0.3:
+                    conn.execute("DELETE FROM rides WHERE id = (SELECT min(id) FROM rides)")
+            if time.monotonic() > next_kill:
+                rng.choice(groups).kill_one(rng)
+                next_kill = time.monotonic() + rng.uniform(0.3, 1.2)
+            time.sleep(0.005)  # pacing: keep the workload running while faults happen
+    expected = truth(env)
+    try:
+        for g in groups:
+            wait_for(lambda: state(env, g.group) == expected, 180, f"group {g.group} to reach the exact totals")
+    finally:
+        for g in groups:
+            g.stop()
+        bridge.send_signal(signal.SIGTERM)
+        bridge.wait(30)
+    stream_len = env.redis.xlen("cdc:ride")
+    changes = env.execute("SELECT count(*) FROM rides")[0][0]
+    assert stream_len > changes, "the producer fault must have sent some batches twice"
+    for g in groups:
+        assert 86 in g.exits, f"{g.group}: no crash before commit happened"
+        assert -signal.SIGKILL in g.exits, f"{g.group}: no consumer was killed"
+    assert "fault injection: sending a batch" in bridge.log_path.read_text()

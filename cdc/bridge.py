@@ -87,6 +87,8 @@ class Bridge:
         self.transactions = 0
         self.sessions = 0
         self.durable_lsn = Lsn(0)
+        self.entries_trimmed = 0
+        self.entries_force_trimmed = 0
 
     def __repr__(self) -> str:
         return (
@@ -171,6 +173,26 @@ class Bridge:
             publisher.close()
             catalog_conn.close()
 
+    def trim_streams(self) -> None:
+        """Consumer-aware trim of every mapped stream (see `cdc.trim`); failures only logged."""
+        import redis
+
+        from .trim import TrimPolicy, trim_stream
+
+        policy = TrimPolicy(max_len=self.settings.trim.max_len, max_age_s=self.settings.trim.max_age_s)
+        client = redis.Redis.from_url(self.settings.redis.url, socket_timeout=10)
+        try:
+            for m in self.mappings:
+                for stream in m.stream_keys():
+                    if client.exists(stream):
+                        result = trim_stream(client, stream, policy)
+                        self.entries_trimmed += result.trimmed
+                        self.entries_force_trimmed += result.forced
+        except redis.RedisError as exc:
+            log.warning("trimming skipped: %s", exc)
+        finally:
+            client.close()
+
     def _release_stale_walsender(self, catalog_conn: psycopg.Connection) -> None:
         """End our own previous walsender if it still holds the slot.
 
@@ -239,6 +261,8 @@ class Bridge:
         seq = 0
         next_status = time.monotonic()
         last_heard = next_status
+        trim = self.settings.trim
+        next_trim = next_status + trim.interval_s if trim.interval_s else float("inf")
         next_poll = 0.0
         monotonic = time.monotonic
 
@@ -298,6 +322,9 @@ class Bridge:
                     elif now >= next_status:
                         # ask for an answer when the server has been silent: a dead peer shows up
                         report(reply=now - last_heard > status_interval)
+                    if now >= next_trim:
+                        self.trim_streams()
+                        next_trim = monotonic() + trim.interval_s
                     if now - last_heard > receive_timeout:
                         raise _ConnectionSilent(f"no message from postgres in {receive_timeout:.0f}s; reconnecting")
                     if self.until_caught_up and not in_tx:

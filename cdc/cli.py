@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import orjson
 
-from .errors import CdcError
+from .errors import CdcError, TransientError
 
 __all__ = ["main"]
 
@@ -163,6 +163,109 @@ def cmd_consume(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trim(args: argparse.Namespace) -> int:
+    import redis
+
+    from .trim import TrimPolicy, trim_stream
+
+    settings, mappings = _load(args)
+    policy = TrimPolicy(
+        max_len=settings.trim.max_len if args.max_len is None else args.max_len,
+        max_age_s=settings.trim.max_age_s if args.max_age_s is None else args.max_age_s,
+    )
+    client = redis.Redis.from_url(settings.redis.url)
+    try:
+        for m in mappings:
+            if args.entity and m.entity != args.entity:
+                continue
+            for stream in m.stream_keys():
+                if not client.exists(stream):
+                    continue
+                r = trim_stream(client, stream, policy)
+                note = f", {r.forced} UNCONSUMED entries dropped by the hard cap" if r.forced else ""
+                where = f"kept from {r.safe_point}" if r.safe_point else "no consumer group: kept"
+                print(f"{stream}: trimmed {r.trimmed} ({where}){note}")
+    except redis.RedisError as exc:
+        raise TransientError(f"redis unavailable: {exc}") from exc
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import redis
+
+    from .replay import replay_group
+
+    settings, mappings = _load(args)
+    client = redis.Redis.from_url(settings.redis.url)
+    try:
+        for line in replay_group(client, _entity(mappings, args.entity).stream_keys(), args.group, args.start):
+            print(line)
+    except ValueError as exc:
+        raise CdcError(str(exc)) from None
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_read(args: argparse.Namespace) -> int:
+    import redis
+
+    from .replay import range_bound, read_range
+
+    settings, mappings = _load(args)
+    client = redis.Redis.from_url(settings.redis.url)
+    try:
+        start, end = range_bound(args.start, "-"), range_bound(args.end, "+")
+    except ValueError as exc:
+        raise CdcError(str(exc)) from None
+    try:
+        shown = 0
+        for stream in _entity(mappings, args.entity).stream_keys():
+            for e in read_range(client, stream, start, end):
+                row = {"stream": e.stream, "id": e.id, **{k.decode(): v.decode() for k, v in e.fields.items()}}
+                for name in ("key", "data", "before", "unchanged"):
+                    if name in row:
+                        row[name] = orjson.loads(row[name])
+                sys.stdout.write(orjson.dumps(row).decode() + "\n")
+                shown += 1
+                if args.limit and shown >= args.limit:
+                    return 0
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_dlq(args: argparse.Namespace) -> int:
+    import redis
+
+    from .replay import dead_letters, replay_dead_letters
+
+    settings, _ = _load(args)
+    client = redis.Redis.from_url(settings.redis.url)
+    try:
+        if args.action == "list":
+            rows = dead_letters(client, args.group)
+            for row in rows:
+                print(f"{row['id']}  {row['source_stream']} {row['source_id']}  deliveries={row['deliveries']}  {row['error']}")
+            print(f"{len(rows)} dead letter(s) for group {args.group}")
+        elif args.action == "show":
+            rows = [r for r in dead_letters(client, args.group) if r["id"] in args.ids]
+            if not rows:
+                raise CdcError(f"no dead letter {', '.join(args.ids)} for group {args.group}")
+            for row in rows:
+                if "entry" in row:
+                    row["entry"] = orjson.loads(row["entry"])
+                sys.stdout.write(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode() + "\n")
+        else:
+            for line in replay_dead_letters(client, args.group, args.ids):
+                print(line)
+    finally:
+        client.close()
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from .admin import json_schemas
 
@@ -217,6 +320,23 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--claim-idle-ms", type=int, default=30_000)
     consume.add_argument("--max-deliveries", type=int, default=5)
     consume.add_argument("--lease-ttl-ms", type=int, default=10_000)
+    trim = command("trim", cmd_trim, "trim streams up to what every consumer group has consumed")
+    trim.add_argument("--entity", help="only this entity's streams")
+    trim.add_argument("--max-len", type=int, help="hard cap on length (drops unconsumed entries, loudly)")
+    trim.add_argument("--max-age-s", type=float, help="hard cap on age in seconds (drops unconsumed entries, loudly)")
+    replay = command("replay", cmd_replay, "start a group at, or rewind it to, a time or an entry ID")
+    replay.add_argument("--entity", required=True)
+    replay.add_argument("--group", required=True)
+    replay.add_argument("--from", dest="start", required=True, help="ISO-8601 time (e.g. 2026-11-21T00:00:00Z), entry ID, 0 or $")
+    read = command("read", cmd_read, "print an entity's entries in a time or ID range as JSON lines")
+    read.add_argument("--entity", required=True)
+    read.add_argument("--from", dest="start", help="ISO-8601 time or entry ID (default: the beginning)")
+    read.add_argument("--to", dest="end", help="ISO-8601 time or entry ID, inclusive (default: the end)")
+    read.add_argument("--limit", type=int, default=0, help="stop after this many entries")
+    dlq = command("dlq", cmd_dlq, "list, show or replay a group's dead letters")
+    dlq.add_argument("action", choices=["list", "show", "replay"])
+    dlq.add_argument("ids", nargs="*", help="dead-letter IDs (show: required; replay: default all)")
+    dlq.add_argument("--group", required=True)
     schema = command("schema", cmd_schema, "print a JSON Schema per entity")
     schema.add_argument("--entity", help="only this entity")
     status = command("status", cmd_status, "show the slot, lag and streams")

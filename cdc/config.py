@@ -19,7 +19,7 @@ from typing import Any
 from .errors import ConfigError
 from .yamlsrc import LocatedDict, load_yaml_file, where
 
-__all__ = ["BatchSettings", "PostgresSettings", "RedisSettings", "Settings"]
+__all__ = ["BatchSettings", "PostgresSettings", "RedisSettings", "Settings", "TrimSettings"]
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,21 @@ class BatchSettings:
 
 
 @dataclass(frozen=True)
+class TrimSettings:
+    #: seconds between consumer-aware trims of every mapped stream by `cdc run` (0: never)
+    interval_s: float = 60.0
+    #: hard cap: keep at most this many entries per stream, even unconsumed ones (0: none)
+    max_len: int = 0
+    #: hard cap: drop entries older than this many seconds, even unconsumed ones (0: none)
+    max_age_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Settings:
     postgres: PostgresSettings = field(default_factory=PostgresSettings)
     redis: RedisSettings = field(default_factory=RedisSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
+    trim: TrimSettings = field(default_factory=TrimSettings)
     mappings: Path = Path("mappings")
     source: str = "<defaults>"
 

@@ -14,6 +14,8 @@ __all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "mark_key", "stream_key"]
 DEFAULT_STREAM_TEMPLATE = "cdc:{entity}"
 PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
 MARK_SUFFIX = ":hwm"
+#: a hash of trimming counters: "<stream>:trimmed" and "<stream>:forced" (unconsumed entries dropped by a cap)
+TRIM_STATS = "cdc:stats:trim"
 
 
 def has_hash_tag(key: str) -> bool:

@@ -7,6 +7,9 @@ from collections.abc import Sequence
 import psycopg
 import redis
 
+from datetime import datetime, timezone
+
+from . import keys
 from .admin import connect
 from .config import Settings
 from .errors import TransientError
@@ -41,14 +44,22 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
     try:
         streams = [(m.entity, s) for m in mappings for s in m.stream_keys()]
         marks = publisher.marks(s for _, s in streams)
+        trim_stats = {k.decode(): int(v) for k, v in client.hgetall(keys.TRIM_STATS).items()}
         for entity, stream in streams:
             length = client.xlen(stream)
+            first = client.xrange(stream, count=1)
             last = client.xrevrange(stream, count=1)
             mark = marks.get(stream)
             result["streams"].append({
                 "entity": entity, "stream": stream, "length": length,
+                "first_id": first[0][0].decode() if first else None,
+                "first_time": _id_time(first[0][0]) if first else None,
                 "last_id": last[0][0].decode() if last else None,
+                "last_time": _id_time(last[0][0]) if last else None,
                 "last_lsn": mark[0] if mark else None, "last_seq": mark[1] if mark else None,
+                "trimmed": trim_stats.get(f"{stream}:trimmed", 0),
+                "force_trimmed": trim_stats.get(f"{stream}:forced", 0),
+                "groups": _groups(client, stream) if length or client.exists(stream) else [],
             })
     except redis.RedisError as exc:
         raise TransientError(f"redis unavailable: {exc}") from exc
@@ -56,6 +67,36 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
         publisher.close()
         client.close()
     return result
+
+
+def _id_time(entry_id: bytes) -> str:
+    ms = int(entry_id.split(b"-")[0])
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _groups(client: redis.Redis, stream: str) -> list[dict]:
+    """The consumer view of one stream: per group, lag, pending, consumers, dead letters."""
+    groups = []
+    for g in client.xinfo_groups(stream):
+        name = _text(g["name"])
+        oldest_idle_ms = None
+        if g["pending"]:
+            first = client.xpending_range(stream, name, "-", "+", 1)
+            oldest_idle_ms = first[0]["time_since_delivered"] if first else None
+        consumers = [
+            {"name": _text(c["name"]), "pending": c["pending"], "idle_ms": c["idle"]}
+            for c in client.xinfo_consumers(stream, name)
+        ]
+        groups.append({
+            "group": name, "lag": g.get("lag"), "pending": g["pending"],
+            "oldest_pending_idle_ms": oldest_idle_ms, "last_delivered_id": _text(g["last-delivered-id"]),
+            "consumers": consumers, "dead_letters": client.xlen(keys.dead_letter_key(name)),
+        })
+    return groups
 
 
 def render(status: dict) -> str:
@@ -69,7 +110,20 @@ def render(status: dict) -> str:
             f"current {slot['current_wal_lsn']}, lag {slot['lag_bytes']} bytes, retained WAL {slot['retained_wal_bytes']} bytes, "
             f"wal_status {slot['wal_status']}"
         )
-    lines.append(f"{'entity':<16} {'stream':<28} {'length':>10} {'last id':<22} last lsn")
+    lines.append(f"{'entity':<14} {'stream':<24} {'length':>9} {'first entry':<25} {'last entry':<25} last lsn")
     for s in status["streams"]:
-        lines.append(f"{s['entity']:<16} {s['stream']:<28} {s['length']:>10} {s['last_id'] or '-':<22} {s['last_lsn'] or '-'}")
+        lines.append(
+            f"{s['entity']:<14} {s['stream']:<24} {s['length']:>9} {s['first_time'] or '-':<25} "
+            f"{s['last_time'] or '-':<25} {s['last_lsn'] or '-'}"
+        )
+        if s["force_trimmed"]:
+            lines.append(f"{'':<14} WARNING: {s['force_trimmed']} unconsumed entries dropped by the hard trim cap")
+        for g in s["groups"]:
+            idle = "-" if g["oldest_pending_idle_ms"] is None else f"{g['oldest_pending_idle_ms'] / 1000:.1f}s"
+            lines.append(
+                f"{'':<14} group {g['group']}: lag {g['lag'] if g['lag'] is not None else '?'}, pending {g['pending']} "
+                f"(oldest idle {idle}), dead letters {g['dead_letters']}"
+            )
+            for c in g["consumers"]:
+                lines.append(f"{'':<16} consumer {c['name']}: pending {c['pending']}, idle {c['idle_ms'] / 1000:.1f}s")
     return "\n".join(lines) + "\n"

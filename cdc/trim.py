@@ -1,0 +1,112 @@
+"""Trimming streams without losing what a consumer group still needs.
+
+A stream is trimmed up to the oldest entry any group still needs: its oldest
+pending entry, or the first entry after its last-delivered ID. Entries before
+that point have been delivered to and acknowledged by every group. A stream with
+no group is left alone. An optional hard cap (length or age) bounds a stream
+whose group died; when the cap would drop entries some group still needs, that
+is logged loudly and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from . import keys
+
+__all__ = ["TrimPolicy", "TrimResult", "safe_trim_point", "trim_stream"]
+
+log = logging.getLogger("cdc.trim")
+
+
+@dataclass(frozen=True)
+class TrimPolicy:
+    #: keep at most this many entries even if unconsumed (0: no cap)
+    max_len: int = 0
+    #: drop entries older than this many seconds even if unconsumed (0: no cap)
+    max_age_s: float = 0
+
+
+@dataclass
+class TrimResult:
+    stream: str
+    trimmed: int = 0
+    forced: int = 0  # unconsumed entries dropped by the hard cap
+    safe_point: str | None = None
+    groups: dict = field(default_factory=dict)
+
+
+def _parse_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = _parse_id(entry_id)
+    return f"{ms}-{seq + 1}"
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]:
+    """The smallest ID any group still needs (None: no group, so nothing is known to be consumed)."""
+    groups = client.xinfo_groups(stream)
+    if not groups:
+        return None, {}
+    needed: list[tuple[int, int]] = []
+    info = {}
+    for g in groups:
+        name = _text(g["name"])
+        first_undelivered = _next_id(_text(g["last-delivered-id"]))
+        candidates = [_parse_id(first_undelivered)]
+        if g["pending"]:
+            summary = client.xpending(stream, name)
+            candidates.append(_parse_id(_text(summary["min"])))
+        point = min(candidates)
+        needed.append(point)
+        info[name] = f"{point[0]}-{point[1]}"
+    low = min(needed)
+    return f"{low[0]}-{low[1]}", info
+
+
+def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolicy()) -> TrimResult:
+    result = TrimResult(stream)
+    point, result.groups = safe_trim_point(client, stream)
+    result.safe_point = point
+    before = client.xlen(stream)
+    if point is not None:
+        client.xtrim(stream, minid=point, approximate=False)
+    cap_id = None
+    if policy.max_age_s:
+        cap_id = f"{int((time.time() - policy.max_age_s) * 1000)}-0"
+    if policy.max_len and client.xlen(stream) > policy.max_len:
+        # the ID of the first entry to keep under the length cap
+        keep = client.xrevrange(stream, count=policy.max_len)
+        if keep:
+            first_kept = _text(keep[-1][0])
+            if cap_id is None or _parse_id(first_kept) > _parse_id(cap_id):
+                cap_id = first_kept
+    if cap_id is not None:
+        length = client.xlen(stream)
+        client.xtrim(stream, minid=cap_id, approximate=False)
+        dropped = length - client.xlen(stream)
+        if dropped and point is not None:
+            # everything before the safe point is gone already: what the cap drops, a group still needed
+            result.forced = dropped
+            log.error(
+                "hard cap on %s dropped %d entries a consumer group had not consumed (groups need from: %s)",
+                stream, dropped, result.groups,
+            )
+    result.trimmed = before - client.xlen(stream)
+    if result.trimmed or result.forced:
+        pipe = client.pipeline(transaction=False)
+        pipe.hincrby(keys.TRIM_STATS, f"{stream}:trimmed", result.trimmed)
+        pipe.hincrby(keys.TRIM_STATS, f"{stream}:forced", result.forced)
+        pipe.execute()
+    return result

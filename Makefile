@@ -27,6 +27,7 @@ test: install
 
 bench: install
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/consume.py
 
 clean:
 	rm -rf .local $(VENV) *.egg-info

@@ -29,6 +29,7 @@ class Supervisor(threading.Thread):
         self.env, self.group, self.n, self.extra_env = env, group, n, extra_env
         self.procs: list[subprocess.Popen] = []
         self.exits: list[int] = []
+        self.kills = 0
         self.stopped = threading.Event()
         self.lock = threading.Lock()
 
@@ -57,6 +58,7 @@ class Supervisor(threading.Thread):
     def kill_one(self, rng: random.Random) -> None:
         with self.lock:
             rng.choice(self.procs).send_signal(signal.SIGKILL)
+            self.kills += 1
 
     def stop(self) -> None:
         self.stopped.set()
@@ -96,6 +98,7 @@ def test_totals_are_exact_despite_double_sends_crashes_and_kills(env):
     with psycopg.connect(env.dsn, autocommit=True) as conn:
         next_kill = time.monotonic() + 1
         written = 0
+        written_at_kills: list[int] = []
         while written < rides:
             with conn.transaction():
                 for _ in range(rng.randint(1, 10)):
@@ -109,9 +112,14 @@ def test_totals_are_exact_despite_double_sends_crashes_and_kills(env):
                 elif roll < 0.3:
                     conn.execute("DELETE FROM rides WHERE id = (SELECT min(id) FROM rides)")
             if time.monotonic() > next_kill:
-                rng.choice(groups).kill_one(rng)
+                groups[len(written_at_kills) % len(groups)].kill_one(rng)
+                written_at_kills.append(written)
                 next_kill = time.monotonic() + rng.uniform(0.3, 1.2)
             time.sleep(0.005)  # pacing: keep the workload running while faults happen
+    for g in groups:  # every group is killed at least twice, whatever the writer's speed
+        while g.kills < 2:
+            g.kill_one(rng)
+            time.sleep(0.5)
     expected = truth(env)
     try:
         for g in groups:

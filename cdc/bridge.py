@@ -315,6 +315,9 @@ class Bridge:
                 else:
                     raw = stream.read(max(0.0, min(next_status, next_poll or next_status) - monotonic()))
                 now = monotonic()
+                if now >= next_trim:
+                    self.trim_streams()
+                    next_trim = monotonic() + trim.interval_s
                 if raw is None:
                     if pending or inflight:
                         flush(wait=True)
@@ -322,9 +325,6 @@ class Bridge:
                     elif now >= next_status:
                         # ask for an answer when the server has been silent: a dead peer shows up
                         report(reply=now - last_heard > status_interval)
-                    if now >= next_trim:
-                        self.trim_streams()
-                        next_trim = monotonic() + trim.interval_s
                     if now - last_heard > receive_timeout:
                         raise _ConnectionSilent(f"no message from postgres in {receive_timeout:.0f}s; reconnecting")
                     if self.until_caught_up and not in_tx:

@@ -196,3 +196,20 @@ def test_status_shows_the_consumer_view(rides):
     assert "cdc:ride: trimmed 0" in out
     client.xack("cdc:ride", "slow", client.xrange("cdc:ride", count=1)[0][0])
     assert "cdc:ride: trimmed 1" in rides.cdc("trim", check=True).stdout
+
+
+def test_the_running_bridge_trims_what_every_group_consumed(rides):
+    rides.write_config("trim: {interval_s: 0.3}\n")
+    client = redis.Redis.from_url(rides.redis_server.url)
+    client.xgroup_create("cdc:ride", "g", id="0", mkstream=True)
+    proc = rides.start_bridge()
+    with rides.connect() as conn:
+        for i in range(5):
+            conn.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, %s)", (i,))
+    wait_for(lambda: client.xlen("cdc:ride") == 5, 30, "five entries")
+    got = client.xreadgroup("g", "c", {"cdc:ride": ">"}, count=3)[0][1]
+    client.xack("cdc:ride", "g", *[i for i, _ in got])
+    wait_for(lambda: client.xlen("cdc:ride") == 2, 30, "the bridge to trim the three consumed entries")
+    assert client.hget("cdc:stats:trim", "cdc:ride:trimmed") == b"3"
+    proc.terminate()
+    assert proc.wait(30) == 0

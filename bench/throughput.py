@@ -76,6 +76,12 @@ def id_ms(entry_id: bytes) -> int:
     return int(entry_id.split(b"-")[0])
 
 
+def register(config: Path) -> None:
+    """`cdc init`: the slot exists already; this records in Redis that it holds the slot's changes."""
+    subprocess.run([sys.executable, "-m", "cdc", "--log-level", "warning", "init", "--config", str(config)],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
 def run_bridge(config: Path, args: list[str]) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen([sys.executable, "-m", "cdc", "--log-level", "warning", "run", "--config", str(config), *args], cwd=ROOT)
     peak = [0]
@@ -113,11 +119,12 @@ def main() -> int:
         for name, text in MAPPINGS.items():
             (root / "mappings" / name).write_text(text)
         config = root / "cdc.yaml"
-        config.write_text(f"postgres: {{dsn: '{pg.dsn}', slot: bridge, publication: cdc}}\nredis: {{url: '{rd.url}'}}\nmappings: mappings/\n")
+        config.write_text(f"postgres: {{dsn: '{pg.dsn}', slot: bridge, publication: cdc}}\nredis: {{url: '{rd.url}'}}\nmappings: mappings/\nhttp: {{port: 0}}\n")
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute(SCHEMA)
             conn.execute("SELECT pg_create_logical_replication_slot('recv', 'pgoutput')")
             conn.execute("SELECT pg_create_logical_replication_slot('bridge', 'pgoutput')")
+            register(config)
             print(f"committing {args.changes:,} changes ...", flush=True)
             t0 = time.monotonic()
             total = workload(conn, args.changes)
@@ -153,6 +160,7 @@ def main() -> int:
             conn.execute("VACUUM ANALYZE")
             conn.execute("CHECKPOINT")
         client.flushall()
+        register(config)
         proc, _ = run_bridge(config, [])
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             # wait until the walsender has skipped the WAL already acknowledged: latency is steady-state

@@ -12,10 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import psycopg
+import redis
 
 from .catalog import load_types, table_shape
 from .config import Settings
-from .errors import CdcError, MappingError, SourceError
+from . import keys
+from .errors import CdcError, MappingError, SourceError, TransientError
+from .lsn import Lsn
 from .mapping import Mapping
 from .projection import Projector
 from .replication import SESSION_OPTIONS, classify_pg_error, quote_ident
@@ -89,9 +92,35 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                 raise SourceError(f"slot {pgs.slot} exists with plugin {slot[0]!r}, not pgoutput", hint="drop it or choose another postgres.slot")
             else:
                 done.append(f"slot {pgs.slot} already exists")
+            confirmed = conn.execute(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)
+            ).fetchone()[0]
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication) from exc
+    done.append(_register_redis(settings, Lsn.parse(confirmed)))
     return done
+
+
+def _register_redis(settings: Settings, confirmed: Lsn) -> str:
+    """Record in Redis that it holds the source up to the slot's position, unless it already does.
+
+    `cdc run` compares this record with the slot to detect a Redis that lost data;
+    a new (or deliberately emptied) Redis is registered here.
+    """
+    client = redis.Redis.from_url(settings.redis.url, socket_connect_timeout=5, socket_timeout=10)
+    key = keys.flushed_key(settings.postgres.slot)
+    try:
+        if client.set(key, str(int(confirmed)), nx=True):
+            return f"registered redis for slot {settings.postgres.slot} at {confirmed}"
+        current = Lsn(int(client.get(key)))
+        if current < confirmed:
+            client.set(key, str(int(confirmed)))
+            return f"redis held changes up to {current} only; accepted the loss up to {confirmed}"
+        return f"redis already holds slot {settings.postgres.slot} up to {current}"
+    except redis.RedisError as exc:
+        raise TransientError(f"redis unavailable: {exc}") from exc
+    finally:
+        client.close()
 
 
 @dataclass

@@ -22,12 +22,16 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import psycopg
+import redis
 import tenacity
 
 from . import pgoutput as pg
 from .catalog import load_types
 from .config import Settings
+from . import keys
 from .errors import CdcError, MappingError, SourceError, TransientError
+from .guards import MemoryWatch, SlotWatch, check_redis_has_flushed
+from .metrics import Histogram, Registry, serve
 from .lsn import Lsn
 from .mapping import Mapping
 from .projection import ColumnShape, Projector, TableShape, message_entry
@@ -55,12 +59,13 @@ class _ConnectionSilent(TransientError):
 class _Target:
     """Where a bound projector writes: its mapping and one batch per partition stream."""
 
-    __slots__ = ("projector", "batches", "version")
+    __slots__ = ("projector", "batches", "version", "read")
 
-    def __init__(self, projector: Projector, batches: list[StreamBatch]) -> None:
+    def __init__(self, projector: Projector, batches: list[StreamBatch], read: list[int]) -> None:
         self.projector = projector
         self.batches = batches
         self.version = projector.mapping.version
+        self.read = read  # [changes of this entity read], shared across rebinds
 
 
 class Bridge:
@@ -89,6 +94,18 @@ class Bridge:
         self.durable_lsn = Lsn(0)
         self.entries_trimmed = 0
         self.entries_force_trimmed = 0
+        self.state = "starting"
+        self.last_heard = 0.0
+        self.read_by_entity: dict[str, list[int]] = {m.entity: [0] for m in self.mappings}
+        self.published_by_stream: dict[str, int] = defaultdict(int)
+        self.failures: dict[str, int] = defaultdict(int)
+        self.batch_sizes = Histogram([1, 10, 50, 100, 500, 1000, 2000, 5000])
+        self.publish_seconds = Histogram([0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5])
+        self.commit_lag_seconds = Histogram([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30])
+        pgs = settings.postgres
+        self.slot_watch = SlotWatch(pgs.slot, pgs.retained_wal_warn_bytes, pgs.retained_wal_critical_bytes)
+        self.memory: MemoryWatch | None = None
+        self.registry = self._metrics()
 
     def __repr__(self) -> str:
         return (
@@ -115,16 +132,79 @@ class Bridge:
             wait=tenacity.wait_exponential_jitter(initial=0.2, max=5.0),
             stop=lambda state: self.stopping,
             sleep=self._sleep,
-            before_sleep=lambda state: log.warning(
-                "transient failure, retrying in %.1fs: %s", state.next_action.sleep, state.outcome.exception()
-            ),
+            before_sleep=self._before_retry,
             reraise=True,
         )
+        http = self.settings.http
+        server = None
+        if http.port:
+            try:
+                server = serve(self.registry, self.readiness, http.host, http.port)
+            except OSError as exc:
+                from .errors import ConfigError
+
+                raise ConfigError(f"cannot serve metrics on {http.host}:{http.port}: {exc.strerror}", hint="set http.port to a free port, or 0") from None
         try:
             retrying(self._session)
         except TransientError:
             if not self.stopping:
                 raise
+        finally:
+            self.state = "stopped"
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+
+    def _before_retry(self, state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception()
+        self.failures["redis" if "redis" in str(exc) else "postgres"] += 1
+        self.state = "retrying"
+        log.warning("transient failure, retrying in %.1fs: %s", state.next_action.sleep, exc)
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready: streaming with both ends connected, recently heard from, not paused."""
+        if self.state != "streaming":
+            return False, f"not ready: {self.state}"
+        silent = time.monotonic() - self.last_heard
+        if silent > self.settings.postgres.receive_timeout_s:
+            return False, f"not ready: nothing from postgres for {silent:.0f}s"
+        return True, f"ready: streaming, durable at {self.durable_lsn}"
+
+    def _metrics(self) -> Registry:
+        r = Registry()
+        r.counter("cdc_changes_read_total", "changes to mapped tables decoded, by entity",
+                  lambda: {(("entity", e),): n[0] for e, n in self.read_by_entity.items()})
+        r.counter("cdc_entries_published_total", "entries Redis confirmed, by stream",
+                  lambda: {(("stream", s),): n for s, n in self.published_by_stream.items()})
+        r.counter("cdc_transactions_total", "source transactions seen", lambda: self.transactions)
+        r.histogram("cdc_batch_entries", "entries per batch sent to Redis", self.batch_sizes)
+        r.histogram("cdc_publish_seconds", "time from sending a batch to Redis confirming it", self.publish_seconds)
+        r.histogram("cdc_commit_to_publish_seconds", "time from a transaction's commit to Redis confirming it",
+                    self.commit_lag_seconds)
+        r.gauge("cdc_confirmed_flush_lsn", "position acknowledged to the slot (bytes)", lambda: int(self.durable_lsn))
+        r.gauge("cdc_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed one",
+                lambda: self.slot_watch.health.lag_bytes)
+        r.gauge("cdc_retained_wal_bytes", "WAL the slot keeps on the server's disk",
+                lambda: self.slot_watch.health.retained_bytes)
+        r.gauge("cdc_retained_wal_alarm", "retained WAL alarm level: 0 ok, 1 warning, 2 critical",
+                lambda: ("ok", "warning", "critical").index(self.slot_watch.health.level))
+        r.counter("cdc_transient_failures_total", "failures retried, by side", lambda: {(("side", k),): v for k, v in self.failures.items()})
+        r.counter("cdc_sessions_total", "replication sessions started (1 + reconnections)", lambda: self.sessions)
+        r.counter("cdc_entries_trimmed_total", "stream entries trimmed after every group consumed them", lambda: self.entries_trimmed)
+        r.counter("cdc_entries_force_trimmed_total", "unconsumed entries dropped by the trim hard cap",
+                  lambda: self.entries_force_trimmed)
+        r.gauge("cdc_dead_letters", "entries in dead-letter streams", self._dead_letters)
+        r.gauge("cdc_redis_memory_ratio", "Redis used memory / maxmemory", lambda: self.memory.ratio if self.memory else None)
+        r.gauge("cdc_paused", "1 while reading is paused for Redis memory", lambda: int(self.state == "paused"))
+        r.gauge("cdc_up", "1 while streaming", lambda: int(self.state in ("streaming", "paused")))
+        return r
+
+    def _dead_letters(self) -> float:
+        client = redis.Redis.from_url(self.settings.redis.url, socket_timeout=2)
+        try:
+            return sum(client.xlen(k) for k in client.scan_iter(match=keys.dead_letter_key("*"), count=100))
+        finally:
+            client.close()
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -145,7 +225,12 @@ class Bridge:
         self.sessions += 1
         pgs = self.settings.postgres
         catalog_conn = self._connect_catalog()
-        publisher = Publisher(self.settings.redis.url, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)))
+        rs = self.settings.redis
+        publisher = Publisher(
+            rs.url, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
+            wait_timeout_ms=rs.wait_timeout_ms, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)),
+        )
+        client = redis.Redis.from_url(rs.url, socket_timeout=10, socket_connect_timeout=5)
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication)
         try:
             try:
@@ -161,8 +246,18 @@ class Bridge:
             except psycopg.Error as exc:
                 raise classify_pg_error(exc) from exc
             publisher.ping()
+            try:
+                health = self.slot_watch.check(catalog_conn)
+            except psycopg.Error as exc:
+                raise classify_pg_error(exc) from exc
+            try:
+                check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
+                self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction)
+            except redis.RedisError as exc:
+                raise TransientError(f"redis unavailable: {exc}") from exc
             self._release_stale_walsender(catalog_conn)
             stream.start(0, messages=bool(self._message_mappings))
+            self.state = "streaming"
             try:
                 self._stream(stream, publisher, catalog_conn)
             except _ConnectionSilent:
@@ -171,7 +266,39 @@ class Bridge:
         finally:
             stream.close()
             publisher.close()
+            client.close()
             catalog_conn.close()
+
+    def _memory_paused(self) -> bool:
+        try:
+            return self.memory.check()
+        except redis.RedisError as exc:
+            raise TransientError(f"redis unavailable: {exc}") from exc
+
+    def _pause_while_memory_full(self, report, status_interval: float) -> None:
+        """Read nothing (the server's data waits in the socket) until Redis has room again."""
+        self.state = "paused"
+        while not self.stopping and self._memory_paused():
+            report(reply=True)  # keeps the replication connection alive
+            self._sleep(min(0.5, status_interval))
+        self.state = "streaming"
+
+    def _check_slot(self, catalog_conn: psycopg.Connection) -> None:
+        try:
+            self.slot_watch.check(catalog_conn)
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from exc
+
+    def _heartbeat(self, catalog_conn: psycopg.Connection) -> bool:
+        """Emit a heartbeat message; False (and stop trying) when not permitted."""
+        try:
+            SlotWatch.heartbeat(catalog_conn)
+            return True
+        except psycopg.errors.InsufficientPrivilege as exc:
+            log.warning("heartbeats disabled: %s", str(exc).strip())
+            return False
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from exc
 
     def trim_streams(self) -> None:
         """Consumer-aware trim of every mapped stream (see `cdc.trim`); failures only logged."""
@@ -236,7 +363,7 @@ class Bridge:
         targets = []
         for m in mappings:
             projector = Projector(m, shape, self.catalog)
-            targets.append(_Target(projector, [self._batch(s) for s in m.stream_keys()]))
+            targets.append(_Target(projector, [self._batch(s) for s in m.stream_keys()], self.read_by_entity[m.entity]))
         log.info("bound %s to %s", relation.namespace + "." + relation.name, ", ".join(m.entity for m in mappings))
         return targets
 
@@ -269,6 +396,15 @@ class Bridge:
         inflight = False  # a batch sent to Redis and not yet confirmed
         inflight_ack = ackable
         inflight_count = 0
+        inflight_counts: dict[str, int] = {}
+        inflight_sent_at = 0.0
+        inflight_ts_ms = 0
+        recorded = self.durable_lsn  # how far Redis is known to record that it holds the source
+        pgs = self.settings.postgres
+        next_check = 0.0
+        next_slot_check = monotonic() + pgs.slot_check_interval_s
+        heartbeat = pgs.heartbeat_interval_s
+        next_heartbeat = monotonic() + heartbeat if heartbeat else float("inf")
 
         def flush(wait: bool) -> None:
             """Confirm the batch in flight, send the pending one; with `wait`, confirm that too.
@@ -276,18 +412,27 @@ class Bridge:
             Redis appends one batch while the next is decoded: at most one is in flight,
             and the slot position moves only to what Redis confirmed.
             """
-            nonlocal pending, inflight, inflight_ack, inflight_count
+            nonlocal pending, inflight, inflight_ack, inflight_count, inflight_counts, inflight_sent_at
+            nonlocal inflight_ts_ms, recorded
             if inflight:
                 publisher.confirm()
+                self.publish_seconds.observe(monotonic() - inflight_sent_at)
+                self.commit_lag_seconds.observe(max(0.0, time.time() - inflight_ts_ms / 1000))
+                for name, n in inflight_counts.items():
+                    self.published_by_stream[name] += n
                 self.entries_published += inflight_count
                 inflight = False
+                recorded = max(recorded, inflight_ack)  # recorded by the same pipeline
                 if inflight_ack > self.durable_lsn:
                     self.durable_lsn = inflight_ack
             if pending:
-                publisher.send(batches.values())
+                inflight_counts = {b.stream: b.count for b in batches.values() if b.count}
+                self.batch_sizes.observe(pending)
+                publisher.send(batches.values(), flushed=ackable)
                 for b in batches.values():
                     b.clear()
                 inflight, inflight_ack, inflight_count = True, ackable, pending
+                inflight_sent_at, inflight_ts_ms = monotonic(), int(ts_s or 0)
                 pending = 0
                 if wait:
                     flush(False)
@@ -304,8 +449,17 @@ class Bridge:
             pending += 1
 
         def report(reply: bool = False) -> None:
-            nonlocal next_status
-            stream.send_status(self.durable_lsn, self.durable_lsn, self.durable_lsn, reply)
+            """Tell the slot how far Redis holds the source, once Redis has recorded that itself.
+
+            While a batch is in flight the connection is busy with its replies, so the
+            record cannot be written now: report only what is already recorded.
+            """
+            nonlocal next_status, recorded
+            if self.durable_lsn > recorded and not inflight:
+                publisher.record_flushed(self.durable_lsn)
+                recorded = self.durable_lsn
+            acked = min(self.durable_lsn, recorded)
+            stream.send_status(acked, acked, acked, reply)
             next_status = monotonic() + status_interval
 
         try:
@@ -315,6 +469,22 @@ class Bridge:
                 else:
                     raw = stream.read(max(0.0, min(next_status, next_poll or next_status) - monotonic()))
                 now = monotonic()
+                if now >= next_check:
+                    next_check = now + 0.5
+                    self.last_heard = last_heard
+                    if self.memory is not None and self._memory_paused():
+                        flush(wait=True)
+                        report()
+                        self._pause_while_memory_full(report, status_interval)
+                        last_heard = monotonic()
+                        continue
+                    if now >= next_slot_check:
+                        next_slot_check = now + pgs.slot_check_interval_s
+                        self._check_slot(catalog_conn)
+                    if now >= next_heartbeat:
+                        next_heartbeat = now + heartbeat
+                        if now - last_heard >= heartbeat and not self._heartbeat(catalog_conn):
+                            next_heartbeat = float("inf")
                 if now >= next_trim:
                     self.trim_streams()
                     next_trim = monotonic() + trim.interval_s
@@ -329,6 +499,7 @@ class Bridge:
                         raise _ConnectionSilent(f"no message from postgres in {receive_timeout:.0f}s; reconnecting")
                     if self.until_caught_up and not in_tx:
                         if self.durable_lsn >= self.target_lsn:
+                            report()
                             log.info("caught up at %s", self.durable_lsn)
                             return
                         if now >= next_poll:

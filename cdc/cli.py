@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -351,6 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except CdcError as exc:
+        if os.environ.get("CDC_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
         print(f"cdc: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -19,7 +19,7 @@ from typing import Any
 from .errors import ConfigError
 from .yamlsrc import LocatedDict, load_yaml_file, where
 
-__all__ = ["BatchSettings", "PostgresSettings", "RedisSettings", "Settings", "TrimSettings"]
+__all__ = ["BatchSettings", "HttpSettings", "PostgresSettings", "RedisSettings", "Settings", "TrimSettings"]
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,32 @@ class PostgresSettings:
     publication: str = "cdc"
     #: seconds without any message from the server before the connection is deemed dead
     receive_timeout_s: float = 30.0
+    #: when nothing arrives for this long, write a logical message so the slot keeps advancing (0: never)
+    heartbeat_interval_s: float = 30.0
+    #: seconds between checks of the slot (retained WAL, invalidation)
+    slot_check_interval_s: float = 10.0
+    #: retained-WAL alarm levels in bytes (0: half and four fifths of max_slot_wal_keep_size, else 1 GiB and 10 GiB)
+    retained_wal_warn_bytes: int = 0
+    retained_wal_critical_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class RedisSettings:
     url: str = "redis://localhost:6379/0"
+    #: pause reading when used memory reaches this fraction of maxmemory (0: never)
+    pause_at_memory_fraction: float = 0.9
+    #: resume below this fraction
+    resume_at_memory_fraction: float = 0.8
+    #: acknowledge the slot only once this many replicas have the batch (Redis WAIT; 0: don't wait)
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    #: where /metrics, /healthz and /readyz are served by `cdc run` (port 0: not served)
+    host: str = "0.0.0.0"
+    port: int = 9187
 
 
 @dataclass(frozen=True)
@@ -62,6 +83,7 @@ class Settings:
     redis: RedisSettings = field(default_factory=RedisSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
     trim: TrimSettings = field(default_factory=TrimSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
     mappings: Path = Path("mappings")
     source: str = "<defaults>"
 

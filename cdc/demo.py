@@ -24,7 +24,7 @@ from .bridge import Bridge
 from .cli import _setup_logging
 from .config import Settings
 from .errors import CdcError
-from .local import LocalPostgres, LocalRedis
+from .local import LocalPostgres, LocalRedis, free_port
 from .mapping import load_mappings
 from .rocketrides import RideWriter
 
@@ -36,12 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=".local", help="where the servers keep their files")
     parser.add_argument("--pg-port", type=int, default=int(os.environ.get("CDC_DEMO_PG_PORT", 0)), help="default: a free port")
     parser.add_argument("--redis-port", type=int, default=int(os.environ.get("CDC_DEMO_REDIS_PORT", 0)), help="default: a free port")
+    parser.add_argument("--http-port", type=int, default=int(os.environ.get("CDC_DEMO_HTTP_PORT", 0)),
+                        help="where /metrics, /healthz, /readyz are served (default: a free port)")
     parser.add_argument("--rate", type=float, default=2.0, help="writer transactions per second")
     parser.add_argument("--seconds", type=float, default=0, help="stop after this long (0: until Ctrl-C)")
     args = parser.parse_args(argv)
     _setup_logging("warning", "text")
 
     root = Path(args.root).resolve()
+    args.http_port = args.http_port or free_port()
     project = Path(__file__).resolve().parent.parent
     pg = LocalPostgres(root / "postgres", args.pg_port or None)
     rd = LocalRedis(root / "redis", args.redis_port or None)
@@ -61,12 +64,14 @@ def main(argv: list[str] | None = None) -> int:
             f"postgres: {{dsn: '{pg.dsn}', slot: cdc, publication: cdc}}\n"
             f"redis: {{url: '{rd.url}'}}\n"
             f"mappings: {project / 'mappings'}\n"
+            f"http: {{port: {args.http_port}}}\n"
         )
         settings = Settings.from_file(config)
         mappings = load_mappings(settings.mappings)
         for line in init(settings, mappings):
             print(line)
         print(f"config written to {config}; try: .venv/bin/cdc status --config {config}")
+        print(f"metrics: curl http://127.0.0.1:{args.http_port}/metrics  (also /healthz, /readyz)")
         bridge = Bridge(settings, mappings)
         bridge_thread = threading.Thread(target=bridge.run, name="bridge", daemon=True)
         bridge_thread.start()

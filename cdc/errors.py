@@ -14,6 +14,7 @@ __all__ = [
     "SlotError",
     "PrivilegeError",
     "PublishError",
+    "DataLossError",
     "TransientError",
 ]
 
@@ -64,6 +65,12 @@ class PublishError(CdcError):
     """Redis refused the data for a reason that retrying will not fix."""
 
     exit_code = 5
+
+
+class DataLossError(PublishError):
+    """Redis no longer holds entries the slot was told it holds: restore or re-snapshot."""
+
+    exit_code = 6
 
 
 class TransientError(CdcError):

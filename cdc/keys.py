@@ -62,3 +62,13 @@ def lease_key(stream: str, group: str) -> str:
 def lease_epoch_key(stream: str, group: str) -> str:
     """A counter: each new lease holder gets a higher epoch, used to fence old holders."""
     return lease_key(stream, group) + ":epoch"
+
+
+def flushed_key(slot: str) -> str:
+    """The highest LSN whose changes Redis holds, written before the slot is told so.
+
+    On start the bridge compares it with the slot's confirmed position: a Redis
+    that restarted without persistence, or a failover to a lagging replica, shows
+    up as a value behind the slot, and the missing LSN range is exactly between.
+    """
+    return f"cdc:bridge:{slot}:flushed"

@@ -119,8 +119,20 @@ def _classify(exc: Exception) -> Exception:
 class Publisher:
     """Appends batches to streams over one connection; counts what it wrote."""
 
-    def __init__(self, url: str, *, socket_timeout: float = 30.0, double_send: float = 0.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        socket_timeout: float = 30.0,
+        flushed_key: str | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        double_send: float = 0.0,
+    ) -> None:
         self.url = url
+        self.flushed_key = flushed_key
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         #: test-only fault: probability of appending a batch a second time, bypassing the marks,
         #: to prove consumers are exact even when a producer without marks sends twice
         self.double_send = double_send
@@ -131,7 +143,7 @@ class Publisher:
 
             raise ConfigError(f"invalid redis url: {exc}", hint="use redis://host:port/db or rediss:// for TLS") from None
         self._conn = None
-        self._inflight: tuple[list[bytes], list[int], int] | None = None
+        self._inflight: tuple[list[bytes], list[int], list[bytes], int] | None = None
         self.entries_written = 0
         self.entries_skipped = 0
         self.batches = 0
@@ -188,11 +200,37 @@ class Publisher:
 
     # -- batches: send now, confirm later ------------------------------------------
 
-    def send(self, batches: Iterable[StreamBatch]) -> None:
+    def _tail(self, flushed: int | None) -> list[bytes]:
+        """After the batch: record how far Redis holds the source, then wait for replicas."""
+        tail = []
+        if flushed is not None and self.flushed_key:
+            tail.append(hiredis.pack_command((b"SET", self.flushed_key, str(int(flushed)))))
+        if self.wait_replicas:
+            tail.append(hiredis.pack_command((b"WAIT", self.wait_replicas, self.wait_timeout_ms)))
+        return tail
+
+    def _check_tail(self, replies: list) -> None:
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise _classify(reply)
+        if self.wait_replicas and replies and replies[-1] < self.wait_replicas:
+            raise TransientError(
+                f"only {replies[-1]} of {self.wait_replicas} redis replicas acknowledged within {self.wait_timeout_ms} ms"
+            )
+
+    def record_flushed(self, flushed: int) -> None:
+        """Record (and replicate, if asked) that Redis holds every change up to `flushed`."""
+        tail = self._tail(flushed)
+        if tail:
+            self._check_tail(self._round_trip(tail))
+
+    def send(self, batches: Iterable[StreamBatch], flushed: int | None = None) -> None:
         """Send every non-empty batch (one script call per stream) without waiting.
 
-        At most one send is outstanding: `confirm()` must be called before the next
-        `send()`. The batches may be cleared as soon as this returns.
+        `flushed`, the end LSN of the last whole transaction in the batches, is
+        recorded after them. At most one send is outstanding: `confirm()` must be
+        called before the next `send()`. The batches may be cleared as soon as this
+        returns.
         """
         if self._inflight is not None:
             raise RuntimeError("confirm() the previous send first")
@@ -204,29 +242,34 @@ class Publisher:
         if self.double_send and random.random() < self.double_send:
             duplicates = [hiredis.pack_command((b"XADD", b.stream, b"*", *e[:-1])) for b in pending for e in b.entries]
             log.warning("fault injection: sending a batch of %d entries twice", len(duplicates))
-        self._inflight = (commands, [b.count for b in pending], len(duplicates))
+        tail = self._tail(flushed) if commands else []
+        self._inflight = (commands, [b.count for b in pending], tail, len(duplicates))
         if commands:
-            self._send(commands + duplicates)
+            self._send(commands + tail + duplicates)
 
     def confirm(self) -> int:
         """Wait until Redis applied the outstanding send; return the entries appended."""
         if self._inflight is None:
             return 0
-        commands, counts, duplicates = self._inflight
+        commands, counts, tail_commands, duplicates = self._inflight
         self._inflight = None
         if not commands:
             return 0
-        replies = self._receive(len(commands) + duplicates)[: len(commands)]
+        n = len(commands)
+        everything = self._receive(n + len(tail_commands) + duplicates)
+        replies, tail = everything[:n], everything[n : n + len(tail_commands)]
         if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or flushed its script cache: load and resend; the marks make it safe.
             self._round_trip([hiredis.pack_command((b"SCRIPT", b"LOAD", APPEND_SCRIPT))])
-            replies = self._round_trip(commands)
+            everything = self._round_trip(commands + tail_commands)
+            replies, tail = everything[:n], everything[n:]
         added = 0
         for count, reply in zip(counts, replies):
             if isinstance(reply, Exception):
                 raise _classify(reply)
             added += reply
             self.entries_skipped += count - reply
+        self._check_tail(tail)
         self.entries_written += added
         self.batches += 1
         return added

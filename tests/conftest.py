@@ -93,10 +93,12 @@ class Env:
             shutil.copy(ROOT / "mappings" / name, self.mappings_dir / name)
 
     def write_config(self, extra: str = "", dsn: str | None = None) -> Path:
+        """cdc.yaml for this test (metrics not served unless `extra` has an http section)."""
         self.config_path.write_text(
             f"postgres: {{dsn: '{dsn or self.dsn}', slot: {self.slot}, publication: {self.publication}}}\n"
             f"redis: {{url: '{self.redis_server.url}'}}\n"
             f"mappings: mappings/\n{extra}"
+            + ("" if "http:" in extra else "http: {port: 0}\n")
         )
         return self.config_path
 

@@ -114,7 +114,7 @@ def test_a_silently_dead_connection_is_detected_and_replaced(env):
         dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/{env.dbname}"
         env.config_path.write_text(
             f"postgres: {{dsn: '{dsn}', slot: {env.slot}, publication: cdc, receive_timeout_s: 3}}\n"
-            f"redis: {{url: '{env.redis_server.url}'}}\nmappings: mappings/\nbatch: {{status_interval_s: 0.5}}\n"
+            f"redis: {{url: '{env.redis_server.url}'}}\nmappings: mappings/\nbatch: {{status_interval_s: 0.5}}\nhttp: {{port: 0}}\n"
         )
         proc = env.start_bridge()
         env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")

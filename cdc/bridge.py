@@ -406,6 +406,20 @@ class Bridge:
         heartbeat = pgs.heartbeat_interval_s
         next_heartbeat = monotonic() + heartbeat if heartbeat else float("inf")
 
+        def settle() -> None:
+            """Wait for Redis to confirm the batch in flight; the slot may then move to it."""
+            nonlocal inflight, recorded
+            publisher.confirm()
+            self.publish_seconds.observe(monotonic() - inflight_sent_at)
+            self.commit_lag_seconds.observe(max(0.0, time.time() - inflight_ts_ms / 1000))
+            for name, n in inflight_counts.items():
+                self.published_by_stream[name] += n
+            self.entries_published += inflight_count
+            inflight = False
+            recorded = max(recorded, inflight_ack)  # recorded by the same pipeline
+            if inflight_ack > self.durable_lsn:
+                self.durable_lsn = inflight_ack
+
         def flush(wait: bool) -> None:
             """Confirm the batch in flight, send the pending one; with `wait`, confirm that too.
 
@@ -413,18 +427,9 @@ class Bridge:
             and the slot position moves only to what Redis confirmed.
             """
             nonlocal pending, inflight, inflight_ack, inflight_count, inflight_counts, inflight_sent_at
-            nonlocal inflight_ts_ms, recorded
+            nonlocal inflight_ts_ms
             if inflight:
-                publisher.confirm()
-                self.publish_seconds.observe(monotonic() - inflight_sent_at)
-                self.commit_lag_seconds.observe(max(0.0, time.time() - inflight_ts_ms / 1000))
-                for name, n in inflight_counts.items():
-                    self.published_by_stream[name] += n
-                self.entries_published += inflight_count
-                inflight = False
-                recorded = max(recorded, inflight_ack)  # recorded by the same pipeline
-                if inflight_ack > self.durable_lsn:
-                    self.durable_lsn = inflight_ack
+                settle()
             if pending:
                 inflight_counts = {b.stream: b.count for b in batches.values() if b.count}
                 self.batch_sizes.observe(pending)
@@ -435,7 +440,7 @@ class Bridge:
                 inflight_sent_at, inflight_ts_ms = monotonic(), int(ts_s or 0)
                 pending = 0
                 if wait:
-                    flush(False)
+                    settle()
             elif ackable > self.durable_lsn:
                 self.durable_lsn = ackable
 
@@ -464,20 +469,17 @@ class Bridge:
 
         try:
             while not self.stopping:
-                if pending:
-                    raw = stream.read(0)
-                else:
-                    raw = stream.read(max(0.0, min(next_status, next_poll or next_status) - monotonic()))
                 now = monotonic()
-                if now >= next_check:
+                if now >= next_check:  # guardrails, between messages
                     next_check = now + 0.5
                     self.last_heard = last_heard
                     if self.memory is not None and self._memory_paused():
-                        flush(wait=True)
+                        # hold what is queued (a batch at most); send nothing more until Redis has room
+                        if inflight:
+                            settle()
                         report()
                         self._pause_while_memory_full(report, status_interval)
                         last_heard = monotonic()
-                        continue
                     if now >= next_slot_check:
                         next_slot_check = now + pgs.slot_check_interval_s
                         self._check_slot(catalog_conn)
@@ -488,6 +490,11 @@ class Bridge:
                 if now >= next_trim:
                     self.trim_streams()
                     next_trim = monotonic() + trim.interval_s
+                if pending:
+                    raw = stream.read(0)
+                else:
+                    raw = stream.read(max(0.0, min(next_status, next_poll or next_status) - monotonic()))
+                now = monotonic()
                 if raw is None:
                     if pending or inflight:
                         flush(wait=True)
@@ -522,6 +529,7 @@ class Bridge:
                     if tlist:
                         msg = decoder.decode(raw[_XLOG_HEADER:])
                         for t in tlist:
+                            t.read[0] += 1
                             proj = t.projector
                             if kind == _INSERT:
                                 out = proj.insert(msg.new)

@@ -117,6 +117,8 @@ class MemoryWatch:
         info = self.client.info("memory")
         limit = int(info.get("maxmemory", 0))
         if not limit or not self.pause_at:
+            if self.paused:
+                log.info("redis has no memory limit now: resuming")
             self.ratio, self.paused = None, False
             return False
         self.ratio = int(info["used_memory"]) / limit

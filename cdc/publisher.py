@@ -28,6 +28,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ConnectionError as RedisConnectionError,
     NoScriptError,
+    OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
     TimeoutError as RedisTimeoutError,
@@ -108,7 +109,7 @@ def _classify(exc: Exception) -> Exception:
         return TransientError(f"redis unavailable: {exc}")
     if isinstance(exc, ResponseError):
         text = str(exc)
-        if text.startswith(TRANSIENT_REPLIES) or "OOM" in text:
+        if isinstance(exc, OutOfMemoryError) or text.startswith(TRANSIENT_REPLIES) or "maxmemory" in text:
             return TransientError(f"redis refused the write for now: {text}")
         if text.startswith("NOPERM") or "NOPERM" in text:
             return PublishError(f"redis denied a command: {text}", hint="grant the bridge's ACL user EVALSHA, XADD, SET, GET on its keys")

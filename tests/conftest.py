@@ -92,11 +92,15 @@ class Env:
         for name in names:
             shutil.copy(ROOT / "mappings" / name, self.mappings_dir / name)
 
-    def write_config(self, extra: str = "", dsn: str | None = None) -> Path:
-        """cdc.yaml for this test (metrics not served unless `extra` has an http section)."""
+    def write_config(self, extra: str = "", dsn: str | None = None, *, redis_url: str | None = None,
+                     postgres: str = "", redis: str = "") -> Path:
+        """cdc.yaml for this test; `postgres`/`redis` add settings to those sections (", key: value").
+
+        Metrics are not served unless `extra` has an http section.
+        """
         self.config_path.write_text(
-            f"postgres: {{dsn: '{dsn or self.dsn}', slot: {self.slot}, publication: {self.publication}}}\n"
-            f"redis: {{url: '{self.redis_server.url}'}}\n"
+            f"postgres: {{dsn: '{dsn or self.dsn}', slot: {self.slot}, publication: {self.publication}{postgres}}}\n"
+            f"redis: {{url: '{redis_url or self.redis_server.url}'{redis}}}\n"
             f"mappings: mappings/\n{extra}"
             + ("" if "http:" in extra else "http: {port: 0}\n")
         )

@@ -60,8 +60,17 @@ def _chown_to_server_user(path: Path) -> None:
 class LocalPostgres:
     """A PostgreSQL 15 cluster in `root` with ``wal_level=logical`` on a loopback port."""
 
-    def __init__(self, root: Path, port: int | None = None, *, settings: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        port: int | None = None,
+        *,
+        settings: dict[str, str] | None = None,
+        password_roles: tuple[str, ...] = (),
+    ) -> None:
         self.root = Path(root)
+        #: roles that must authenticate with a password (scram); everyone else is trusted
+        self.password_roles = password_roles
         self.data = self.root / "data"
         self.sockdir = self.root / "run"
         self.port = port or free_port()
@@ -109,9 +118,13 @@ class LocalPostgres:
         auto.write_text(f"port = {self.port}\nunix_socket_directories = '{self.sockdir}'\n{conf}\n")
         _chown_to_server_user(auto)
         hba = self.data / "pg_hba.conf"
+        scram = "".join(
+            f"host all {role} 127.0.0.1/32 scram-sha-256\nhost replication {role} 127.0.0.1/32 scram-sha-256\n"
+            for role in self.password_roles
+        )
         hba.write_text(
-            "local all all trust\nlocal replication all trust\n"
-            "host all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n"
+            "local all all trust\nlocal replication all trust\n" + scram
+            + "host all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n"
         )
         _chown_to_server_user(hba)
 

@@ -34,7 +34,7 @@ def servers_root():
 
 @pytest.fixture(scope="session")
 def postgres(servers_root):
-    server = LocalPostgres(servers_root / "pg")
+    server = LocalPostgres(servers_root / "pg", password_roles=("cdc_bridge",))
     server.start()
     yield server
     server.stop("immediate")

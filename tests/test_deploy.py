@@ -1,0 +1,177 @@
+"""The deployment files: they parse, the commands they run exist, the config they mount is
+accepted by `cdc check`, and the server configs start real servers that the bridge can use."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from cdc.cli import build_parser
+from cdc.local import LocalPostgres, free_port, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+
+
+def parses_as_cdc(argv: list[str]) -> None:
+    """A command line the cdc CLI accepts (argparse exits on anything else)."""
+    build_parser().parse_args(argv)
+
+
+def conf_settings(path: Path) -> dict[str, str]:
+    settings = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def test_compose_services_run_real_cdc_commands_with_secrets_that_exist():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"postgres", "redis", "cdc", "cdc-init", "consumer"} <= set(services)
+    for name in ("cdc", "cdc-init", "consumer"):
+        service = services[name]
+        parses_as_cdc(service["command"])
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile"
+        for secret in service.get("secrets", []):
+            assert secret in compose["secrets"]
+        for key, value in service.get("environment", {}).items():
+            if key.endswith("_FILE"):
+                assert value.startswith("/run/secrets/") and value.rsplit("/", 1)[1] in service["secrets"]
+    assert services["cdc"]["command"][:1] == ["run"] and services["cdc"]["stop_signal"] == "SIGTERM"
+    assert "appendonly" in (DEPLOY / "redis" / "redis.conf").read_text()
+    assert (ROOT / "sql").is_dir() and (DEPLOY / "postgres" / "postgresql.conf").is_file()
+
+
+def test_kubernetes_pod_wires_probes_to_the_served_port():
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "pod.yaml").read_text()))
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    pod = next(d for d in docs if d["kind"] == "Pod")
+    cdc_config = yaml.safe_load(config_map["data"]["cdc.yaml"])
+    port = cdc_config["http"]["port"]
+    sidecar = next(c for c in pod["spec"]["containers"] if c["name"] == "cdc")
+    parses_as_cdc(sidecar["args"])
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port}
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert {c["name"] for c in pod["spec"]["containers"]} == {"postgres", "cdc"}
+    mounted = {m["subPath"] for m in sidecar["volumeMounts"] if "subPath" in m}
+    assert mounted <= set(config_map["data"])
+
+
+def test_systemd_unit_and_dockerfile_run_real_commands():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read(DEPLOY / "systemd" / "cdc.service")
+    service = unit["Service"]
+    for key in ("ExecStart", "ExecStartPre"):
+        argv = shlex.split(service[key])
+        assert argv[0].endswith("/cdc")
+        parses_as_cdc(argv[1:])
+    assert service["KillSignal"] == "SIGTERM"
+    assert set(service["RestartPreventExitStatus"].split()) == {"2", "3", "4", "5", "6"}
+    docker = (DEPLOY / "Dockerfile").read_text()
+    entry = re.search(r'^ENTRYPOINT \["cdc"\]$', docker, re.M)
+    cmd = re.search(r"^CMD (\[.*\])$", docker, re.M)
+    assert entry and cmd
+    parses_as_cdc(yaml.safe_load(cmd.group(1)))
+    for source in re.findall(r"^COPY (\S+)", docker, re.M):
+        assert (ROOT / source).exists(), source
+
+
+@pytest.mark.integration
+def test_mounted_configs_pass_cdc_check(env):
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml")
+    env.cdc("init", check=True)
+    overrides = {"CDC_POSTGRES_DSN": env.dsn, "CDC_REDIS_URL": env.redis_server.url, "CDC_POSTGRES_SLOT": env.slot}
+    cmd = [sys.executable, "-m", "cdc", "check"]
+    # the container's config with the repository's mappings
+    result = subprocess.run([*cmd, "--config", str(DEPLOY / "cdc.yaml")], capture_output=True, text=True,
+                            env={**os.environ, **overrides, "CDC_MAPPINGS": str(ROOT / "mappings")})
+    assert "ok: entity ride" in result.stdout and "entity rocket" in result.stdout
+    # the Kubernetes ConfigMap's config and mapping, as mounted
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "pod.yaml").read_text()))
+    data = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    (env.tmp / "k8s" / "mappings").mkdir(parents=True)
+    (env.tmp / "k8s" / "cdc.yaml").write_text(data["cdc.yaml"])
+    (env.tmp / "k8s" / "mappings" / "ride.yaml").write_text(data["ride.yaml"])
+    result = subprocess.run([*cmd, "--config", str(env.tmp / "k8s" / "cdc.yaml")], capture_output=True, text=True,
+                            env={**os.environ, **overrides, "CDC_MAPPINGS": str(env.tmp / "k8s" / "mappings")})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "cdc check: 1 mapping(s) valid" in result.stdout
+
+
+@pytest.mark.integration
+def test_postgres_snippet_starts_a_server_the_bridge_accepts(servers_root):
+    settings = conf_settings(DEPLOY / "postgres" / "postgresql.conf")
+    assert settings["wal_level"] == "logical"
+    server = LocalPostgres(servers_root / "deploy-snippet", settings=settings)
+    server.start()
+    try:
+        import psycopg
+
+        with psycopg.connect(server.dsn) as conn:
+            for key, value in settings.items():
+                shown = conn.execute(f"SHOW {key}").fetchone()[0]
+                assert shown.lower() == value.strip("'").lower(), (key, shown, value)
+    finally:
+        server.stop("immediate")
+
+
+@pytest.mark.integration
+def test_redis_conf_acl_user_can_run_the_bridge_and_nothing_else(env, servers_root):
+    root = servers_root / "deploy-redis"
+    root.mkdir(exist_ok=True)
+    port = free_port()
+    proc = subprocess.Popen(
+        [shutil.which("redis-server"), str(DEPLOY / "redis" / "redis.conf"), "--port", str(port),
+         "--bind", "127.0.0.1", "--dir", str(root), "--save", ""],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"redis://cdc-bridge:change-me-bridge@127.0.0.1:{port}/0"
+        wait_for(lambda: redis.Redis.from_url(url).ping(), 30, "redis with the deploy config")
+        env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")
+        env.copy_mappings("ride.yaml")
+        env.write_config(redis_url=url)
+        env.cdc("init", check=True)
+        env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")
+        env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 10) g")
+        env.cdc("run", "--until-caught-up", check=True)
+        client = redis.Redis.from_url(url)
+        assert client.xlen("cdc:ride") == 10
+        consume = [sys.executable, "-m", "cdc", "consume", "--config", str(env.config_path), "--entity", "ride",
+                   "--group", "g", "--start", "0", "--handler", "cdc.rocketrides:ride_totals"]
+        consumer = subprocess.Popen(consume, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: env.execute("SELECT total_distance FROM consumer_states WHERE rider_id = 0") == [(55,)],
+                     30, "the consumer, under the ACL user, to total the rides")
+        finally:
+            consumer.terminate()
+            consumer.wait(30)
+        for command in ("status", "trim"):
+            env.cdc(command, check=True)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.flushall()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.set("other:key", "x")
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=port).ping()  # the default user is off
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -67,8 +67,11 @@ class LocalPostgres:
         *,
         settings: dict[str, str] | None = None,
         password_roles: tuple[str, ...] = (),
+        ssl_files: tuple[Path, Path] | None = None,
     ) -> None:
         self.root = Path(root)
+        #: (certificate, key): serve TLS and accept only TLS connections over TCP
+        self.ssl_files = ssl_files
         #: roles that must authenticate with a password (scram); everyone else is trusted
         self.password_roles = password_roles
         self.data = self.root / "data"
@@ -114,17 +117,25 @@ class LocalPostgres:
 
     def write_config(self) -> None:
         conf = "\n".join(f"{k} = {v}" for k, v in self.settings.items())
+        if self.ssl_files:
+            for source, name in zip(self.ssl_files, ("server.crt", "server.key")):
+                target = self.data / name
+                shutil.copy(source, target)
+                target.chmod(0o600)
+                _chown_to_server_user(target)
+            conf += "\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'"
         auto = self.data / "postgresql.auto.conf"
         auto.write_text(f"port = {self.port}\nunix_socket_directories = '{self.sockdir}'\n{conf}\n")
         _chown_to_server_user(auto)
-        hba = self.data / "pg_hba.conf"
+        host = "hostssl" if self.ssl_files else "host"
         scram = "".join(
-            f"host all {role} 127.0.0.1/32 scram-sha-256\nhost replication {role} 127.0.0.1/32 scram-sha-256\n"
+            f"{host} all {role} 127.0.0.1/32 scram-sha-256\n{host} replication {role} 127.0.0.1/32 scram-sha-256\n"
             for role in self.password_roles
         )
+        hba = self.data / "pg_hba.conf"
         hba.write_text(
             "local all all trust\nlocal replication all trust\n" + scram
-            + "host all all 127.0.0.1/32 trust\nhost replication all 127.0.0.1/32 trust\n"
+            + f"{host} all all 127.0.0.1/32 trust\n{host} replication all 127.0.0.1/32 trust\n"
         )
         _chown_to_server_user(hba)
 
@@ -144,7 +155,7 @@ class LocalPostgres:
     def ready(self) -> bool:
         import psycopg
 
-        with psycopg.connect(self.dsn, connect_timeout=2) as conn:
+        with psycopg.connect(f"host={self.sockdir} port={self.port} user=postgres dbname=postgres", connect_timeout=2) as conn:
             conn.execute("SELECT 1")
         return True
 
@@ -166,15 +177,27 @@ class LocalPostgres:
 class LocalRedis:
     """A redis-server on a loopback port with its files in `root`."""
 
-    def __init__(self, root: Path, port: int | None = None, *, appendonly: bool = True, extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        port: int | None = None,
+        *,
+        appendonly: bool = True,
+        extra: list[str] | None = None,
+        tls_files: tuple[Path, Path, Path] | None = None,
+    ) -> None:
         self.root = Path(root)
         self.port = port or free_port()
         self.appendonly = appendonly
         self.extra = extra or []
+        #: (CA certificate, server certificate, server key): TLS only, client certificates required
+        self.tls_files = tls_files
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        if self.tls_files:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls_files[0]}&ssl_cert_reqs=required"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "LocalRedis":
@@ -187,6 +210,11 @@ class LocalRedis:
             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
             "--save", "", "--daemonize", "no", "--logfile", str(self.root / "redis.log"), *self.extra,
         ]
+        if self.tls_files:
+            ca, cert, key = self.tls_files
+            args[args.index("--port") + 1] = "0"
+            args += ["--tls-port", str(self.port), "--tls-ca-cert-file", str(ca), "--tls-cert-file", str(cert),
+                     "--tls-key-file", str(key), "--tls-auth-clients", "yes"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         wait_for(self.ready, 30, f"redis on port {self.port}")
         return self
@@ -194,9 +222,11 @@ class LocalRedis:
     def ready(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.root / 'redis.log'}")
-        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as raw:
+            if self.tls_files:
+                return True  # accepting connections; a TLS client proves the rest
+            raw.sendall(b"PING\r\n")
+            return raw.recv(64).startswith(b"+PONG")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

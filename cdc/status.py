@@ -20,10 +20,12 @@ from .replication import classify_pg_error
 __all__ = ["collect", "render"]
 
 SLOT_QUERY = """
-SELECT active, confirmed_flush_lsn::text, pg_current_wal_lsn()::text,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, wal_status
-FROM pg_replication_slots WHERE slot_name = %s
+SELECT s.active, s.confirmed_flush_lsn::text, pg_current_wal_lsn()::text,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint, s.wal_status,
+       extract(epoch FROM r.flush_lag)::float8, current_setting('max_slot_wal_keep_size'), s.safe_wal_size
+FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
+WHERE s.slot_name = %s
 """
 
 
@@ -37,7 +39,9 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
     if row:
         result["slot"] = {
             "name": settings.postgres.slot, "active": row[0], "confirmed_flush_lsn": row[1],
-            "current_wal_lsn": row[2], "lag_bytes": row[3], "retained_wal_bytes": row[4], "wal_status": row[5],
+            "current_wal_lsn": row[2], "lag_bytes": row[3], "lag_seconds": row[6],
+            "retained_wal_bytes": row[4], "max_slot_wal_keep_size": row[7], "safe_wal_size_bytes": row[8],
+            "wal_status": row[5],
         }
     publisher = Publisher(settings.redis.url)
     client = redis.Redis.from_url(settings.redis.url, socket_connect_timeout=5)
@@ -105,9 +109,11 @@ def render(status: dict) -> str:
     if slot is None:
         lines.append("slot: missing (run cdc init)")
     else:
+        lag_s = "" if slot["lag_seconds"] is None else f" ({slot['lag_seconds']:.2f}s)"
         lines.append(
             f"slot {slot['name']}: {'active' if slot['active'] else 'inactive'}, confirmed {slot['confirmed_flush_lsn']}, "
-            f"current {slot['current_wal_lsn']}, lag {slot['lag_bytes']} bytes, retained WAL {slot['retained_wal_bytes']} bytes, "
+            f"current {slot['current_wal_lsn']}, lag {slot['lag_bytes']} bytes{lag_s}, "
+            f"retained WAL {slot['retained_wal_bytes']} bytes of max_slot_wal_keep_size {slot['max_slot_wal_keep_size']}, "
             f"wal_status {slot['wal_status']}"
         )
     lines.append(f"{'entity':<14} {'stream':<24} {'length':>9} {'first entry':<25} {'last entry':<25} last lsn")

@@ -44,10 +44,11 @@ def test_status_shows_slot_and_streams(env):
     status = orjson.loads(env.cdc("status", "--json", check=True).stdout)
     assert status["slot"]["name"] == env.slot and status["slot"]["active"] is False
     assert status["slot"]["wal_status"] == "reserved"
+    assert status["slot"]["max_slot_wal_keep_size"] == "-1" and status["slot"]["lag_seconds"] is None  # inactive
     (stream,) = status["streams"]
     assert stream["stream"] == "cdc:ride" and stream["length"] == 2 and stream["last_seq"] == 1
     text = env.cdc("status", check=True).stdout
-    assert f"slot {env.slot}: inactive" in text and "cdc:ride" in text
+    assert f"slot {env.slot}: inactive" in text and "cdc:ride" in text and "of max_slot_wal_keep_size -1" in text
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from .config import Settings
 from . import keys
 from .errors import CdcError, MappingError, SourceError, TransientError
 from .lsn import Lsn
+from .redisconn import connect_redis
 from .mapping import Mapping
 from .projection import Projector
 from .replication import SESSION_OPTIONS, classify_pg_error, quote_ident
@@ -107,9 +108,9 @@ def _register_redis(settings: Settings, confirmed: Lsn) -> str:
     `cdc run` compares this record with the slot to detect a Redis that lost data;
     a new (or deliberately emptied) Redis is registered here.
     """
-    client = redis.Redis.from_url(settings.redis.url, socket_connect_timeout=5, socket_timeout=10)
     key = keys.flushed_key(settings.postgres.slot)
     try:
+        client = connect_redis(settings.redis)
         if client.set(key, str(int(confirmed)), nx=True):
             return f"registered redis for slot {settings.postgres.slot} at {confirmed}"
         current = Lsn(int(client.get(key)))
@@ -120,7 +121,8 @@ def _register_redis(settings: Settings, confirmed: Lsn) -> str:
     except redis.RedisError as exc:
         raise TransientError(f"redis unavailable: {exc}") from exc
     finally:
-        client.close()
+        if "client" in locals():
+            client.close()
 
 
 @dataclass

@@ -36,6 +36,7 @@ from .lsn import Lsn
 from .mapping import Mapping
 from .projection import ColumnShape, Projector, TableShape, message_entry
 from .publisher import Publisher, StreamBatch, position
+from .redisconn import connect_redis
 from .replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
 from .values import TypeCatalog
 from .walproto import parse_copy_data, pg_now_us, pg_ts_to_unix_ms
@@ -200,7 +201,7 @@ class Bridge:
         return r
 
     def _dead_letters(self) -> float:
-        client = redis.Redis.from_url(self.settings.redis.url, socket_timeout=2)
+        client = connect_redis(self.settings.redis, socket_timeout=2)
         try:
             return sum(client.xlen(k) for k in client.scan_iter(match=keys.dead_letter_key("*"), count=100))
         finally:
@@ -227,10 +228,10 @@ class Bridge:
         catalog_conn = self._connect_catalog()
         rs = self.settings.redis
         publisher = Publisher(
-            rs.url, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
+            rs.url, cluster=rs.cluster, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
             wait_timeout_ms=rs.wait_timeout_ms, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)),
         )
-        client = redis.Redis.from_url(rs.url, socket_timeout=10, socket_connect_timeout=5)
+        client = connect_redis(rs)
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication)
         try:
             try:
@@ -307,7 +308,7 @@ class Bridge:
         from .trim import TrimPolicy, trim_stream
 
         policy = TrimPolicy(max_len=self.settings.trim.max_len, max_age_s=self.settings.trim.max_age_s)
-        client = redis.Redis.from_url(self.settings.redis.url, socket_timeout=10)
+        client = connect_redis(self.settings.redis)
         try:
             for m in self.mappings:
                 for stream in m.stream_keys():

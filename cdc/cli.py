@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import orjson
 
 from .errors import CdcError, TransientError
+from .redisconn import connect_redis
 
 __all__ = ["main"]
 
@@ -135,7 +136,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
         raise CdcError("give exactly one of --handler module:function or --sink schema.table")
     if args.shared and args.handler:
         raise CdcError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
-    client = redis.Redis.from_url(settings.redis.url)
+    client = connect_redis(settings.redis)
     consumer = Consumer(
         client, mapping.stream_keys(), args.group, args.name, exclusive=not args.shared, count=args.count,
         claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries, lease_ttl_ms=args.lease_ttl_ms,
@@ -174,7 +175,7 @@ def cmd_trim(args: argparse.Namespace) -> int:
         max_len=settings.trim.max_len if args.max_len is None else args.max_len,
         max_age_s=settings.trim.max_age_s if args.max_age_s is None else args.max_age_s,
     )
-    client = redis.Redis.from_url(settings.redis.url)
+    client = connect_redis(settings.redis)
     try:
         for m in mappings:
             if args.entity and m.entity != args.entity:
@@ -199,7 +200,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from .replay import replay_group
 
     settings, mappings = _load(args)
-    client = redis.Redis.from_url(settings.redis.url)
+    client = connect_redis(settings.redis)
     try:
         for line in replay_group(client, _entity(mappings, args.entity).stream_keys(), args.group, args.start):
             print(line)
@@ -216,7 +217,7 @@ def cmd_read(args: argparse.Namespace) -> int:
     from .replay import range_bound, read_range
 
     settings, mappings = _load(args)
-    client = redis.Redis.from_url(settings.redis.url)
+    client = connect_redis(settings.redis)
     try:
         start, end = range_bound(args.start, "-"), range_bound(args.end, "+")
     except ValueError as exc:
@@ -244,7 +245,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     from .replay import dead_letters, replay_dead_letters
 
     settings, _ = _load(args)
-    client = redis.Redis.from_url(settings.redis.url)
+    client = connect_redis(settings.redis)
     try:
         if args.action == "list":
             rows = dead_letters(client, args.group)

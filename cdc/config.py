@@ -41,6 +41,8 @@ class PostgresSettings:
 @dataclass(frozen=True)
 class RedisSettings:
     url: str = "redis://localhost:6379/0"
+    #: a Redis Cluster: each stream's batch goes to the node owning its hash slot
+    cluster: bool = False
     #: pause reading when used memory reaches this fraction of maxmemory (0: never)
     pause_at_memory_fraction: float = 0.9
     #: resume below this fraction

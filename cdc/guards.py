@@ -112,9 +112,17 @@ class MemoryWatch:
         self.paused = False
         self.ratio: float | None = None
 
+    @staticmethod
+    def _fullest(info: dict) -> dict:
+        """INFO of one server, or of a cluster's fullest node (a dict of INFO per node)."""
+        nodes = [v for v in info.values() if isinstance(v, dict)] if "used_memory" not in info else []
+        if not nodes:
+            return info
+        return max(nodes, key=lambda i: int(i["used_memory"]) / int(i["maxmemory"]) if int(i.get("maxmemory", 0)) else 0)
+
     def check(self) -> bool:
         """True while reading should stay paused."""
-        info = self.client.info("memory")
+        info = self._fullest(self.client.info("memory"))
         limit = int(info.get("maxmemory", 0))
         if not limit or not self.pause_at:
             if self.paused:

@@ -25,7 +25,11 @@ import hiredis
 import msgpack
 import redis
 from redis.exceptions import (
+    AskError,
     BusyLoadingError,
+    ClusterDownError,
+    MovedError,
+    TryAgainError,
     ConnectionError as RedisConnectionError,
     NoScriptError,
     OutOfMemoryError,
@@ -68,7 +72,9 @@ APPEND_SHA = hashlib.sha1(APPEND_SCRIPT).hexdigest()
 
 _packb = msgpack.Packer(use_bin_type=False).pack  # the old spec: what Redis' cmsgpack reads
 
-TRANSIENT_REPLIES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS")
+TRANSIENT_REPLIES = (
+    "OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS", "MOVED", "ASK",
+)
 
 
 def position(lsn: int, seq: int) -> str:
@@ -105,7 +111,8 @@ class StreamBatch:
 
 
 def _classify(exc: Exception) -> Exception:
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ReadOnlyError, OSError)):
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ReadOnlyError, OSError,
+                        MovedError, AskError, TryAgainError, ClusterDownError)):
         return TransientError(f"redis unavailable: {exc}")
     if isinstance(exc, ResponseError):
         text = str(exc)
@@ -117,13 +124,83 @@ def _classify(exc: Exception) -> Exception:
     return exc
 
 
+class _Node:
+    """One Redis server and the connection the publisher keeps to it."""
+
+    def __init__(self, name: str, pool: redis.ConnectionPool) -> None:
+        self.name = name
+        self.pool = pool
+        self.conn = None
+
+    def connection(self):
+        if self.conn is None:
+            try:
+                self.conn = self.pool.get_connection()
+            except Exception as exc:
+                raise _classify(exc) from exc
+        return self.conn
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            self.conn.disconnect()
+            self.pool.release(self.conn)
+            self.conn = None
+
+    def send(self, commands: list[bytes]) -> None:
+        conn = self.connection()
+        try:
+            conn.send_packed_command([b"".join(commands)], check_health=False)
+        except Exception as exc:
+            self.drop()
+            raise _classify(exc) from exc
+
+    def receive(self, n: int) -> list:
+        """Read `n` replies; error replies are returned, not raised."""
+        conn = self.connection()
+        replies = []
+        try:
+            for _ in range(n):
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except Exception as exc:
+            self.drop()
+            raise _classify(exc) from exc
+
+    def round_trip(self, commands: list[bytes]) -> list:
+        self.send(commands)
+        return self.receive(len(commands))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.pool.release(self.conn)
+            self.conn = None
+        self.pool.disconnect()
+
+
+class _Sent:
+    """What was sent to one node and awaits its replies."""
+
+    __slots__ = ("node", "commands", "counts", "tail", "duplicates")
+
+    def __init__(self, node: _Node, commands: list[bytes], counts: list[int], tail: list[bytes], duplicates: int) -> None:
+        self.node, self.commands, self.counts, self.tail, self.duplicates = node, commands, counts, tail, duplicates
+
+
 class Publisher:
-    """Appends batches to streams over one connection; counts what it wrote."""
+    """Appends batches to streams, one connection per Redis server; counts what it wrote.
+
+    With ``cluster=True`` each stream's script goes to the node owning the
+    stream's hash slot (its mark shares that slot), all nodes in parallel.
+    """
 
     def __init__(
         self,
         url: str,
         *,
+        cluster: bool = False,
         socket_timeout: float = 30.0,
         flushed_key: str | None = None,
         wait_replicas: int = 0,
@@ -137,14 +214,23 @@ class Publisher:
         #: test-only fault: probability of appending a batch a second time, bypassing the marks,
         #: to prove consumers are exact even when a producer without marks sends twice
         self.double_send = double_send
+        self._cluster = None
+        self._nodes: dict[str, _Node] = {}
         try:
-            self._pool = redis.ConnectionPool.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
+            if cluster:
+                from redis.cluster import RedisCluster
+
+                self._cluster = RedisCluster.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
+            else:
+                pool = redis.ConnectionPool.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
+                self._nodes[""] = _Node("", pool)
         except ValueError as exc:
             from .errors import ConfigError
 
             raise ConfigError(f"invalid redis url: {exc}", hint="use redis://host:port/db or rediss:// for TLS") from None
-        self._conn = None
-        self._inflight: tuple[list[bytes], list[int], list[bytes], int] | None = None
+        except redis.RedisError as exc:
+            raise _classify(exc) from exc
+        self._inflight: tuple[list[_Sent], int | None] | None = None
         self.entries_written = 0
         self.entries_skipped = 0
         self.batches = 0
@@ -152,63 +238,34 @@ class Publisher:
     def __repr__(self) -> str:
         return f"<Publisher written={self.entries_written} skipped={self.entries_skipped} batches={self.batches}>"
 
-    def _connection(self):
-        if self._conn is None:
-            try:
-                self._conn = self._pool.get_connection()
-            except Exception as exc:
-                raise _classify(exc) from exc
-        return self._conn
+    def _route(self, key: str) -> _Node:
+        """The node holding `key` (the only node outside a cluster)."""
+        if self._cluster is None:
+            return self._nodes[""]
+        try:
+            target = self._cluster.get_node_from_key(key)
+        except redis.RedisError as exc:
+            raise _classify(exc) from exc
+        node = self._nodes.get(target.name)
+        if node is None:
+            pool = self._cluster.get_redis_connection(target).connection_pool
+            node = self._nodes[target.name] = _Node(target.name, pool)
+        return node
 
     def close(self) -> None:
         self._inflight = None
-        if self._conn is not None:
-            self._pool.release(self._conn)
-            self._conn = None
-        self._pool.disconnect()
-
-    def _drop_connection(self, conn) -> None:
-        conn.disconnect()
-        self._pool.release(conn)
-        self._conn = None
-
-    def _send(self, commands: list[bytes]) -> None:
-        conn = self._connection()
-        try:
-            conn.send_packed_command([b"".join(commands)], check_health=False)
-        except Exception as exc:
-            self._drop_connection(conn)
-            raise _classify(exc) from exc
-
-    def _receive(self, n: int) -> list:
-        """Read `n` replies; error replies are returned, not raised."""
-        conn = self._connection()
-        replies = []
-        try:
-            for _ in range(n):
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as exc:
-                    replies.append(exc)
-            return replies
-        except Exception as exc:
-            self._drop_connection(conn)
-            raise _classify(exc) from exc
-
-    def _round_trip(self, commands: list[bytes]) -> list:
-        self._send(commands)
-        return self._receive(len(commands))
+        for node in self._nodes.values():
+            node.close()
+        self._nodes.clear()
+        if self._cluster is not None:
+            self._cluster.close()
 
     # -- batches: send now, confirm later ------------------------------------------
 
-    def _tail(self, flushed: int | None) -> list[bytes]:
-        """After the batch: record how far Redis holds the source, then wait for replicas."""
-        tail = []
-        if flushed is not None and self.flushed_key:
-            tail.append(hiredis.pack_command((b"SET", self.flushed_key, str(int(flushed)))))
+    def _wait(self) -> list[bytes]:
         if self.wait_replicas:
-            tail.append(hiredis.pack_command((b"WAIT", self.wait_replicas, self.wait_timeout_ms)))
-        return tail
+            return [hiredis.pack_command((b"WAIT", self.wait_replicas, self.wait_timeout_ms))]
+        return []
 
     def _check_tail(self, replies: list) -> None:
         for reply in replies:
@@ -219,58 +276,73 @@ class Publisher:
                 f"only {replies[-1]} of {self.wait_replicas} redis replicas acknowledged within {self.wait_timeout_ms} ms"
             )
 
+    def _flushed_command(self, flushed: int) -> bytes:
+        return hiredis.pack_command((b"SET", self.flushed_key, str(int(flushed))))
+
     def record_flushed(self, flushed: int) -> None:
         """Record (and replicate, if asked) that Redis holds every change up to `flushed`."""
-        tail = self._tail(flushed)
-        if tail:
-            self._check_tail(self._round_trip(tail))
+        if self.flushed_key:
+            self._check_tail(self._route(self.flushed_key).round_trip([self._flushed_command(flushed), *self._wait()]))
 
     def send(self, batches: Iterable[StreamBatch], flushed: int | None = None) -> None:
         """Send every non-empty batch (one script call per stream) without waiting.
 
         `flushed`, the end LSN of the last whole transaction in the batches, is
-        recorded after them. At most one send is outstanding: `confirm()` must be
-        called before the next `send()`. The batches may be cleared as soon as this
-        returns.
+        recorded after them: in the same pipeline on a single server (commands run
+        in order), after every node confirmed in a cluster. At most one send is
+        outstanding: `confirm()` must be called before the next `send()`. The
+        batches may be cleared as soon as this returns.
         """
         if self._inflight is not None:
             raise RuntimeError("confirm() the previous send first")
-        pending = [b for b in batches if b.count]
-        commands = [
-            hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, b.stream, b.mark, _packb(b.entries))) for b in pending
-        ]
-        duplicates = []
-        if self.double_send and random.random() < self.double_send:
-            duplicates = [hiredis.pack_command((b"XADD", b.stream, b"*", *e[:-1])) for b in pending for e in b.entries]
-            log.warning("fault injection: sending a batch of %d entries twice", len(duplicates))
-        tail = self._tail(flushed) if commands else []
-        self._inflight = (commands, [b.count for b in pending], tail, len(duplicates))
-        if commands:
-            self._send(commands + tail + duplicates)
+        by_node: dict[str, tuple[_Node, list[StreamBatch]]] = {}
+        for b in batches:
+            if b.count:
+                node = self._route(b.stream)
+                by_node.setdefault(node.name, (node, []))[1].append(b)
+        double = self.double_send and random.random() < self.double_send
+        sent: list[_Sent] = []
+        for node, group in by_node.values():
+            commands = [
+                hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, b.stream, b.mark, _packb(b.entries))) for b in group
+            ]
+            tail = self._wait()
+            if flushed is not None and self.flushed_key and self._cluster is None:
+                tail.insert(0, self._flushed_command(flushed))
+            duplicates = []
+            if double:
+                duplicates = [hiredis.pack_command((b"XADD", b.stream, b"*", *e[:-1])) for b in group for e in b.entries]
+                log.warning("fault injection: sending a batch of %d entries twice", len(duplicates))
+            node.send(commands + tail + duplicates)
+            sent.append(_Sent(node, commands, [b.count for b in group], tail, len(duplicates)))
+        self._inflight = (sent, flushed if self._cluster is not None else None)
 
     def confirm(self) -> int:
         """Wait until Redis applied the outstanding send; return the entries appended."""
         if self._inflight is None:
             return 0
-        commands, counts, tail_commands, duplicates = self._inflight
+        sent, deferred_flushed = self._inflight
         self._inflight = None
-        if not commands:
+        if not sent:
             return 0
-        n = len(commands)
-        everything = self._receive(n + len(tail_commands) + duplicates)
-        replies, tail = everything[:n], everything[n : n + len(tail_commands)]
-        if any(isinstance(r, NoScriptError) for r in replies):
-            # Redis restarted or flushed its script cache: load and resend; the marks make it safe.
-            self._round_trip([hiredis.pack_command((b"SCRIPT", b"LOAD", APPEND_SCRIPT))])
-            everything = self._round_trip(commands + tail_commands)
-            replies, tail = everything[:n], everything[n:]
         added = 0
-        for count, reply in zip(counts, replies):
-            if isinstance(reply, Exception):
-                raise _classify(reply)
-            added += reply
-            self.entries_skipped += count - reply
-        self._check_tail(tail)
+        for s in sent:
+            n = len(s.commands)
+            everything = s.node.receive(n + len(s.tail) + s.duplicates)
+            replies, tail = everything[:n], everything[n : n + len(s.tail)]
+            if any(isinstance(r, NoScriptError) for r in replies):
+                # Redis restarted or flushed its script cache: load and resend; the marks make it safe.
+                s.node.round_trip([hiredis.pack_command((b"SCRIPT", b"LOAD", APPEND_SCRIPT))])
+                everything = s.node.round_trip(s.commands + s.tail)
+                replies, tail = everything[:n], everything[n:]
+            for count, reply in zip(s.counts, replies):
+                if isinstance(reply, Exception):
+                    raise _classify(reply)
+                added += reply
+                self.entries_skipped += count - reply
+            self._check_tail(tail)
+        if deferred_flushed is not None:
+            self.record_flushed(deferred_flushed)
         self.entries_written += added
         self.batches += 1
         return added
@@ -282,18 +354,16 @@ class Publisher:
 
     def marks(self, streams: Iterable[str]) -> Mapping[str, tuple[int, int] | None]:
         """The high-water mark of each stream, as (commit LSN, seq), or None if never written."""
-        streams = list(streams)
-        if not streams:
-            return {}
-        replies = self._round_trip([hiredis.pack_command((b"GET", keys.mark_key(s))) for s in streams])
         result = {}
-        for stream, reply in zip(streams, replies):
+        for stream in streams:
+            reply = self._route(stream).round_trip([hiredis.pack_command((b"GET", keys.mark_key(stream)))])[0]
             if isinstance(reply, Exception):
                 raise _classify(reply)
             result[stream] = split_position(reply) if reply else None
         return result
 
     def ping(self) -> None:
-        reply = self._round_trip([hiredis.pack_command((b"PING",))])[0]
+        node = self._route(self.flushed_key or "cdc")
+        reply = node.round_trip([hiredis.pack_command((b"PING",))])[0]
         if isinstance(reply, Exception):
             raise _classify(reply)

@@ -15,6 +15,7 @@ from .config import Settings
 from .errors import TransientError
 from .mapping import Mapping
 from .publisher import Publisher
+from .redisconn import connect_redis
 from .replication import classify_pg_error
 
 __all__ = ["collect", "render"]
@@ -43,8 +44,8 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
             "retained_wal_bytes": row[4], "max_slot_wal_keep_size": row[7], "safe_wal_size_bytes": row[8],
             "wal_status": row[5],
         }
-    publisher = Publisher(settings.redis.url)
-    client = redis.Redis.from_url(settings.redis.url, socket_connect_timeout=5)
+    publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster)
+    client = connect_redis(settings.redis)
     try:
         streams = [(m.entity, s) for m in mappings for s in m.stream_keys()]
         marks = publisher.marks(s for _, s in streams)

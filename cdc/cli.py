@@ -126,7 +126,6 @@ def cmd_consume(args: argparse.Namespace) -> int:
     import os
     import threading
 
-    import redis
 
     from .consumer import Consumer
 
@@ -195,7 +194,6 @@ def cmd_trim(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    import redis
 
     from .replay import replay_group
 
@@ -212,7 +210,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_read(args: argparse.Namespace) -> int:
-    import redis
 
     from .replay import range_bound, read_range
 
@@ -240,7 +237,6 @@ def cmd_read(args: argparse.Namespace) -> int:
 
 
 def cmd_dlq(args: argparse.Namespace) -> int:
-    import redis
 
     from .replay import dead_letters, replay_dead_letters
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 import urllib.error
 import urllib.request
 

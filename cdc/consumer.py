@@ -81,9 +81,8 @@ class Consumer:
         lease_ttl_ms: int = 10_000,
     ) -> None:
         self.client = client
-        # the same connections, with the reply of XAUTOCLAIM ... JUSTID kept whole (cursor included)
-        self._raw = redis.Redis(connection_pool=client.connection_pool)
-        self._raw.set_response_callback("XAUTOCLAIM", lambda response, **options: response)
+        self._cluster = not hasattr(client, "connection_pool")  # a RedisCluster has one pool per node
+        self._raw_clients: dict[str, redis.Redis] = {}
         self.streams = list(streams)
         self.group = group
         self.name = name or default_name()
@@ -147,11 +146,25 @@ class Consumer:
                 self.claimed += self._claim(stream, 0)
                 self._pending_phase.add(stream)
 
+    def _raw(self, stream: str) -> redis.Redis:
+        """A client on the same connections as `client` (the node's, on a cluster) that keeps
+        the reply of XAUTOCLAIM ... JUSTID whole: redis-py drops its cursor otherwise."""
+        if self._cluster:
+            node = self.client.get_node_from_key(stream)
+            name, pool = node.name, self.client.get_redis_connection(node).connection_pool
+        else:
+            name, pool = "", self.client.connection_pool
+        raw = self._raw_clients.get(name)
+        if raw is None:
+            raw = self._raw_clients[name] = redis.Redis(connection_pool=pool)
+            raw.set_response_callback("XAUTOCLAIM", lambda response, **options: response)
+        return raw
+
     def _claim(self, stream: str, min_idle_ms: int) -> int:
         """Take over the group's pending entries on `stream` idle at least `min_idle_ms`."""
         cursor, total = "0-0", 0
         while True:
-            cursor, ids = self._raw.execute_command(
+            cursor, ids = self._raw(stream).execute_command(
                 "XAUTOCLAIM", stream, self.group, self.name, min_idle_ms, cursor, "COUNT", 500, "JUSTID"
             )[:2]
             total += len(ids)
@@ -209,6 +222,17 @@ class Consumer:
         self.dead_lettered += 1
         log.warning("dead-lettered %s %s after %d deliveries: %s", stream, entry_id, deliveries, error)
 
+    def _xreadgroup(self, ids: dict[str, str], count: int, block: int | None = None):
+        """XREADGROUP over several streams; on a cluster, one call per stream (slots differ)."""
+        if not self._cluster or len(ids) == 1:
+            return self.client.xreadgroup(self.group, self.name, ids, count=count, block=block)
+        reply = []
+        for stream, sid in ids.items():
+            reply += self.client.xreadgroup(self.group, self.name, {stream: sid}, count=count) or []
+        if not reply and block:
+            time.sleep(min(block, 100) / 1000)  # nothing anywhere: a short pause instead of a blocking read
+        return reply
+
     def read(self) -> list[Entry]:
         """The next batch: own pending entries first (after a restart or a failure), then new ones."""
         now = time.monotonic()
@@ -229,9 +253,9 @@ class Consumer:
             several = [s for s in pending if s not in self._retry_one]
             entries = []
             if single:
-                entries += self._parse(self.client.xreadgroup(self.group, self.name, {s: "0" for s in single}, count=1))
+                entries += self._parse(self._xreadgroup({s: "0" for s in single}, 1))
             if several:
-                entries += self._parse(self.client.xreadgroup(self.group, self.name, {s: "0" for s in several}, count=self.count))
+                entries += self._parse(self._xreadgroup({s: "0" for s in several}, self.count))
             got = {e.stream for e in entries}
             for stream in pending:
                 if stream not in got:
@@ -242,7 +266,7 @@ class Consumer:
         block = self.block_ms
         if self.exclusive:  # wake up in time to renew the leases
             block = max(1, min(block, int(max(0.0, self._next_lease_check - time.monotonic()) * 1000)))
-        reply = self.client.xreadgroup(self.group, self.name, {s: ">" for s in active}, count=self.count, block=block)
+        reply = self._xreadgroup({s: ">" for s in active}, self.count, block)
         entries = self._parse(reply)
         self.delivered += len(entries)
         return entries

@@ -3,8 +3,11 @@ owning node, and a replay after a crash still appends nothing twice."""
 
 from __future__ import annotations
 
+import random
 import signal
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -17,12 +20,30 @@ from cdc.local import LocalRedis, wait_for
 pytestmark = pytest.mark.integration
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        port = random.randint(20000, 50000)
+        if all(_free(p) for p in (port, port + 10000)):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 @pytest.fixture
 def cluster(servers_root):
     nodes = []
     for i in range(3):
         root = servers_root / f"cluster-{i}-{time.monotonic_ns()}"
-        node = LocalRedis(root, extra=["--cluster-enabled", "yes", "--cluster-config-file", str(root / "nodes.conf"),
+        node = LocalRedis(root, cluster_port(), extra=["--cluster-enabled", "yes", "--cluster-config-file", str(root / "nodes.conf"),
                                        "--cluster-node-timeout", "5000"])
         nodes.append(node.start())
     try:
@@ -68,4 +89,20 @@ def test_bridge_publishes_exactly_once_across_a_three_node_cluster(env, cluster)
     status = env.cdc("status", "--json", check=True)
     assert '"length": ' in status.stdout
     env.cdc("trim", check=True)
+
+    # a consumer of every partition, on the cluster, totals the rides exactly
+    env.apply_sql("20_consumer_state.sql")
+    log_path = env.tmp / "consumer.log"
+    with open(log_path, "w") as log:
+        consumer = subprocess.Popen(
+            [sys.executable, "-m", "cdc", "--log-format", "text", "consume", "--config", str(env.config_path),
+             "--entity", "ride", "--group", "totals", "--start", "0", "--handler", "cdc.rocketrides:ride_totals"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: env.execute("SELECT total_distance FROM consumer_states WHERE rider_id = 0") == [(4501500,)],
+                 60, "the consumer to total every ride")
+    finally:
+        consumer.terminate()
+        assert consumer.wait(30) == 0, log_path.read_text()
     client.close()

@@ -19,6 +19,7 @@ import psycopg
 
 from .consumer import Fenced
 from .entry import Entry
+from .statedb import StateConnection
 
 __all__ = ["TransactionalHandler", "Apply"]
 
@@ -39,7 +40,7 @@ WHERE consumer = %s AND stream = %s
 _REPLAYED = "INSERT INTO cdc_replays (consumer, replay_of) VALUES (%s, %s) ON CONFLICT DO NOTHING"
 
 
-class TransactionalHandler:
+class TransactionalHandler(StateConnection):
     """A batch handler for `Consumer.run` that keeps state and checkpoint in one transaction."""
 
     def __init__(
@@ -52,30 +53,20 @@ class TransactionalHandler:
         group: str | None = None,
         crash_before_commit: float = 0.0,
     ) -> None:
-        self.dsn = dsn
+        super().__init__(dsn)
         self.consumer = consumer
         self.group = group or consumer
         self.apply = apply
         self.epoch_of = epoch_of
         self.crash_before_commit = crash_before_commit
-        self.conn: psycopg.Connection | None = None
         self.applied = 0
         self.skipped = 0
 
     def __repr__(self) -> str:
         return f"<TransactionalHandler {self.consumer} applied={self.applied} skipped={self.skipped}>"
 
-    def _connection(self) -> psycopg.Connection:
-        if self.conn is None or self.conn.closed:
-            self.conn = psycopg.connect(self.dsn, autocommit=True)
-        return self.conn
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-
     def __call__(self, entries: Sequence[Entry]) -> None:
-        conn = self._connection()
+        conn = self.connection()
         streams = sorted({e.stream for e in entries})
         try:
             with conn.transaction():
@@ -109,7 +100,7 @@ class TransactionalHandler:
                     log.warning("fault injection: crashing before commit")
                     os._exit(86)
         except psycopg.OperationalError:
-            self.conn = None  # reconnect next time; the batch stays pending and comes back
+            self.forget()
             raise
         self.applied += len(fresh)
         self.skipped += len(entries) - len(fresh)

@@ -7,6 +7,7 @@ an exit code per kind (see `cdc.errors`); logs are JSON lines on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -122,10 +123,27 @@ def _entity(mappings, name: str):
     raise CdcError(f"no entity {name!r}", hint=f"entities: {', '.join(m.entity for m in mappings)}")
 
 
+@contextlib.contextmanager
+def _redis(settings):
+    """A Redis client for a command; an unreachable Redis becomes one clear line."""
+    import redis
+
+    client = connect_redis(settings.redis)
+    try:
+        yield client
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise TransientError(f"redis unavailable: {exc}") from exc
+    except redis.RedisError as exc:
+        raise CdcError(f"redis refused: {exc}", hint="check the redis user's ACL and the keys it may use") from exc
+    finally:
+        client.close()
+
+
 def cmd_consume(args: argparse.Namespace) -> int:
-    import os
     import threading
 
+    import psycopg
+    import redis
 
     from .consumer import Consumer
 
@@ -135,38 +153,45 @@ def cmd_consume(args: argparse.Namespace) -> int:
         raise CdcError("give exactly one of --handler module:function or --sink schema.table")
     if args.shared and args.handler:
         raise CdcError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
-    client = connect_redis(settings.redis)
-    consumer = Consumer(
-        client, mapping.stream_keys(), args.group, args.name, exclusive=not args.shared, count=args.count,
-        claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries, lease_ttl_ms=args.lease_ttl_ms,
-    )
-    consumer.create_group(args.start)
     state_dsn = args.state_dsn or settings.postgres.dsn
-    if args.handler:
-        from .checkpoint import TransactionalHandler
-
-        handler = TransactionalHandler(
-            state_dsn, args.group, _load_callable(args.handler), epoch_of=consumer.epoch,
-            crash_before_commit=float(os.environ.get("CDC_FAULT_CRASH_BEFORE_COMMIT", 0)),
-        )
-    else:
-        from .sinks import TableSink
-
-        handler = TableSink(state_dsn, args.sink)
+    log = logging.getLogger("cdc.consumer")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
-        consumer.run(handler, stop)
-    finally:
-        handler.close()
-        logging.getLogger("cdc.consumer").info("consumer stopped %r %r", consumer, handler)
+    with _redis(settings) as client:
+        consumer = Consumer(
+            client, mapping.stream_keys(), args.group, args.name, exclusive=not args.shared, count=args.count,
+            claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries, lease_ttl_ms=args.lease_ttl_ms,
+        )
+        if args.handler:
+            from .checkpoint import TransactionalHandler
+
+            handler = TransactionalHandler(
+                state_dsn, args.group, _load_callable(args.handler), epoch_of=consumer.epoch,
+                crash_before_commit=float(os.environ.get("CDC_FAULT_CRASH_BEFORE_COMMIT", 0)),
+            )
+        else:
+            from .sinks import TableSink
+
+            handler = TableSink(state_dsn, args.sink)
+        delay = 0.2
+        try:
+            while not stop.is_set():
+                try:
+                    consumer.create_group(args.start)
+                    consumer.run(handler, stop)
+                except (redis.ConnectionError, redis.TimeoutError, psycopg.OperationalError) as exc:
+                    # a server restarting: what was not acknowledged comes back; retry with backoff
+                    log.warning("transient failure, retrying in %.1fs: %s", delay, exc)
+                    stop.wait(delay)
+                    delay = min(delay * 2, 5.0)
+        finally:
+            handler.close()
+            log.info("consumer stopped %r %r", consumer, handler)
     return 0
 
 
 def cmd_trim(args: argparse.Namespace) -> int:
-    import redis
-
     from .trim import TrimPolicy, trim_stream
 
     settings, mappings = _load(args)
@@ -174,8 +199,7 @@ def cmd_trim(args: argparse.Namespace) -> int:
         max_len=settings.trim.max_len if args.max_len is None else args.max_len,
         max_age_s=settings.trim.max_age_s if args.max_age_s is None else args.max_age_s,
     )
-    client = connect_redis(settings.redis)
-    try:
+    with _redis(settings) as client:
         for m in mappings:
             if args.entity and m.entity != args.entity:
                 continue
@@ -186,40 +210,31 @@ def cmd_trim(args: argparse.Namespace) -> int:
                 note = f", {r.forced} UNCONSUMED entries dropped by the hard cap" if r.forced else ""
                 where = f"kept from {r.safe_point}" if r.safe_point else "no consumer group: kept"
                 print(f"{stream}: trimmed {r.trimmed} ({where}){note}")
-    except redis.RedisError as exc:
-        raise TransientError(f"redis unavailable: {exc}") from exc
-    finally:
-        client.close()
     return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-
     from .replay import replay_group
 
     settings, mappings = _load(args)
-    client = connect_redis(settings.redis)
-    try:
-        for line in replay_group(client, _entity(mappings, args.entity).stream_keys(), args.group, args.start):
-            print(line)
-    except ValueError as exc:
-        raise CdcError(str(exc)) from None
-    finally:
-        client.close()
+    with _redis(settings) as client:
+        try:
+            for line in replay_group(client, _entity(mappings, args.entity).stream_keys(), args.group, args.start):
+                print(line)
+        except ValueError as exc:
+            raise CdcError(str(exc)) from None
     return 0
 
 
 def cmd_read(args: argparse.Namespace) -> int:
-
     from .replay import range_bound, read_range
 
     settings, mappings = _load(args)
-    client = connect_redis(settings.redis)
     try:
         start, end = range_bound(args.start, "-"), range_bound(args.end, "+")
     except ValueError as exc:
         raise CdcError(str(exc)) from None
-    try:
+    with _redis(settings) as client:
         shown = 0
         for stream in _entity(mappings, args.entity).stream_keys():
             for e in read_range(client, stream, start, end):
@@ -231,18 +246,14 @@ def cmd_read(args: argparse.Namespace) -> int:
                 shown += 1
                 if args.limit and shown >= args.limit:
                     return 0
-    finally:
-        client.close()
     return 0
 
 
 def cmd_dlq(args: argparse.Namespace) -> int:
-
     from .replay import dead_letters, replay_dead_letters
 
     settings, _ = _load(args)
-    client = connect_redis(settings.redis)
-    try:
+    with _redis(settings) as client:
         if args.action == "list":
             rows = dead_letters(client, args.group)
             for row in rows:
@@ -259,8 +270,6 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         else:
             for line in replay_dead_letters(client, args.group, args.ids):
                 print(line)
-    finally:
-        client.close()
     return 0
 
 

@@ -16,6 +16,7 @@ import psycopg
 from psycopg import sql
 
 from .entry import Entry
+from .statedb import StateConnection
 
 __all__ = ["TableSink"]
 
@@ -38,28 +39,20 @@ WHERE (t.lsn, t.seq) < (EXCLUDED.lsn, EXCLUDED.seq)
 _TRUNCATE = "UPDATE {table} SET data = NULL, deleted = true, lsn = %s, seq = %s WHERE (lsn, seq) < (%s, %s)"
 
 
-class TableSink:
+class TableSink(StateConnection):
     """Upserts entries into `table` (created if missing); call with a batch of entries."""
 
     def __init__(self, dsn: str, table: str) -> None:
-        self.dsn = dsn
+        super().__init__(dsn)
         schema, _, name = table.rpartition(".")
         self.table = sql.Identifier(schema or "public", name)
-        self.conn: psycopg.Connection | None = None
         self.applied = 0
 
-    def _connection(self) -> psycopg.Connection:
-        if self.conn is None or self.conn.closed:
-            self.conn = psycopg.connect(self.dsn, autocommit=True)
-            self.conn.execute(sql.SQL(_SCHEMA).format(table=self.table))
-        return self.conn
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
+    def on_connect(self, conn: psycopg.Connection) -> None:
+        conn.execute(sql.SQL(_SCHEMA).format(table=self.table))
 
     def __call__(self, entries: Sequence[Entry]) -> None:
-        conn = self._connection()
+        conn = self.connection()
         upsert = sql.SQL(_UPSERT).format(table=self.table)
         truncate = sql.SQL(_TRUNCATE).format(table=self.table)
         try:
@@ -78,6 +71,6 @@ class TableSink:
                 if rows:
                     cur.executemany(upsert, rows)
         except psycopg.OperationalError:
-            self.conn = None
+            self.forget()
             raise
         self.applied += len(entries)

@@ -1,0 +1,34 @@
+"""The PostgreSQL connection a consumer keeps its state in: opened lazily, reopened after a failure."""
+
+from __future__ import annotations
+
+import psycopg
+
+__all__ = ["StateConnection"]
+
+
+class StateConnection:
+    """Base of the handlers that write consumer state (`cdc.checkpoint`, `cdc.sinks`)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.conn: psycopg.Connection | None = None
+
+    def on_connect(self, conn: psycopg.Connection) -> None:
+        """Called once per new connection (create tables, set session options)."""
+
+    def connection(self) -> psycopg.Connection:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(self.dsn, autocommit=True)
+            self.on_connect(self.conn)
+        return self.conn
+
+    def forget(self) -> None:
+        """Drop a broken connection; the next batch reconnects (its entries are still pending)."""
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()

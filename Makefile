@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test bench clean servers-deps
+.PHONY: install run test bench clean servers-deps test-deps
 
 install: $(VENV)/.installed servers-deps
 
@@ -19,10 +19,15 @@ servers-deps:
 	@test -x /usr/lib/postgresql/15/bin/postgres || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql-15; }
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
 
+# tools the tests use beyond the servers: node/npm (the Node.js consumer example), openssl (TLS certificates)
+test-deps:
+	@command -v node >/dev/null && command -v npm >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs npm; }
+	@command -v openssl >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq openssl; }
+
 run: install
 	$(BIN)/python -m cdc.demo
 
-test: install
+test: install test-deps
 	$(BIN)/pytest
 
 bench: install

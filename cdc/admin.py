@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import psycopg
 import redis
 
+from .backfill import BACKFILL_DDL, enqueue
 from .catalog import load_types, table_shape
 from .config import Settings
 from . import keys
@@ -85,10 +86,15 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                     done.append(f"publication {pgs.publication} already covers the mapped tables")
             else:
                 done.append(f"publication {pgs.publication} already publishes all tables")
+            conn.execute(BACKFILL_DDL)
             slot = conn.execute("SELECT plugin FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
             if slot is None:
                 lsn = conn.execute("SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (pgs.slot,)).fetchone()[0]
                 done.append(f"created logical slot {pgs.slot} (pgoutput) at {lsn}")
+                for m in mappings:
+                    if m.snapshot == "initial":
+                        backfill_id = enqueue(conn, pgs.slot, m)
+                        done.append(f"initial snapshot of {m.entity} queued (backfill {backfill_id}); cdc run publishes it")
             elif slot[0] != "pgoutput":
                 raise SourceError(f"slot {pgs.slot} exists with plugin {slot[0]!r}, not pgoutput", hint="drop it or choose another postgres.slot")
             else:

@@ -21,12 +21,14 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 
+import orjson
 import psycopg
 import redis
 import tenacity
 
 from . import pgoutput as pg
-from .catalog import load_types
+from .backfill import TRUNCATED, WATERMARK_PREFIX, BackfillDriver, Windows
+from .catalog import load_types, table_shape
 from .config import Settings
 from . import keys
 from .errors import CdcError, MappingError, SourceError, TransientError
@@ -106,6 +108,9 @@ class Bridge:
         pgs = settings.postgres
         self.slot_watch = SlotWatch(pgs.slot, pgs.retained_wal_warn_bytes, pgs.retained_wal_critical_bytes)
         self.memory: MemoryWatch | None = None
+        self.backfill_rows: dict[str, int] = defaultdict(int)
+        self.backfill_skipped = 0
+        self._snapshot_projectors: dict[str, Projector] = {}
         self.registry = self._metrics()
 
     def __repr__(self) -> str:
@@ -194,6 +199,10 @@ class Bridge:
         r.counter("cdc_entries_trimmed_total", "stream entries trimmed after every group consumed them", lambda: self.entries_trimmed)
         r.counter("cdc_entries_force_trimmed_total", "unconsumed entries dropped by the trim hard cap",
                   lambda: self.entries_force_trimmed)
+        r.counter("cdc_backfill_rows_total", "rows published by snapshots and backfills (op r), by entity",
+                  lambda: {(("entity", e),): n for e, n in self.backfill_rows.items()})
+        r.counter("cdc_backfill_rows_dropped_total", "snapshot rows dropped because the stream changed them meanwhile",
+                  lambda: self.backfill_skipped)
         r.gauge("cdc_dead_letters", "entries in dead-letter streams", self._dead_letters)
         r.gauge("cdc_redis_memory_ratio", "Redis used memory / maxmemory", lambda: self.memory.ratio if self.memory else None)
         r.gauge("cdc_paused", "1 while reading is paused for Redis memory", lambda: int(self.state == "paused"))
@@ -257,7 +266,7 @@ class Bridge:
             except redis.RedisError as exc:
                 raise TransientError(f"redis unavailable: {exc}") from exc
             self._release_stale_walsender(catalog_conn)
-            stream.start(0, messages=bool(self._message_mappings))
+            stream.start(0, messages=True)  # logical messages carry backfill watermarks too
             self.state = "streaming"
             try:
                 self._stream(stream, publisher, catalog_conn)
@@ -269,6 +278,73 @@ class Bridge:
             publisher.close()
             client.close()
             catalog_conn.close()
+
+    def _drive_backfill(self, backfill: BackfillDriver, catalog_conn: psycopg.Connection) -> None:
+        """Write the next snapshot chunk into the WAL if a backfill is waiting (see `cdc.backfill`)."""
+        if backfill.disabled:
+            return
+        try:
+            backfill.tick(catalog_conn)
+        except psycopg.OperationalError as exc:
+            raise classify_pg_error(exc) from exc
+        except psycopg.Error as exc:
+            log.warning("backfill paused: %s", str(exc).strip())
+            backfill.disabled = True
+
+    def _snapshot_projector(self, entity: str, catalog_conn: psycopg.Connection) -> Projector | None:
+        projector = self._snapshot_projectors.get(entity)
+        if projector is None:
+            mapping = next((m for m in self.mappings if m.entity == entity), None)
+            if mapping is None or mapping.table is None:
+                return None
+            shape = table_shape(catalog_conn, *mapping.table)
+            if shape is None:
+                return None
+            load_types(catalog_conn, self.catalog, [c.type_oid for c in shape.columns])
+            projector = self._snapshot_projectors[entity] = Projector(mapping, shape, self.catalog)
+        return projector
+
+    def _watermark(self, msg, windows: Windows, backfill: BackfillDriver, catalog_conn, queue, tx) -> int:
+        """Open or close a backfill window; at the high watermark publish the chunk's unchanged rows.
+
+        Returns the transaction's next seq: the message takes one, each row another.
+        """
+        lsn_s, seq, xid_s, ts_s, pos_prefix = tx
+        info = orjson.loads(msg.content)
+        seq += 1
+        chunk = info["chunk"]
+        if info["kind"] == "low":
+            windows.low(chunk, (info["schema"], info["table"]))
+            return seq
+        changed = windows.close(chunk)
+        if changed is None:
+            log.warning("backfill chunk %s: its low watermark was not seen; publishing it unfiltered", chunk)
+            changed = set()
+        projector = self._snapshot_projector(info["entity"], catalog_conn)
+        if projector is None:
+            log.error("backfill chunk %s: entity %s is not mapped to an existing table; skipped", chunk, info["entity"])
+        else:
+            names = info["columns"]
+            index = {n: i for i, n in enumerate(names)}
+            order = [index.get(c.name) for c in projector.shape.columns]
+            batches = [self._batch(s) for s in projector.mapping.stream_keys()]
+            version = projector.mapping.version
+            stale = TRUNCATED in changed
+            for row in info["rows"]:
+                values = [None if i is None else row[i] for i in order]
+                if stale or projector.key_values(values) in changed:
+                    self.backfill_skipped += 1
+                    continue
+                out = projector.snapshot(values)
+                if out is not None:
+                    queue(batches[out.partition], out.fields, lsn_s, seq, xid_s, ts_s, version, pos_prefix + f"{seq:010d}")
+                    self.backfill_rows[info["entity"]] += 1
+                seq += 1
+        if info["last"]:
+            log.info("backfill of %s complete at chunk %s", info["entity"], chunk)
+        backfill.seen(chunk)
+        self._drive_backfill(backfill, catalog_conn)
+        return seq
 
     def _memory_paused(self) -> bool:
         try:
@@ -402,6 +478,11 @@ class Bridge:
         inflight_ts_ms = 0
         recorded = self.durable_lsn  # how far Redis is known to record that it holds the source
         pgs = self.settings.postgres
+        windows = Windows()  # open backfill watermark windows
+        self._snapshot_projectors = {}
+        relation_tables: dict[int, tuple[str, str]] = {}
+        key_positions: dict[int, list[int]] = {}  # relid -> positions of the mapped key columns
+        backfill = BackfillDriver(pgs.slot, self.mappings, self.settings.batch.backfill_chunk_rows)
         next_check = 0.0
         next_slot_check = monotonic() + pgs.slot_check_interval_s
         heartbeat = pgs.heartbeat_interval_s
@@ -484,6 +565,7 @@ class Bridge:
                     if now >= next_slot_check:
                         next_slot_check = now + pgs.slot_check_interval_s
                         self._check_slot(catalog_conn)
+                    self._drive_backfill(backfill, catalog_conn)
                     if now >= next_heartbeat:
                         next_heartbeat = now + heartbeat
                         if now - last_heard >= heartbeat and not self._heartbeat(catalog_conn):
@@ -517,7 +599,7 @@ class Bridge:
                 last_heard = now
                 if raw[0] != _W:
                     keepalive = parse_copy_data(raw)
-                    if not in_tx and not pending and not inflight and keepalive.wal_end > ackable:
+                    if not in_tx and not pending and not inflight and not windows.open and keepalive.wal_end > ackable:
                         ackable = self.durable_lsn = Lsn(keepalive.wal_end)
                     if keepalive.reply_requested:
                         report()
@@ -529,6 +611,11 @@ class Bridge:
                     tlist = targets.get(relid)
                     if tlist:
                         msg = decoder.decode(raw[_XLOG_HEADER:])
+                        if windows.tables and relation_tables.get(relid) in windows.tables:
+                            positions = key_positions[relid]
+                            for values in (msg.new if kind != _DELETE else None, msg.old if kind != _INSERT else None):
+                                if values is not None:
+                                    windows.changed(relation_tables[relid], tuple(values[i] for i in positions))
                         for t in tlist:
                             t.read[0] += 1
                             proj = t.projector
@@ -553,22 +640,33 @@ class Bridge:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
                     in_tx = False
                     self.transactions += 1
-                    ackable = msg.end_lsn
+                    if not windows.open:  # while a window is open, a replay must start before its low watermark
+                        ackable = msg.end_lsn
                     if not pending and not inflight and ackable > self.durable_lsn:
                         self.durable_lsn = ackable
                 elif kind == _RELATION:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
                     targets[msg.relid] = self._bind(msg, catalog_conn)
+                    relation_tables[msg.relid] = (msg.namespace, msg.name)
+                    if targets[msg.relid]:
+                        names = [c.name for c in msg.columns]
+                        projector = targets[msg.relid][0].projector
+                        key_positions[msg.relid] = list(projector.key_values(range(len(names))))
                 elif kind == _TRUNCATE:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
                     self.changes_read += 1
                     for relid in msg.relids:
+                        if relid in relation_tables:
+                            windows.truncated(relation_tables[relid])
                         for t in targets.get(relid, ()):
                             for out in t.projector.truncate():
                                 queue(t.batches[out.partition], out.fields, lsn_s, seq, xid_s, ts_s, t.version, pos_prefix + f"{seq:010d}")
                     seq += 1
                 elif kind == _MESSAGE:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
+                    if msg.prefix == WATERMARK_PREFIX:
+                        seq = self._watermark(msg, windows, backfill, catalog_conn, queue, (lsn_s, seq, xid_s, ts_s, pos_prefix))
+                        continue
                     if msg.transactional:
                         m_lsn, m_pos, m_xid, m_ts, m_seq = lsn_s, pos_prefix + f"{seq:010d}", xid_s, ts_s, seq
                         seq += 1

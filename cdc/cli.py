@@ -273,6 +273,45 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_backfill(args: argparse.Namespace) -> int:
+    import time
+
+    from .admin import connect
+    from .backfill import BACKFILL_DDL, enqueue
+
+    settings, mappings = _load(args)
+    mapping = _entity(mappings, args.entity)
+    with connect(settings) as conn:
+        conn.execute(BACKFILL_DDL)
+        backfill_id = enqueue(conn, settings.postgres.slot, mapping, args.where)
+        print(f"backfill {backfill_id} of {mapping.entity} queued; the running bridge (cdc run) publishes it as op r")
+        if not args.wait:
+            return 0
+        started = time.monotonic()
+        while True:
+            status, done, total = conn.execute(
+                "SELECT status, rows_done, rows_total FROM cdc_backfills WHERE id = %s", (backfill_id,)
+            ).fetchone()
+            _progress(mapping.entity, done, total or 0, time.monotonic() - started)
+            if status in ("done", "cancelled"):
+                break
+            time.sleep(0.2)  # polling the progress row: the work happens in the bridge
+        sys.stderr.write("\n")
+        print(f"backfill {backfill_id}: {status}, {done} row(s) read")
+    return 0
+
+
+def _progress(what: str, done: int, total: int, elapsed: float) -> None:
+    """One progress line (bar, rows, rate, ETA), redrawn in place on a terminal."""
+    rate = done / elapsed if elapsed > 0 else 0.0
+    share = min(1.0, done / total) if total else 1.0
+    eta = f"{(total - done) / rate:.0f}s" if rate and total > done else "-"
+    bar = "#" * int(share * 30)
+    line = f"{what}: [{bar:<30}] {done}/{total} rows, {rate:,.0f} rows/s, ETA {eta}"
+    sys.stderr.write(("\r" + line) if sys.stderr.isatty() else (line + "\n"))
+    sys.stderr.flush()
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from .admin import json_schemas
 
@@ -344,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     dlq.add_argument("action", choices=["list", "show", "replay"])
     dlq.add_argument("ids", nargs="*", help="dead-letter IDs (show: required; replay: default all)")
     dlq.add_argument("--group", required=True)
+    backfill = command("backfill", cmd_backfill, "re-publish an entity's table (op r) while streaming continues")
+    backfill.add_argument("--entity", required=True)
+    backfill.add_argument("--where", help="SQL condition selecting part of the table")
+    backfill.add_argument("--wait", action="store_true", help="show progress until every chunk is read")
     schema = command("schema", cmd_schema, "print a JSON Schema per entity")
     schema.add_argument("--entity", help="only this entity")
     status = command("status", cmd_status, "show the slot, lag and streams")

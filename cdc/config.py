@@ -67,6 +67,8 @@ class BatchSettings:
     max_delay_ms: int = 20
     #: seconds between standby status updates to PostgreSQL when idle
     status_interval_s: float = 1.0
+    #: rows per snapshot/backfill chunk (one transaction and one WAL message each)
+    backfill_chunk_rows: int = 1000
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from .yamlsrc import load_yaml_file, where
 
 __all__ = ["Condition", "FieldSpec", "Mapping", "load_mappings", "parse_mapping"]
 
-ALL_OPS = ("c", "u", "d", "t")
+ALL_OPS = ("c", "u", "d", "t", "r")
 CASTS = ("string", "float", "integer", "epoch_ms", "epoch_s", "date")
 HASHES = ("sha256",)
 FILTER_OPS = ("eq", "ne", "in", "not_in", "gt", "gte", "lt", "lte", "is_null")
@@ -28,7 +28,7 @@ REDACTED = "***"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _TOP_KEYS = (
     "entity", "table", "message_prefix", "key", "fields", "stream", "version",
-    "ops", "before", "filter", "partitions",
+    "ops", "before", "filter", "partitions", "snapshot",
 )
 
 
@@ -70,6 +70,8 @@ class Mapping:
     filter: tuple[Condition, ...] = ()
     partitions: int = 1
     partition_by: tuple[str, ...] = ()
+    #: "initial": publish the table's rows (op r) when `cdc init` creates the slot; "never"
+    snapshot: str = "never"
     where: str = ""
     field_lines: MappingABC[str, str] = field(default_factory=dict)
 
@@ -255,8 +257,11 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
         ops_list = _name_list(raw["ops"], where(raw, "ops"), "ops")
         bad = [op for op in ops_list if op not in ALL_OPS]
         if bad:
-            raise _fail(where(raw, "ops"), f"unknown operation {bad[0]!r}", "operations are c (insert), u (update), d (delete), t (truncate)")
+            raise _fail(where(raw, "ops"), f"unknown operation {bad[0]!r}", "operations are c (insert), u (update), d (delete), t (truncate), r (snapshot read)")
         ops = frozenset(ops_list)
+    snapshot = raw.get("snapshot", "never")
+    if snapshot not in ("initial", "never"):
+        raise _fail(where(raw, "snapshot"), f"snapshot must be initial or never, not {snapshot!r}")
     before = raw.get("before", True)
     if not isinstance(before, bool):
         raise _fail(where(raw, "before"), "before must be true or false")
@@ -282,7 +287,7 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
         raise _fail(where(raw, "stream"), "a partitioned mapping's stream template must contain {partition}")
     return Mapping(
         entity=entity, table=table, key=key, fields=fields, stream=stream, version=version, ops=ops,
-        before=before, filter=conditions, partitions=partitions, partition_by=partition_by, where=place,
+        before=before, filter=conditions, partitions=partitions, partition_by=partition_by, snapshot=snapshot, where=place,
         field_lines={f.name: f.where for f in fields},
     )
 

@@ -198,6 +198,8 @@ class Projector:
             idx = positions[spec.column]
             self._plan.append((spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog, mapping)))
         self._key_plan = [(n, i, c) for (n, i, c) in self._plan if n in mapping.key]
+        by_name = {n: i for n, i, _ in self._plan}
+        self._key_positions = [by_name[n] for n in mapping.key]  # in key order
         self._key_order = mapping.key
         if "d" in mapping.ops and shape.replica_identity != "f":
             for name, idx, _ in self._key_plan:
@@ -270,6 +272,18 @@ class Projector:
         if unchanged:
             fields += [b"unchanged", orjson.dumps(unchanged)]
         return Projected(self._partition(key), fields)
+
+    def snapshot(self, row: Sequence[Any]) -> Projected | None:
+        """A row read by a snapshot or backfill (op r)."""
+        if "r" not in self._ops or (self._filter and not self._passes(row)):
+            return None
+        data, _ = self._row(row, None)
+        key = {n: data[n] for n in self._key_order}
+        return Projected(self._partition(key), [b"op", b"r", b"key", orjson.dumps(key), b"data", orjson.dumps(data)])
+
+    def key_values(self, row: Sequence[Any]) -> tuple:
+        """The key columns' raw text values, to compare with a snapshot chunk's rows."""
+        return tuple(row[i] for i in self._key_positions)
 
     def update(self, new: Sequence[Any], old: Sequence[Any] | None, old_full: bool) -> Projected | None:
         if "u" not in self._ops:

@@ -45,7 +45,7 @@ fields:
 
 def test_minimal_mapping_projects_only_named_fields():
     m = mapping(MINIMAL)
-    assert m.stream_keys() == ["cdc:ride"] and m.version == 1 and m.ops == {"c", "u", "d", "t"}
+    assert m.stream_keys() == ["cdc:ride"] and m.version == 1 and m.ops == {"c", "u", "d", "t", "r"}
     p = Projector(m, RIDES, TypeCatalog())
     out = fields_dict(p.insert(("7", "3", "12.500", "done", "2026-01-01 00:00:00+00", "secret")))
     assert out["op"] == b"c"

@@ -33,6 +33,7 @@ test: install test-deps
 bench: install
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/consume.py
+	$(BIN)/python bench/snapshot.py
 
 clean:
 	rm -rf .local $(VENV) *.egg-info

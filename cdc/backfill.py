@@ -122,19 +122,21 @@ class BackfillDriver:
         self.chunk_rows = chunk_rows
         self.waiting_for: str | None = None  # chunk id whose high watermark the stream has not shown yet
         self.disabled = False
+        self.idle = False  # the last look found no unfinished backfill
 
     def tick(self, conn: psycopg.Connection) -> bool:
         """Write the next chunk of the oldest unfinished backfill; False when there is none."""
         if self.waiting_for is not None:
             return True
         if not conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0]:
-            self.disabled = True  # `cdc init` creates it
+            self.disabled = self.idle = True  # `cdc init` creates it
             return False
         row = conn.execute(
             "SELECT id, entity, where_sql, last_key, chunks FROM cdc_backfills "
             "WHERE slot = %s AND status IN ('pending', 'running') ORDER BY id LIMIT 1",
             (self.slot,),
         ).fetchone()
+        self.idle = row is None
         if row is None:
             return False
         backfill_id, entity, where, last_key, chunks = row

@@ -588,7 +588,8 @@ class Bridge:
                     if now - last_heard > receive_timeout:
                         raise _ConnectionSilent(f"no message from postgres in {receive_timeout:.0f}s; reconnecting")
                     if self.until_caught_up and not in_tx:
-                        if self.durable_lsn >= self.target_lsn:
+                        if self.durable_lsn >= self.target_lsn and (backfill.idle or backfill.disabled) \
+                                and backfill.waiting_for is None and not windows.open:
                             report()
                             log.info("caught up at %s", self.durable_lsn)
                             return

@@ -37,6 +37,19 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
             row = conn.execute(SLOT_QUERY, (settings.postgres.slot,)).fetchone()
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
+        try:
+            backfills = conn.execute(
+                "SELECT id, entity, status, rows_done, rows_total, chunks, where_sql, "
+                "extract(epoch FROM updated_at - created_at)::float8 FROM cdc_backfills WHERE slot = %s ORDER BY id",
+                (settings.postgres.slot,),
+            ).fetchall() if conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0] else []
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from exc
+    result["backfills"] = [
+        {"id": b[0], "entity": b[1], "status": b[2], "rows_done": b[3], "rows_total": b[4], "chunks": b[5],
+         "where": b[6], "rows_per_s": round(b[3] / b[7], 1) if b[7] else None}
+        for b in backfills
+    ]
     if row:
         result["slot"] = {
             "name": settings.postgres.slot, "active": row[0], "confirmed_flush_lsn": row[1],
@@ -133,4 +146,8 @@ def render(status: dict) -> str:
             )
             for c in g["consumers"]:
                 lines.append(f"{'':<16} consumer {c['name']}: pending {c['pending']}, idle {c['idle_ms'] / 1000:.1f}s")
+    for b in status.get("backfills", []):
+        rate = f", {b['rows_per_s']:,.0f} rows/s" if b["rows_per_s"] else ""
+        part = f" where {b['where']}" if b["where"] else ""
+        lines.append(f"backfill {b['id']} of {b['entity']}{part}: {b['status']}, {b['rows_done']}/{b['rows_total']} rows{rate}")
     return "\n".join(lines) + "\n"

@@ -122,9 +122,15 @@ def test_backfill_resumes_after_kill_9_without_duplicates(env):
     wait_for(lambda: backfill_done(env), 60, "the backfill to finish")
     target = env.current_wal()
     wait_for(lambda: env.confirmed_flush() >= target, 60, "the bridge to catch up")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
     reads = [e["key"]["id"] for e in read_stream(env.redis, "cdc:ride") if e["op"] == "r"]
     assert sorted(reads) == list(range(1, 40001)), "every row of the filtered part exactly once"
     status = env.execute("SELECT status, rows_done, rows_total, chunks FROM cdc_backfills")
     assert status == [("done", 40000, 40000, 201)]
+    text = env.cdc("status", check=True).stdout
+    assert "backfill 1 of ride where id <= 40000: done, 40000/40000 rows" in text
+    # a second, filtered backfill, followed with a progress bar until done
+    waited = env.cdc("backfill", "--entity", "ride", "--where", "id <= 10", "--wait", timeout=60)
+    assert waited.returncode == 0 and "backfill 2: done, 10 row(s) read" in waited.stdout
+    assert "ride: [##############################] 10/10 rows" in waited.stderr
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0

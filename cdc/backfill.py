@@ -37,6 +37,8 @@ __all__ = ["BACKFILL_DDL", "WATERMARK_PREFIX", "BackfillDriver", "Windows", "enq
 log = logging.getLogger("cdc.backfill")
 
 WATERMARK_PREFIX = "cdc.wm"
+#: a logical message telling the running bridge a backfill was queued (no polling needed)
+REQUEST_PREFIX = "cdc.backfill"
 TRUNCATED = ("<truncated>",)  # in a window's changed keys: every row of the chunk is stale
 
 BACKFILL_DDL = """
@@ -69,10 +71,13 @@ def enqueue(conn: psycopg.Connection, slot: str, mapping: Mapping, where: str | 
         ).fetchone()[0]
     except psycopg.Error as exc:
         raise ConfigError(f"backfill of {mapping.entity}: cannot read {schema}.{table}{where_sql}: {str(exc).strip()}") from None
-    return conn.execute(
-        "INSERT INTO cdc_backfills (slot, entity, where_sql, rows_total) VALUES (%s, %s, %s, %s) RETURNING id",
-        (slot, mapping.entity, where, total),
-    ).fetchone()[0]
+    with conn.transaction():
+        backfill_id = conn.execute(
+            "INSERT INTO cdc_backfills (slot, entity, where_sql, rows_total) VALUES (%s, %s, %s, %s) RETURNING id",
+            (slot, mapping.entity, where, total),
+        ).fetchone()[0]
+        conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (REQUEST_PREFIX, str(backfill_id)))
+    return backfill_id
 
 
 @dataclass

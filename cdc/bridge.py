@@ -27,7 +27,7 @@ import redis
 import tenacity
 
 from . import pgoutput as pg
-from .backfill import TRUNCATED, WATERMARK_PREFIX, BackfillDriver, Windows
+from .backfill import REQUEST_PREFIX, TRUNCATED, WATERMARK_PREFIX, BackfillDriver, Windows
 from .catalog import load_types, table_shape
 from .config import Settings
 from . import keys
@@ -550,6 +550,7 @@ class Bridge:
             next_status = monotonic() + status_interval
 
         try:
+            self._drive_backfill(backfill, catalog_conn)  # resume what a previous session left unfinished
             while not self.stopping:
                 now = monotonic()
                 if now >= next_check:  # guardrails, between messages
@@ -565,7 +566,6 @@ class Bridge:
                     if now >= next_slot_check:
                         next_slot_check = now + pgs.slot_check_interval_s
                         self._check_slot(catalog_conn)
-                    self._drive_backfill(backfill, catalog_conn)
                     if now >= next_heartbeat:
                         next_heartbeat = now + heartbeat
                         if now - last_heard >= heartbeat and not self._heartbeat(catalog_conn):
@@ -667,6 +667,10 @@ class Bridge:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
                     if msg.prefix == WATERMARK_PREFIX:
                         seq = self._watermark(msg, windows, backfill, catalog_conn, queue, (lsn_s, seq, xid_s, ts_s, pos_prefix))
+                        continue
+                    if msg.prefix == REQUEST_PREFIX:  # `cdc backfill` queued one
+                        seq += 1
+                        self._drive_backfill(backfill, catalog_conn)
                         continue
                     if msg.transactional:
                         m_lsn, m_pos, m_xid, m_ts, m_seq = lsn_s, pos_prefix + f"{seq:010d}", xid_s, ts_s, seq

@@ -42,7 +42,9 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
                 "SELECT id, entity, status, rows_done, rows_total, chunks, where_sql, "
                 "extract(epoch FROM updated_at - created_at)::float8 FROM cdc_backfills WHERE slot = %s ORDER BY id",
                 (settings.postgres.slot,),
-            ).fetchall() if conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0] else []
+            ).fetchall() if conn.execute(
+                "SELECT coalesce(has_table_privilege(to_regclass('public.cdc_backfills'), 'SELECT'), false)"
+            ).fetchone()[0] else []
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
     result["backfills"] = [

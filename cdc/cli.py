@@ -274,36 +274,55 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    import time
-
     from .admin import connect
     from .backfill import BACKFILL_DDL, enqueue
 
     settings, mappings = _load(args)
-    mapping = _entity(mappings, args.entity)
     with connect(settings) as conn:
         conn.execute(BACKFILL_DDL)
-        backfill_id = enqueue(conn, settings.postgres.slot, mapping, args.where)
-        print(f"backfill {backfill_id} of {mapping.entity} queued; the running bridge (cdc run) publishes it as op r")
-        if not args.wait:
-            return 0
-        started = time.monotonic()
-        while True:
-            status, done, total = conn.execute(
-                "SELECT status, rows_done, rows_total FROM cdc_backfills WHERE id = %s", (backfill_id,)
-            ).fetchone()
-            _progress(mapping.entity, done, total or 0, time.monotonic() - started)
-            if status in ("done", "cancelled"):
-                break
-            time.sleep(0.2)  # polling the progress row: the work happens in the bridge
-        sys.stderr.write("\n")
-        print(f"backfill {backfill_id}: {status}, {done} row(s) read")
+        if args.entity:
+            mapping = _entity(mappings, args.entity)
+            backfill_id = enqueue(conn, settings.postgres.slot, mapping, args.where)
+            print(f"backfill {backfill_id} of {mapping.entity} queued; the running bridge (cdc run) publishes it as op r")
+            ids = [backfill_id]
+        elif args.watch:
+            ids = [r[0] for r in conn.execute(
+                "SELECT id FROM cdc_backfills WHERE slot = %s AND status IN ('pending', 'running') ORDER BY id",
+                (settings.postgres.slot,),
+            )]
+            if not ids:
+                print("no snapshot or backfill in progress")
+        else:
+            raise CdcError("give --entity to queue a backfill, or --watch to follow the ones in progress")
+        if args.wait or args.watch:
+            for backfill_id in ids:
+                _follow(conn, backfill_id)
     return 0
 
 
-def _progress(what: str, done: int, total: int, elapsed: float) -> None:
+def _follow(conn, backfill_id: int) -> None:
+    """Draw one backfill's progress until every chunk is read."""
+    import time
+
+    started = time.monotonic()
+    first = None
+    while True:
+        entity, status, done, total = conn.execute(
+            "SELECT entity, status, rows_done, rows_total FROM cdc_backfills WHERE id = %s", (backfill_id,)
+        ).fetchone()
+        first = done if first is None else first
+        _progress(entity, done, total or 0, time.monotonic() - started, done - first)
+        if status in ("done", "cancelled"):
+            break
+        time.sleep(0.2)  # polling the progress row: the work happens in the bridge
+    sys.stderr.write("\n")
+    print(f"backfill {backfill_id}: {status}, {done} row(s) read")
+
+
+def _progress(what: str, done: int, total: int, elapsed: float, since_start: int | None = None) -> None:
     """One progress line (bar, rows, rate, ETA), redrawn in place on a terminal."""
-    rate = done / elapsed if elapsed > 0 else 0.0
+    moved = done if since_start is None else since_start
+    rate = moved / elapsed if elapsed > 0 else 0.0
     share = min(1.0, done / total) if total else 1.0
     eta = f"{(total - done) / rate:.0f}s" if rate and total > done else "-"
     bar = "#" * int(share * 30)
@@ -384,9 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     dlq.add_argument("ids", nargs="*", help="dead-letter IDs (show: required; replay: default all)")
     dlq.add_argument("--group", required=True)
     backfill = command("backfill", cmd_backfill, "re-publish an entity's table (op r) while streaming continues")
-    backfill.add_argument("--entity", required=True)
+    backfill.add_argument("--entity", help="the entity to re-publish")
     backfill.add_argument("--where", help="SQL condition selecting part of the table")
     backfill.add_argument("--wait", action="store_true", help="show progress until every chunk is read")
+    backfill.add_argument("--watch", action="store_true", help="follow the snapshots and backfills in progress")
     schema = command("schema", cmd_schema, "print a JSON Schema per entity")
     schema.add_argument("--entity", help="only this entity")
     status = command("status", cmd_status, "show the slot, lag and streams")

@@ -84,6 +84,10 @@ def test_initial_snapshot_with_concurrent_writes_reproduces_the_table(env):
     writer = Writer(env.dsn, 4)
     writer.start()
     proc = env.start_bridge()
+    watched = env.cdc("backfill", "--watch", timeout=120)  # the initial snapshot's progress, until read
+    assert watched.returncode == 0
+    if "no snapshot or backfill in progress" not in watched.stdout:  # it may be over already
+        assert "ride: [" in watched.stderr and "backfill 1: done" in watched.stdout
     writer.join()
     assert writer.error is None, writer.error
     wait_for(lambda: backfill_done(env), 60, "the snapshot to be read")

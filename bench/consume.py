@@ -10,10 +10,7 @@ Usage: python bench/consume.py [--entries 1000000] [--batch 1000]
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from cdc.checkpoint import TransactionalHandler  # noqa: E402
 from cdc.consumer import Consumer  # noqa: E402
-from cdc.local import LocalPostgres, LocalRedis  # noqa: E402
+from servers import bench_servers  # noqa: E402
 from cdc.publisher import Publisher, StreamBatch, position  # noqa: E402
 from cdc.rocketrides import ride_totals  # noqa: E402
 from cdc.sinks import TableSink  # noqa: E402
@@ -71,14 +68,7 @@ def main() -> int:
     parser.add_argument("--entries", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=1000)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="cdc-bench-consume-"))
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres", "postgres")
-    pg = LocalPostgres(root / "pg")
-    rd = LocalRedis(root / "redis", appendonly=False)
-    try:
-        pg.start()
-        rd.start()
+    with bench_servers("cdc-bench-consume-", None) as (root, pg, rd):
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute((ROOT / "sql" / "20_consumer_state.sql").read_text())
         print(f"filling {STREAM} with {args.entries:,} entries ...", flush=True)
@@ -102,10 +92,6 @@ def main() -> int:
         print(f"idempotent (table sink upserts)   {args.entries / t_idem:>11,.0f} entries/s  ({t_idem:.1f}s)")
         print(f"ratio idempotent / transactional  {t_tx / t_idem:>11.2f}")
         return 0
-    finally:
-        rd.stop()
-        pg.stop("immediate")
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,8 @@ Usage: python bench/snapshot.py [--rows 5000000] [--chunk 5000]
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cdc.local import LocalPostgres, LocalRedis  # noqa: E402
+from servers import bench_servers  # noqa: E402
 
 
 def main() -> int:
@@ -30,14 +27,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=5_000_000)
     parser.add_argument("--chunk", type=int, default=5000)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="cdc-bench-snapshot-"))
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres", "postgres")
-    pg = LocalPostgres(root / "pg", settings={"max_wal_size": "8GB"})
-    rd = LocalRedis(root / "redis", appendonly=False)
-    try:
-        pg.start()
-        rd.start()
+    with bench_servers("cdc-bench-snapshot-", {"max_wal_size": "8GB"}) as (root, pg, rd):
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE rides (id bigint PRIMARY KEY, rider_id bigint NOT NULL, distance_m numeric(12,3) NOT NULL)")
             print(f"loading {args.rows:,} rows ...", flush=True)
@@ -66,10 +56,6 @@ def main() -> int:
         print(f"snapshot, wall time  {elapsed:>12.1f} s (bridge start to every row in Redis)")
         print(f"snapshot rate        {args.rows / elapsed:>12,.0f} rows/s")
         return 0
-    finally:
-        rd.stop()
-        pg.stop("immediate")
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,7 +28,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cdc.local import PG_BIN, LocalPostgres, LocalRedis, wait_for  # noqa: E402
+from servers import bench_servers  # noqa: E402
+from cdc.local import PG_BIN, wait_for  # noqa: E402
 
 SCHEMA = """
 CREATE TABLE riders (id bigint PRIMARY KEY, name text NOT NULL, email text NOT NULL);
@@ -106,14 +105,7 @@ def main() -> int:
     parser.add_argument("--latency-rate", type=int, default=10_000, help="changes per second during the latency run")
     args = parser.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="cdc-bench-"))
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres", "postgres")
-    pg = LocalPostgres(root / "pg", settings={"synchronous_commit": "off", "max_wal_size": "4GB"})
-    rd = LocalRedis(root / "redis", appendonly=False)
-    try:
-        pg.start()
-        rd.start()
+    with bench_servers("cdc-bench-", {"synchronous_commit": "off", "max_wal_size": "4GB"}) as (root, pg, rd):
         client = redis.Redis.from_url(rd.url)
         (root / "mappings").mkdir()
         for name, text in MAPPINGS.items():
@@ -184,10 +176,6 @@ def main() -> int:
             p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
             print(f"commit-to-stream latency at {args.latency_rate:,} changes/s: p50 {p50} ms, p99 {p99} ms ({len(latencies):,} entries)")
         return 0
-    finally:
-        rd.stop()
-        pg.stop("immediate")
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, base_id: int) -> list[int]:

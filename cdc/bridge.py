@@ -90,7 +90,6 @@ class Bridge:
         self.catalog = TypeCatalog()
         # counters, readable in repr and by status reporting
         self.changes_read = 0
-        self.entries_queued = 0
         self.entries_published = 0
         self.transactions = 0
         self.sessions = 0
@@ -379,8 +378,6 @@ class Bridge:
 
     def trim_streams(self) -> None:
         """Consumer-aware trim of every mapped stream (see `cdc.trim`); failures only logged."""
-        import redis
-
         from .trim import TrimPolicy, trim_stream
 
         policy = TrimPolicy(max_len=self.settings.trim.max_len, max_age_s=self.settings.trim.max_age_s)
@@ -650,9 +647,7 @@ class Bridge:
                     targets[msg.relid] = self._bind(msg, catalog_conn)
                     relation_tables[msg.relid] = (msg.namespace, msg.name)
                     if targets[msg.relid]:
-                        names = [c.name for c in msg.columns]
-                        projector = targets[msg.relid][0].projector
-                        key_positions[msg.relid] = list(projector.key_values(range(len(names))))
+                        key_positions[msg.relid] = targets[msg.relid][0].projector.key_positions
                 elif kind == _TRUNCATE:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
                     self.changes_read += 1

@@ -170,8 +170,6 @@ class LocalPostgres:
         self.stop(mode)
         self.start()
 
-    def set_setting(self, name: str, value: str) -> None:
-        self.settings[name] = value
 
 
 class LocalRedis:

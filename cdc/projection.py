@@ -199,7 +199,8 @@ class Projector:
             self._plan.append((spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog, mapping)))
         self._key_plan = [(n, i, c) for (n, i, c) in self._plan if n in mapping.key]
         by_name = {n: i for n, i, _ in self._plan}
-        self._key_positions = [by_name[n] for n in mapping.key]  # in key order
+        #: positions of the key columns in the table's rows, in key order
+        self.key_positions = [by_name[n] for n in mapping.key]
         self._key_order = mapping.key
         if "d" in mapping.ops and shape.replica_identity != "f":
             for name, idx, _ in self._key_plan:
@@ -283,7 +284,7 @@ class Projector:
 
     def key_values(self, row: Sequence[Any]) -> tuple:
         """The key columns' raw text values, to compare with a snapshot chunk's rows."""
-        return tuple(row[i] for i in self._key_positions)
+        return tuple(row[i] for i in self.key_positions)
 
     def update(self, new: Sequence[Any], old: Sequence[Any] | None, old_full: bool) -> Projected | None:
         if "u" not in self._ops:

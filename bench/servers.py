@@ -1,0 +1,34 @@
+"""Throwaway PostgreSQL and Redis for a benchmark run, removed afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cdc.local import LocalPostgres, LocalRedis  # noqa: E402
+
+
+@contextlib.contextmanager
+def bench_servers(prefix: str, pg_settings: dict[str, str] | None = None) -> Iterator[tuple[Path, LocalPostgres, LocalRedis]]:
+    """(work folder, PostgreSQL, Redis without persistence), started; stopped and deleted on exit."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+    pg = LocalPostgres(root / "pg", settings=pg_settings)
+    rd = LocalRedis(root / "redis", appendonly=False)
+    try:
+        pg.start()
+        rd.start()
+        yield root, pg, rd
+    finally:
+        rd.stop()
+        pg.stop("immediate")
+        shutil.rmtree(root, ignore_errors=True)

@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test bench clean servers-deps test-deps
+.PHONY: install run test bench clean servers-deps test-deps reconcile-deps
 
 install: $(VENV)/.installed servers-deps
 
@@ -24,16 +24,26 @@ test-deps:
 	@command -v node >/dev/null && command -v npm >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs npm; }
 	@command -v openssl >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq openssl; }
 
+# `cdc reconcile`: pyspark, a Java runtime and the PostgreSQL JDBC driver
+reconcile-deps: $(VENV)/.reconcile-installed
+	@command -v java >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq default-jre-headless; }
+	@test -f /usr/share/java/postgresql.jar || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq libpostgresql-jdbc-java; }
+
+$(VENV)/.reconcile-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[test,reconcile]'
+	touch $@
+
 run: install
 	$(BIN)/python -m cdc.demo
 
-test: install test-deps
+test: install test-deps reconcile-deps
 	$(BIN)/pytest
 
-bench: install
+bench: install reconcile-deps
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/consume.py
 	$(BIN)/python bench/snapshot.py
+	$(BIN)/python bench/reconcile.py
 
 clean:
 	rm -rf .local $(VENV) *.egg-info

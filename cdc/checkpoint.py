@@ -30,7 +30,7 @@ Apply = Callable[[psycopg.Connection, list[Entry], str], None]
 
 _LOCK = """
 SELECT stream, lsn, seq, epoch FROM cdc_checkpoints
-WHERE consumer = %s AND stream = ANY(%s) FOR UPDATE
+WHERE consumer = %s AND stream = ANY(%s) ORDER BY stream FOR UPDATE
 """
 _ENSURE = "INSERT INTO cdc_checkpoints (consumer, stream) SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING"
 _SAVE = """

@@ -14,10 +14,12 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import orjson
 
 from .errors import CdcError, TransientError
+from .loader import load_callable
 from .redisconn import connect_redis
 
 __all__ = ["main"]
@@ -104,18 +106,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_callable(spec: str):
-    import importlib
-
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise CdcError(f"--handler {spec!r} must be module:function", hint="for example cdc.rocketrides:ride_totals")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise CdcError(f"cannot load handler {spec!r}: {exc}") from None
-
-
 def _entity(mappings, name: str):
     for m in mappings:
         if m.entity == name:
@@ -167,7 +157,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
             from .checkpoint import TransactionalHandler
 
             handler = TransactionalHandler(
-                state_dsn, args.group, _load_callable(args.handler), epoch_of=consumer.epoch,
+                state_dsn, args.group, load_callable(args.handler), epoch_of=consumer.epoch,
                 crash_before_commit=float(os.environ.get("CDC_FAULT_CRASH_BEFORE_COMMIT", 0)),
             )
         else:
@@ -319,14 +309,15 @@ def _follow(conn, backfill_id: int) -> None:
     print(f"backfill {backfill_id}: {status}, {done} row(s) read")
 
 
-def _progress(what: str, done: int, total: int, elapsed: float, since_start: int | None = None) -> None:
-    """One progress line (bar, rows, rate, ETA), redrawn in place on a terminal."""
+def _progress(what: str, done: int, total: int, elapsed: float, since_start: int | None = None,
+              unit: str = "rows") -> None:
+    """One progress line (bar, count, rate, ETA), redrawn in place on a terminal."""
     moved = done if since_start is None else since_start
     rate = moved / elapsed if elapsed > 0 else 0.0
     share = min(1.0, done / total) if total else 1.0
     eta = f"{(total - done) / rate:.0f}s" if rate and total > done else "-"
     bar = "#" * int(share * 30)
-    line = f"{what}: [{bar:<30}] {done}/{total} rows, {rate:,.0f} rows/s, ETA {eta}"
+    line = f"{what}: [{bar:<30}] {done}/{total} {unit}, {rate:,.0f} {unit}/s, ETA {eta}"
     sys.stderr.write(("\r" + line) if sys.stderr.isatty() else (line + "\n"))
     sys.stderr.flush()
 
@@ -341,6 +332,59 @@ def cmd_schema(args: argparse.Namespace) -> int:
             raise CdcError(f"no entity {args.entity!r}", hint=f"entities: {', '.join(schemas)}")
         schemas = schemas[args.entity]
     sys.stdout.write(orjson.dumps(schemas, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .drift import render_table
+    from .reconcile import describe, reconcile_spec
+    from .reconcile_spec import load_specs
+    from .truth import start_spark
+
+    settings, _ = _load(args)
+    if args.master:
+        settings = dataclasses.replace(settings, reconcile=dataclasses.replace(settings.reconcile, master=args.master))
+    specs = load_specs(Path(settings.reconcile.specs))
+    if args.spec:
+        specs = [s for s in specs if s.name in args.spec]
+        if not specs:
+            raise CdcError(f"no spec named {', '.join(args.spec)}")
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    say(f"starting Spark ({settings.reconcile.master})")
+    spark = start_spark(settings.reconcile.master, settings.reconcile.jdbc_jar, settings.reconcile.driver_memory)
+    results = []
+    try:
+        for spec in specs:
+            started = time.monotonic()
+            results.append(reconcile_spec(
+                settings, spec, spark, dry_run=args.dry_run, say=say,
+                progress=lambda done, total, spec=spec, t=started: _progress(
+                    f"{spec.name}: reading", done, total, time.monotonic() - t, unit="tasks"),
+            ))
+    finally:
+        spark.stop()
+    report = [r.as_json(args.dry_run) for r in results]
+    if args.report:
+        Path(args.report).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.json:
+        sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        for r in results:
+            print(f"{r.spec.name}: position {r.position}, {r.source_rows} source rows, {r.truth_keys} keys, "
+                  f"read {r.read_seconds:.1f}s, total {r.seconds:.1f}s")
+            for o in r.outcomes:
+                print(f"  {o.consumer}: {describe(o)}")
+                if not o.drift.clean:
+                    print("    " + render_table(o.drift, r.spec.key_columns).replace("\n", "\n    "))
+    unrepaired = [o.consumer for r in results for o in r.outcomes if o.unrepaired]
+    if unrepaired:
+        print(f"drift left unrepaired in: {', '.join(unrepaired)}", file=sys.stderr)
+        return 7
     return 0
 
 
@@ -409,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     backfill.add_argument("--watch", action="store_true", help="follow the snapshots and backfills in progress")
     schema = command("schema", cmd_schema, "print a JSON Schema per entity")
     schema.add_argument("--entity", help="only this entity")
+    reconcile = command("reconcile", cmd_reconcile, "recompute consumer state with Spark and reset it exactly")
+    reconcile.add_argument("--spec", action="append", help="only this spec (by name; repeatable)")
+    reconcile.add_argument("--dry-run", action="store_true", help="report drift, change nothing")
+    reconcile.add_argument("--master", help="Spark master URL (default: reconcile.master, local[*])")
+    reconcile.add_argument("--json", action="store_true", help="print the report as JSON")
+    reconcile.add_argument("--report", help="also write the JSON report to this file")
     status = command("status", cmd_status, "show the slot, lag and streams")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     return parser

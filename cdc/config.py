@@ -19,7 +19,9 @@ from typing import Any
 from .errors import ConfigError
 from .yamlsrc import LocatedDict, load_yaml_file, where
 
-__all__ = ["BatchSettings", "HttpSettings", "PostgresSettings", "RedisSettings", "Settings", "TrimSettings"]
+__all__ = [
+    "BatchSettings", "HttpSettings", "PostgresSettings", "ReconcileSettings", "RedisSettings", "Settings", "TrimSettings",
+]
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,30 @@ class TrimSettings:
 
 
 @dataclass(frozen=True)
+class ReconcileSettings:
+    #: a folder of reconciliation specs (*.yaml), or one file; relative to the config file
+    specs: str = "reconcile"
+    #: where Spark runs: local[*] on this machine, or a cluster's master URL (spark://host:7077, yarn, k8s://...)
+    master: str = "local[*]"
+    #: the PostgreSQL JDBC driver (Debian: libpostgresql-jdbc-java)
+    jdbc_jar: str = "/usr/share/java/postgresql.jar"
+    driver_memory: str = "2g"
+    #: where the consumers' state and checkpoints live (empty: postgres.dsn; a spec's state.dsn wins)
+    state_dsn: str = ""
+    #: seconds to wait for the bridge to publish everything before the snapshot's position
+    wait_for_bridge_s: float = 300.0
+    #: seconds the reset waits for a consumer's checkpoint rows (a consumer mid-batch holds them)
+    lock_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class Settings:
     postgres: PostgresSettings = field(default_factory=PostgresSettings)
     redis: RedisSettings = field(default_factory=RedisSettings)
     batch: BatchSettings = field(default_factory=BatchSettings)
     trim: TrimSettings = field(default_factory=TrimSettings)
     http: HttpSettings = field(default_factory=HttpSettings)
+    reconcile: ReconcileSettings = field(default_factory=ReconcileSettings)
     mappings: Path = Path("mappings")
     source: str = "<defaults>"
 
@@ -131,6 +151,9 @@ class Settings:
         mappings_path = Path(str(mappings))
         if not mappings_path.is_absolute():
             mappings_path = base_dir / mappings_path
+        specs = Path(sections["reconcile"].specs)
+        if not specs.is_absolute():
+            sections["reconcile"] = dataclasses.replace(sections["reconcile"], specs=str(base_dir / specs))
         return cls(**sections, mappings=mappings_path, source=source)
 
 

@@ -9,7 +9,7 @@ exactly like the plain stream key.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "mark_key", "stream_key"]
+__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "stream_key"]
 
 DEFAULT_STREAM_TEMPLATE = "cdc:{entity}"
 PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
@@ -72,3 +72,10 @@ def flushed_key(slot: str) -> str:
     up as a value behind the slot, and the missing LSN range is exactly between.
     """
     return f"cdc:bridge:{slot}:flushed"
+
+
+def holds_key(stream: str) -> str:
+    """A hash of holds on `stream` (field: who holds, value: "<entry id> <expiry ms>"): trimming keeps
+    every entry after the lowest unexpired hold, so a reconciliation can re-read what consumers already
+    acknowledged. Same cluster slot as the stream."""
+    return mark_key(stream)[: -len(MARK_SUFFIX)] + ":holds"

@@ -2,8 +2,9 @@
 
 A stream is trimmed up to the oldest entry any group still needs: its oldest
 pending entry, or the first entry after its last-delivered ID. Entries before
-that point have been delivered to and acknowledged by every group. A stream with
-no group is left alone. An optional hard cap (length or age) bounds a stream
+that point have been delivered to and acknowledged by every group; a hold (set by
+`cdc reconcile` while it runs, see `keys.holds_key`) keeps everything after it as
+well. A stream with no group is left alone. An optional hard cap (length or age) bounds a stream
 whose group died; when the cap would drop entries some group still needs, that
 is logged loudly and counted.
 """
@@ -18,7 +19,7 @@ import redis
 
 from . import keys
 
-__all__ = ["TrimPolicy", "TrimResult", "safe_trim_point", "trim_stream"]
+__all__ = ["TrimPolicy", "TrimResult", "active_holds", "safe_trim_point", "trim_stream"]
 
 log = logging.getLogger("cdc.trim")
 
@@ -71,8 +72,23 @@ def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]
         point = min(candidates)
         needed.append(point)
         info[name] = f"{point[0]}-{point[1]}"
+    for holder, held in active_holds(client, stream).items():
+        needed.append(_parse_id(_next_id(held)))
+        info[f"hold:{holder}"] = held
     low = min(needed)
     return f"{low[0]}-{low[1]}", info
+
+
+def active_holds(client: redis.Redis, stream: str) -> dict[str, str]:
+    """Unexpired holds on `stream`: holder -> the last entry ID it lets go (it keeps every later one)."""
+    now_ms = int(time.time() * 1000)
+    holds = {}
+    for holder, value in client.hgetall(keys.holds_key(stream)).items():
+        entry_id, _, expires = _text(value).partition(" ")
+        if expires and int(expires) < now_ms:
+            continue  # its holder died: the hash itself expires a day after the last hold
+        holds[_text(holder)] = entry_id
+    return holds
 
 
 def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolicy()) -> TrimResult:

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
-import threading
 import time
 from decimal import Decimal
 
@@ -16,69 +12,9 @@ import pytest
 
 from cdc.local import wait_for
 
+from ride_consumers import Supervisor, state, truth
+
 pytestmark = pytest.mark.integration
-
-CONSUME = [sys.executable, "-m", "cdc", "--log-format", "text", "consume"]
-
-
-class Supervisor(threading.Thread):
-    """Keeps `n` consumer processes of a group running; counts how they ended."""
-
-    def __init__(self, env, group: str, n: int, extra_env: dict) -> None:
-        super().__init__(daemon=True)
-        self.env, self.group, self.n, self.extra_env = env, group, n, extra_env
-        self.procs: list[subprocess.Popen] = []
-        self.exits: list[int] = []
-        self.kills = 0
-        self.stopped = threading.Event()
-        self.lock = threading.Lock()
-
-    def spawn(self) -> subprocess.Popen:
-        log = open(self.env.tmp / f"{self.group}-{len(self.exits)}-{time.monotonic_ns()}.log", "w")
-        with log:
-            return subprocess.Popen(
-                [*CONSUME, "--config", str(self.env.config_path), "--entity", "ride", "--group", self.group,
-                 "--start", "0", "--handler", "cdc.rocketrides:ride_totals", "--count", "50",
-                 "--max-deliveries", "1000", "--lease-ttl-ms", "1500"],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env},
-            )
-
-    def run(self) -> None:
-        with self.lock:
-            self.procs = [self.spawn() for _ in range(self.n)]
-        while not self.stopped.is_set():
-            with self.lock:
-                for i, proc in enumerate(self.procs):
-                    code = proc.poll()
-                    if code is not None:
-                        self.exits.append(code)
-                        self.procs[i] = self.spawn()
-            self.stopped.wait(0.1)
-
-    def kill_one(self, rng: random.Random) -> None:
-        with self.lock:
-            rng.choice(self.procs).send_signal(signal.SIGKILL)
-            self.kills += 1
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.join()
-        for proc in self.procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            proc.wait(30)
-
-
-def truth(env) -> dict[int, Decimal]:
-    rows = env.execute("SELECT rider_id, sum(distance_m) FROM rides GROUP BY rider_id")
-    totals = {rider: total for rider, total in rows}
-    totals[0] = sum(totals.values(), Decimal(0))
-    return totals
-
-
-def state(env, consumer: str) -> dict[int, Decimal]:
-    rows = env.execute("SELECT rider_id, total_distance FROM consumer_states WHERE consumer = %s AND total_distance <> 0", (consumer,))
-    return {rider: total for rider, total in rows}
 
 
 @pytest.mark.slow

@@ -57,3 +57,22 @@ def test_a_dead_group_holds_the_stream_until_the_hard_cap_drops_loudly(client, c
     assert [i for i, _ in client.xrange("s")] == ids[2:]
     assert "dropped 7 entries a consumer group had not consumed" in caplog.text
     assert client.hget("cdc:stats:trim", "s:forced") == b"7"
+
+
+def test_a_hold_keeps_acknowledged_entries_until_released_or_expired(client):
+    import time
+
+    from cdc.keys import holds_key
+
+    ids = add(client, 3)
+    client.xgroup_create("s", "g", id="0")
+    client.hset(holds_key("s"), "reconcile:x", f"{ids[0].decode()} {int(time.time() * 1000) + 60_000}")
+    ids += add(client, 4)
+    for entry_id, _ in client.xreadgroup("g", "c", {"s": ">"})[0][1]:
+        client.xack("s", "g", entry_id)
+    result = trim_stream(client, "s")
+    assert [i for i, _ in client.xrange("s")] == ids[1:], "everything after the held entry stays"
+    assert result.groups["hold:reconcile:x"] == ids[0].decode()
+    client.hset(holds_key("s"), "reconcile:x", f"{ids[3].decode()} {int(time.time() * 1000) - 1}")  # expired
+    trim_stream(client, "s")
+    assert client.xlen("s") == 0, "an expired hold holds nothing"

@@ -1,0 +1,19 @@
+"""Loading a handler named as ``module:function``."""
+
+from __future__ import annotations
+
+import importlib
+
+from .errors import CdcError
+
+__all__ = ["load_callable"]
+
+
+def load_callable(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise CdcError(f"handler {spec!r} must be module:function", hint="for example cdc.rocketrides:ride_totals")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise CdcError(f"cannot load handler {spec!r}: {exc}") from None

@@ -1,0 +1,276 @@
+"""Resetting a consumer's state to the truth, exactly, wherever the consumer is in its streams.
+
+The truth is as of a position P (see `cdc.exported_snapshot`): it contains every
+transaction whose commit LSN is below P, and none at or after it. A consumer's
+state must become truth(P) plus the contributions of the entries after P that it
+has applied, and its checkpoints must say so. Everything happens in one
+transaction in the consumer's state database, holding the consumer's checkpoint
+rows (`cdc.checkpoint` takes the same row locks, in the same order, for each
+batch), so the consumer pauses for the length of the reset and resumes exactly
+after it. Per stream, with the checkpoint at position C:
+
+* behind (C < P): the entries the group still needs (pending or not yet
+  delivered) with a position after C and an LSN below P are applied first, as the
+  consumer itself would (*catch-up*), so that the state being compared is the
+  state at P; the checkpoint then moves to P, so the consumer skips what the
+  truth already holds and applies everything from P on.
+* at or ahead (C >= P): the entries from P up to C are re-read from the stream
+  and applied on top of the truth (*replay*), with the consumer's own apply
+  function. A hold set before the snapshot was taken keeps them from being
+  trimmed; if any entry after the hold was deleted anyway, the reset is refused
+  instead of being inexact.
+
+The result (truth plus replay) is compared with the state (after catch-up): the
+difference is the drift. With drift and not a dry run, the result replaces the
+state and the checkpoints move, in that one transaction; otherwise the state is
+left exactly as it was. A fence per consumer (the position of the last reset)
+refuses a reset from an older snapshot once a newer one has been applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import psycopg
+import redis
+
+from .drift import DriftReport, compare
+from .entry import Entry, parse_entry
+from .reconcile_spec import ConsumerTarget, ReconcileSpec
+
+__all__ = ["ResetOutcome", "StreamPlan", "plan_stream", "reset_consumer"]
+
+log = logging.getLogger("cdc.reset")
+
+RESET_DDL = """
+CREATE TABLE IF NOT EXISTS public.cdc_reset_fences (
+    consumer    text        PRIMARY KEY,
+    position    numeric(20) NOT NULL DEFAULT 0,   -- LSN of the newest reset applied
+    applied_at  timestamptz
+)
+"""
+
+_FENCE_ENSURE = "INSERT INTO cdc_reset_fences (consumer) VALUES (%s) ON CONFLICT DO NOTHING"
+_FENCE_LOCK = "SELECT position FROM cdc_reset_fences WHERE consumer = %s FOR UPDATE"
+_FENCE_SET = "UPDATE cdc_reset_fences SET position = %s, applied_at = now() WHERE consumer = %s"
+_ENSURE = "INSERT INTO cdc_checkpoints (consumer, stream) SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING"
+_LOCK = """
+SELECT stream, entry_id, lsn, seq FROM cdc_checkpoints
+WHERE consumer = %s AND stream = ANY(%s) ORDER BY stream FOR UPDATE
+"""
+_SAVE = "UPDATE cdc_checkpoints SET entry_id = %s, lsn = %s, seq = %s, updated_at = now() WHERE consumer = %s AND stream = %s"
+
+Position = tuple[int, int]
+Apply = Callable[[psycopg.Connection, list[Entry], str], None]
+
+
+def _q(name: str) -> str:
+    return ".".join('"' + part.replace('"', '""') + '"' for part in name.split("."))
+
+
+def _id(entry_id: str | bytes) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass
+class StreamPlan:
+    """What the reset does on one stream."""
+
+    stream: str
+    checkpoint: Position
+    entry_id: str
+    catch_up: list[Entry] = field(default_factory=list)
+    replay: list[Entry] = field(default_factory=list)
+    behind: bool = False  # the checkpoint was before the snapshot's position
+    lost: str | None = None  # why the replay cannot be exact
+
+
+@dataclass
+class ResetOutcome:
+    consumer: str
+    status: str = "clean"  # clean | repaired | drift (not repaired: dry run) | stale | failed
+    reason: str = ""
+    drift: DriftReport = field(default_factory=DriftReport)
+    streams: list[StreamPlan] = field(default_factory=list)
+
+    @property
+    def caught_up(self) -> int:
+        return sum(len(p.catch_up) for p in self.streams)
+
+    @property
+    def replayed(self) -> int:
+        return sum(len(p.replay) for p in self.streams)
+
+    @property
+    def unrepaired(self) -> bool:
+        return self.status in ("drift", "failed")
+
+
+def _group_view(client: redis.Redis, stream: str, group: str) -> tuple[tuple[int, int] | None, set[str]]:
+    """(last-delivered ID, pending IDs) of `group` on `stream`; (None, ∅) when the group does not exist."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:
+        return None, set()
+    for g in groups:
+        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+        if name != group:
+            continue
+        last = _id(g["last-delivered-id"])
+        pending: set[str] = set()
+        start = "-"
+        while g["pending"]:
+            page = client.xpending_range(stream, group, min=start, max="+", count=10_000)
+            if not page:
+                break
+            for p in page:
+                pending.add(p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"])
+            last_id = _id(page[-1]["message_id"])
+            start = f"{last_id[0]}-{last_id[1] + 1}"
+            if len(page) < 10_000:
+                break
+        return last, pending
+    return None, set()
+
+
+def plan_stream(
+    client: redis.Redis, stream: str, group: str, checkpoint: Position, entry_id: str, position: int, hold: str,
+) -> StreamPlan:
+    """Read what one stream contributes to the reset: catch-up entries (behind) or replay entries (ahead)."""
+    start_of_p: Position = (position, -1)
+    behind = checkpoint < start_of_p
+    plan = StreamPlan(stream, checkpoint, entry_id, behind=behind)
+    try:
+        info = client.xinfo_stream(stream)
+    except redis.ResponseError:
+        return plan  # no stream yet: nothing was published, nothing to read
+    hold_id = _id(hold)
+    starts: list[tuple[int, int]] = []
+    delivered, pending = (None, set())
+    if behind:
+        delivered, pending = _group_view(client, stream, group)
+        if delivered is not None:
+            starts.append(min([delivered] + [_id(p) for p in pending]))
+    else:
+        starts.append(hold_id)
+        deleted = info.get("max-deleted-entry-id")
+        if deleted is not None and _id(deleted) > hold_id:
+            plan.lost = (f"{stream}: entries after the snapshot were deleted (up to {deleted.decode() if isinstance(deleted, bytes) else deleted}), "
+                         "so the entries the consumer applied after it cannot be re-read")
+            return plan
+    if not starts:
+        return plan
+    start = min(starts)
+    cursor = f"{start[0]}-{start[1]}"
+    running_catch = checkpoint
+    running_replay = start_of_p
+    while True:
+        page = client.xrange(stream, min=cursor, max="+", count=10_000)
+        for raw_id, fields in page:
+            if b"replay_for" in fields:
+                continue  # a dead letter sent back: applied once by its consumer, outside of positions
+            e = parse_entry(stream, raw_id, fields)
+            pos = e.position
+            if e.lsn < position:
+                if behind and pos > running_catch and (e.id in pending or _id(e.id) > delivered):
+                    plan.catch_up.append(e)
+                    running_catch = pos
+            elif pos <= checkpoint and pos > running_replay:
+                plan.replay.append(e)
+                running_replay = pos
+        if len(page) < 10_000:
+            break
+        last = _id(page[-1][0])
+        cursor = f"{last[0]}-{last[1] + 1}"
+    return plan
+
+
+def _rows(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str]) -> dict:
+    cols = ", ".join(_q(c) for c in (*key_cols, *value_cols))
+    where = " AND ".join(f"{_q(c)} = %s" for c, _ in target.scope) or "TRUE"
+    rows = {}
+    n = len(key_cols)
+    for row in conn.execute(f"SELECT {cols} FROM {_q(target.table)} WHERE {where}", [v for _, v in target.scope]):
+        rows[tuple(row[:n])] = tuple(row[n:])
+    return rows
+
+
+def _write_truth(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str],
+                 truth: dict[tuple, tuple]) -> None:
+    where = " AND ".join(f"{_q(c)} = %s" for c, _ in target.scope) or "TRUE"
+    conn.execute(f"DELETE FROM {_q(target.table)} WHERE {where}", [v for _, v in target.scope])
+    scope_cols = [c for c, _ in target.scope]
+    scope_vals = [v for _, v in target.scope]
+    cols = ", ".join(_q(c) for c in (*scope_cols, *key_cols, *value_cols))
+    with conn.cursor().copy(f"COPY {_q(target.table)} ({cols}) FROM STDIN") as copy:
+        for key, values in truth.items():
+            copy.write_row((*scope_vals, *key, *values))
+
+
+def reset_consumer(
+    conn: psycopg.Connection,
+    client: redis.Redis,
+    spec: ReconcileSpec,
+    target: ConsumerTarget,
+    streams: Iterable[str],
+    position: int,
+    holds: dict[str, str],
+    truth: dict[tuple, tuple],
+    apply: Apply,
+    *,
+    dry_run: bool = False,
+    lock_timeout_s: float = 60.0,
+) -> ResetOutcome:
+    """Compare one consumer's state with truth(position) and, unless `dry_run`, make it exact."""
+    outcome = ResetOutcome(target.name)
+    streams = sorted(streams)
+    key_cols = spec.key_columns
+    value_cols = [a.name for a in spec.values]
+    with conn.transaction():
+        conn.execute(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
+        conn.execute(_FENCE_ENSURE, (target.name,))
+        fence = int(conn.execute(_FENCE_LOCK, (target.name,)).fetchone()[0])
+        if fence >= position:
+            outcome.status = "stale"
+            outcome.reason = f"a reset from a newer snapshot (position {fence}) was applied already"
+            return outcome
+        conn.execute(_ENSURE, (target.name, streams))
+        checkpoints = {s: ((int(lsn), seq), eid) for s, eid, lsn, seq in conn.execute(_LOCK, (target.name, streams))}
+        for stream in streams:
+            mark, eid = checkpoints[stream]
+            outcome.streams.append(plan_stream(client, stream, target.group, mark, eid, position, holds.get(stream, "0-0")))
+        lost = [p.lost for p in outcome.streams if p.lost]
+        if lost:
+            outcome.status = "failed"
+            outcome.reason = "; ".join(lost) + "; run the reconciliation again"
+            return outcome
+        with conn.transaction():  # a savepoint: kept only when the state is repaired
+            catch_up = [e for p in outcome.streams for e in p.catch_up]
+            if catch_up:
+                apply(conn, catch_up, target.name)
+            actual = _rows(conn, target, key_cols, value_cols)
+            _write_truth(conn, target, key_cols, value_cols, truth)
+            replay = [e for p in outcome.streams for e in p.replay]
+            if replay:
+                apply(conn, replay, target.name)
+            expected = _rows(conn, target, key_cols, value_cols)
+            outcome.drift = compare(expected, actual, spec.values)
+            if outcome.drift.clean or dry_run:
+                outcome.status = "clean" if outcome.drift.clean else "drift"
+                raise psycopg.Rollback()
+            for p in outcome.streams:
+                last = p.catch_up[-1] if p.catch_up else None
+                mark = last.position if last else p.checkpoint
+                if mark < (position, -1):
+                    conn.execute(_SAVE, (last.id if last else p.entry_id, position, -1, target.name, p.stream))
+                elif last is not None:
+                    conn.execute(_SAVE, (last.id, last.lsn, last.seq, target.name, p.stream))
+            outcome.status = "repaired"
+        if not dry_run and outcome.status in ("repaired", "clean"):
+            conn.execute(_FENCE_SET, (position, target.name))
+    return outcome
+

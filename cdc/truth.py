@@ -1,0 +1,283 @@
+"""The truth, computed by Spark: a reconciliation spec's aggregates over the source as of one snapshot.
+
+Spark reads the source over JDBC in parallel (``partitionColumn``/``numPartitions``,
+``fetchsize`` > 0 so that the PostgreSQL dialect turns autocommit off), and every
+partition's connection imports the one exported snapshot in its
+``sessionInitStatement``. Each partition's query also returns
+``pg_current_snapshot()``; the job refuses the result unless every partition
+reports exactly the snapshot a reference session got by importing it, so a
+partition that silently read "now" instead is caught.
+
+Only the columns the spec names are read. Numeric values stay exact: a
+``numeric(p, s)`` column arrives as Decimal(p, s), and an unconstrained
+``numeric`` must be given ``decimal: [p, s]``; it is cast on the server, and a
+value that would be rounded by that cast fails the job instead. This is the only
+module that imports pyspark.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote as url_quote
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from .errors import CdcError, ConfigError
+from .exported_snapshot import session_init_statement
+from .reconcile_spec import ReconcileSpec
+
+__all__ = ["Truth", "compute_truth", "describe_source", "jdbc_url", "quote", "source_from", "source_query", "start_spark"]
+
+log = logging.getLogger("cdc.truth")
+
+NUMERIC_OID = 1700
+SNAPSHOT_COLUMN = "__cdc_snapshot"
+_LOG4J = "rootLogger.level = error\nrootLogger.appenderRef.stderr.ref = console\nappender.console.type = Console\n" \
+         "appender.console.name = console\nappender.console.target = SYSTEM_ERR\n" \
+         "appender.console.layout.type = PatternLayout\nappender.console.layout.pattern = spark: %p %c{1}: %m%n\n"
+
+
+def quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _bq(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+@dataclass
+class Truth:
+    """Per key (a tuple in the spec's key order): the aggregate values, in the spec's value order."""
+
+    rows: dict[tuple, tuple] = field(default_factory=dict)
+    source_rows: int = 0
+    partitions: int = 0
+    skipped_null_keys: int = 0
+
+
+def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
+    """A JDBC URL and connection properties for a libpq connection string or URI."""
+    params = conninfo_to_dict(dsn)
+    host = params.pop("host", None) or "localhost"
+    if host.startswith("/"):
+        raise ConfigError("the JDBC driver cannot use a Unix socket: give postgres.dsn a TCP host",
+                          hint="for example host=localhost port=5432")
+    port = params.pop("port", None) or "5432"
+    dbname = params.pop("dbname", None) or params.get("user") or os.environ.get("USER", "postgres")
+    props = {"driver": "org.postgresql.Driver", "ApplicationName": "cdc-reconcile"}
+    for libpq, jdbc in (("user", "user"), ("password", "password"), ("sslmode", "sslmode"),
+                        ("sslrootcert", "sslrootcert"), ("sslcert", "sslcert"), ("sslkey", "sslkey"),
+                        ("connect_timeout", "connectTimeout")):
+        if params.get(libpq):
+            props[jdbc] = str(params[libpq])
+    if "password" not in props and os.environ.get("PGPASSWORD"):
+        props["password"] = os.environ["PGPASSWORD"]
+    return f"jdbc:postgresql://{host}:{port}/{url_quote(dbname)}", props
+
+
+def source_from(spec: ReconcileSpec) -> str:
+    if spec.table:
+        return ".".join(quote(part) for part in spec.table.split("."))
+    return f"({spec.query}) AS cdc_query"
+
+
+def describe_source(conn: psycopg.Connection, spec: ReconcileSpec) -> dict[str, tuple[int, int | None, int | None]]:
+    """(type oid, precision, scale) of each source column the spec reads; errors name the spec's line."""
+    cols = ", ".join(quote(c) for c in spec.source_columns)
+    try:
+        cur = conn.execute(f"SELECT {cols} FROM {source_from(spec)} LIMIT 0")
+    except psycopg.errors.UndefinedColumn as exc:
+        raise ConfigError(f"{spec.where}: {str(exc).splitlines()[0]}", hint="fix the column names in the spec") from None
+    except psycopg.errors.UndefinedTable as exc:
+        raise ConfigError(f"{spec.where}: {str(exc).splitlines()[0]}", hint="fix source.table or source.query") from None
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise ConfigError(f"{spec.where}: {str(exc).splitlines()[0]}",
+                          hint="grant SELECT on the source to the reconciliation's role") from None
+    except psycopg.errors.SyntaxError as exc:
+        raise ConfigError(f"{spec.where}: source.query: {str(exc).splitlines()[0]}") from None
+    return {d.name: (d.type_code, d.precision, d.scale) for d in cur.description}
+
+
+def source_query(spec: ReconcileSpec, types: dict[str, tuple[int, int | None, int | None]]) -> str:
+    """The subquery each Spark partition runs (Spark adds the partition's range condition)."""
+    select: list[str] = [quote(c) for c in spec.group_by]
+    done = set(spec.group_by)
+    for a in spec.values:
+        if a.column is None or a.column in done:
+            continue
+        done.add(a.column)
+        oid, precision, _ = types[a.column]
+        if oid == NUMERIC_OID and a.function != "count" and (precision is None or precision > 38):
+            if a.decimal is None:
+                raise ConfigError(
+                    f"{a.where}: {a.column} is numeric without a precision Spark can hold exactly",
+                    hint="declare it: {of: " + f"{a.function}({a.column})" + ", decimal: [38, 6]} with a scale at least "
+                         "as large as the data needs (a value that would be rounded fails the job)",
+                )
+        if a.decimal is not None:
+            cast = f"{quote(a.column)}::numeric({a.decimal[0]},{a.decimal[1]})"
+            select.append(f"{cast} AS {quote(a.column)}")
+            select.append(f"({quote(a.column)} IS DISTINCT FROM {cast}) AS {quote('__cdc_rounded_' + a.column)}")
+        else:
+            select.append(quote(a.column))
+    if spec.partition_column and spec.partition_column not in done:
+        select.append(quote(spec.partition_column))
+    select.append(f"(SELECT pg_current_snapshot()::text) AS {SNAPSHOT_COLUMN}")
+    return f"(SELECT {', '.join(select)} FROM {source_from(spec)}) AS cdc_source"
+
+
+def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g"):
+    """A SparkSession with the PostgreSQL JDBC driver; missing pieces become one clear error."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise ConfigError("pyspark is not installed", hint="run: pip install -e '.[reconcile]' (make install does)") from None
+    if not os.environ.get("JAVA_HOME") and not shutil.which("java"):
+        raise ConfigError("java is not installed: Spark needs a Java 17 runtime",
+                          hint="run: apt-get install default-jre-headless")
+    if not Path(jdbc_jar).is_file():
+        raise ConfigError(f"the PostgreSQL JDBC driver {jdbc_jar} does not exist",
+                          hint="run: apt-get install libpostgresql-jdbc-java, or set spark.jdbc_jar")
+    log4j = Path(tempfile.gettempdir()) / "cdc-spark-log4j2.properties"
+    log4j.write_text(_LOG4J)
+    java_opts = f"-Dlog4j.configurationFile=file:{log4j}"
+    spark = (
+        SparkSession.builder.master(master)
+        .appName("cdc-reconcile")
+        .config("spark.jars", jdbc_jar)
+        .config("spark.driver.memory", driver_memory)
+        .config("spark.driver.extraJavaOptions", java_opts)
+        .config("spark.executor.extraJavaOptions", java_opts)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+class _TaskProgress(threading.Thread):
+    """Reports finished/total tasks of the running Spark stages until stopped."""
+
+    def __init__(self, spark, report: Callable[[int, int], None]) -> None:
+        super().__init__(name="spark-progress", daemon=True)
+        self.tracker = spark.sparkContext.statusTracker()
+        self.report = report
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.5):
+            done = total = 0
+            for stage_id in self.tracker.getActiveStageIds():
+                info = self.tracker.getStageInfo(stage_id)
+                if info is not None:
+                    done += info.numCompletedTasks
+                    total += info.numTasks
+            if total:
+                self.report(done, total)
+
+
+def compute_truth(
+    spark,
+    spec: ReconcileSpec,
+    dsn: str,
+    snapshot: str,
+    reference_snapshot: str,
+    bounds: tuple[Any, Any] | None,
+    types: dict[str, tuple[int, int | None, int | None]],
+    progress: Callable[[int, int], None] | None = None,
+) -> Truth:
+    """Read the source under `snapshot` in parallel and aggregate it per key."""
+    url, props = jdbc_url(dsn)
+    reader = spark.read.format("jdbc").option("url", url).options(**props)
+    reader = reader.option("dbtable", source_query(spec, types)).option("fetchsize", str(spec.fetch_size))
+    reader = reader.option("sessionInitStatement", session_init_statement(snapshot))
+    partitions = 1
+    if spec.partition_column and bounds is not None and bounds[0] is not None and spec.partitions > 1:
+        low, high = bounds
+        partitions = spec.partitions
+        if isinstance(low, int) and isinstance(high, int):
+            partitions = max(1, min(partitions, high - low + 1))
+        if partitions > 1:
+            reader = (reader.option("partitionColumn", spec.partition_column).option("numPartitions", str(partitions))
+                      .option("lowerBound", str(low)).option("upperBound", str(high)))
+    df = reader.load()
+    view = f"cdc_source_{spec.name.replace('-', '_').replace('.', '_')}"
+    df.createOrReplaceTempView(view)
+
+    group = [_bq(c) for c in spec.group_by]
+    aggs = []
+    for a in spec.values:
+        arg = "1" if a.column is None else _bq(a.column)
+        aggs.append(f"{a.function}({arg}) AS {_bq(a.name)}")
+    rounded = [c for c in spec.source_columns if any(a.column == c and a.decimal for a in spec.values)]
+    aggs += [f"max({_bq('__cdc_rounded_' + c)}) AS {_bq('__rounded_' + c)}" for c in rounded]
+    aggs += ["count(1) AS __rows", f"min({SNAPSHOT_COLUMN}) AS __snap_min", f"max({SNAPSHOT_COLUMN}) AS __snap_max"]
+    if spec.group_by and spec.overall is not None:
+        sql = (f"SELECT {', '.join(group)}, grouping_id() AS __gid, {', '.join(aggs)} FROM {view} "
+               f"GROUP BY GROUPING SETS (({', '.join(group)}), ())")
+    elif spec.group_by:
+        sql = f"SELECT {', '.join(group)}, 0 AS __gid, {', '.join(aggs)} FROM {view} GROUP BY {', '.join(group)}"
+    else:
+        sql = f"SELECT 1 AS __gid, {', '.join(aggs)} FROM {view}"
+
+    truth = Truth(partitions=partitions)
+    snapshots: set[str] = set()
+    rounded_cols: set[str] = set()
+    watcher = _TaskProgress(spark, progress) if progress else None
+    if watcher:
+        watcher.start()
+    try:
+        grouped_rows = 0
+        overall_rows = None
+        n_keys = len(spec.group_by)
+        for row in spark.sql(sql).toLocalIterator():
+            if row["__rows"] == 0:
+                continue
+            snapshots.update(s for s in (row["__snap_min"], row["__snap_max"]) if s is not None)
+            rounded_cols.update(c for c in rounded if row["__rounded_" + c])
+            values = tuple(_value(row[a.name], a.additive) for a in spec.values)
+            if row["__gid"] == 0 and n_keys:
+                key = tuple(row[c] for c in spec.group_by)
+                grouped_rows += row["__rows"]
+                if any(k is None for k in key):
+                    truth.skipped_null_keys += row["__rows"]
+                    continue
+                truth.rows[key] = values
+            else:
+                overall_rows = row["__rows"]
+                truth.rows[tuple(v for _, v in spec.overall)] = values
+    finally:
+        if watcher:
+            watcher.stopped.set()
+            watcher.join()
+    truth.source_rows = overall_rows if overall_rows is not None else grouped_rows
+    if spec.overall is not None:
+        key = tuple(v for _, v in spec.overall)
+        truth.rows.setdefault(key, tuple(_value(None, a.additive) for a in spec.values))
+    if rounded_cols:
+        raise CdcError(f"{spec.where}: values of {', '.join(sorted(rounded_cols))} need a larger scale than declared",
+                       hint="raise the scale in decimal: [precision, scale]")
+    if truth.source_rows and snapshots != {reference_snapshot}:
+        raise CdcError(
+            f"the Spark partitions did not all read snapshot {reference_snapshot}: they saw {sorted(snapshots)}",
+            hint="the JDBC read must run with fetchsize > 0 so each partition imports the snapshot in a transaction",
+        )
+    return truth
+
+
+def _value(value: Any, additive: bool) -> Any:
+    if value is None:
+        return Decimal(0) if additive else None
+    return value

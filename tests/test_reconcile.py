@@ -1,0 +1,425 @@
+"""Nightly reconciliation: the snapshot's exact position, Spark's truth, drift reports and exact resets."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cdc.config import Settings
+from cdc.errors import CdcError, ConfigError
+from cdc.exported_snapshot import ExportedSnapshot, import_snapshot
+from cdc.local import wait_for
+from cdc.reconcile import reconcile_spec
+from cdc.reconcile_spec import load_specs, parse_spec
+from cdc.rocketrides import ride_totals
+from cdc.yamlsrc import load_yaml_documents
+
+from conftest import read_stream
+from ride_consumers import RideTraffic, Supervisor, state, truth
+
+pytestmark = pytest.mark.integration
+
+JAR = "/usr/share/java/postgresql.jar"
+
+
+def spec_yaml(*consumers: str, partitions: int = 4) -> str:
+    listed = "".join(
+        f"  - name: {c}\n    entity: ride\n    handler: cdc.rocketrides:ride_totals\n"
+        f"    state: {{table: consumer_states, scope: {{consumer: {c}}}}}\n"
+        for c in consumers
+    )
+    return (
+        "name: totals\n"
+        f"source: {{table: public.rides, partition_column: id, partitions: {partitions}, fetch_size: 500}}\n"
+        "truth:\n  group_by: [rider_id]\n  overall: {rider_id: 0}\n  values: {total_distance: sum(distance_m)}\n"
+        f"consumers:\n{listed}"
+    )
+
+
+def setup(env, *consumers: str, riders: int = 20) -> None:
+    env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")
+    env.copy_mappings("ride.yaml")
+    (env.tmp / "reconcile").mkdir()
+    (env.tmp / "reconcile" / "totals.yaml").write_text(spec_yaml(*consumers))
+    env.write_config(f"reconcile: {{specs: reconcile/, jdbc_jar: {JAR}, wait_for_bridge_s: 60, lock_timeout_s: 30}}\n")
+    env.cdc("init", check=True)
+    env.execute("INSERT INTO riders (id, name, email) SELECT g, 'r' || g, 'e' FROM generate_series(1, %s) g", (riders,))
+
+
+def reconcile(env, spark, dry_run: bool = False):
+    settings = Settings.from_file(env.config_path)
+    [spec] = load_specs(Path(settings.reconcile.specs))
+    return reconcile_spec(settings, spec, spark, dry_run=dry_run)
+
+
+def rows(env, table: str, order: str) -> list[tuple]:
+    return env.execute(f"SELECT * FROM {table} ORDER BY {order}")
+
+
+def checkpoints(env) -> list[tuple]:
+    return env.execute("SELECT consumer, stream, entry_id, lsn, seq FROM cdc_checkpoints ORDER BY 1, 2")
+
+
+def insert_rides(env, n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with env.connect() as conn, conn.transaction():
+        for _ in range(n):
+            conn.execute("INSERT INTO rides (rider_id, distance_m) VALUES (%s, %s)",
+                         (rng.randint(1, 20), Decimal(rng.randint(1, 10**7)) / 1000))
+        conn.execute("UPDATE rides SET distance_m = distance_m + 1.25, rider_id = 5 WHERE id IN (SELECT id FROM rides ORDER BY id LIMIT 3)")
+        conn.execute("DELETE FROM rides WHERE id IN (SELECT id FROM rides ORDER BY id DESC LIMIT 2)")
+
+
+def caught_up(env, group: str) -> bool:
+    """The group has every entry of cdc:ride delivered and acknowledged."""
+    info = env.redis.xinfo_stream("cdc:ride")
+    [g] = [g for g in env.redis.xinfo_groups("cdc:ride") if g["name"].decode() == group]
+    return g["last-delivered-id"] == info["last-generated-id"] and g["pending"] == 0
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from cdc.truth import start_spark
+
+    session = start_spark("local[2]", JAR, "1g")
+    yield session
+    session.stop()
+
+
+# -- the spec ---------------------------------------------------------------------------
+
+
+def test_spec_errors_name_the_line():
+    def load(text: str):
+        [doc] = load_yaml_documents(text, "totals.yaml")
+        return parse_spec(doc, "totals.yaml")
+
+    good = spec_yaml("ride-totals")
+    assert load(good).key_columns == ("rider_id",)
+    with pytest.raises(ConfigError, match=r"totals.yaml:6: value total_distance: expected sum\(column\)"):
+        load(good.replace("sum(distance_m)", "avg(distance_m)"))
+    with pytest.raises(ConfigError, match=r"totals.yaml:2: .*partition_column"):
+        load(good.replace("partition_column: id, ", ""))
+    with pytest.raises(ConfigError, match=r"totals.yaml:\d+: unknown key 'tabel' in state"):
+        load(good.replace("{table: consumer_states", "{tabel: consumer_states"))
+    with pytest.raises(ConfigError, match=r"totals.yaml:\d+: handler must be module:function"):
+        load(good.replace("cdc.rocketrides:ride_totals", "ride_totals"))
+    with pytest.raises(ConfigError, match=r"overall must give a value for each group_by column"):
+        load(good.replace("overall: {rider_id: 0}", "overall: {rider: 0}"))
+
+
+def test_unconstrained_numeric_needs_a_declared_scale():
+    from cdc.truth import NUMERIC_OID, source_query
+
+    [doc] = load_yaml_documents(spec_yaml("c").replace("total_distance: sum(distance_m)", "total_distance: sum(amount)"), "s.yaml")
+    spec = parse_spec(doc, "s.yaml")
+    types = {"rider_id": (20, None, None), "amount": (NUMERIC_OID, None, None), "id": (20, None, None)}
+    with pytest.raises(ConfigError, match=r"s.yaml:6: amount is numeric without a precision"):
+        source_query(spec, types)
+    [doc] = load_yaml_documents(spec_yaml("c").replace(
+        "total_distance: sum(distance_m)", "total_distance: {of: sum(amount), decimal: [38, 6]}"), "s.yaml")
+    sql = source_query(parse_spec(doc, "s.yaml"), types)
+    assert '"amount"::numeric(38,6) AS "amount"' in sql
+    assert "pg_current_snapshot()" in sql
+
+
+# -- the position -----------------------------------------------------------------------
+
+
+def test_the_snapshot_position_splits_transactions_exactly(env):
+    """Rides the snapshot sees are exactly those whose create entry has lsn < position."""
+    setup(env, "ride-totals")
+    bridge = env.start_bridge()
+    traffic = RideTraffic(env.dsn, pause_s=0)
+    traffic.start()
+    try:
+        wait_for(lambda: traffic.transactions > 100, 30, "rides to be written")
+        with ExportedSnapshot(env.dsn) as snap, env.connect() as conn:
+            import_snapshot(conn, snap.name)
+            seen = {i for (i,) in conn.execute("SELECT id FROM rides")}
+            conn.execute("COMMIT")
+            position = snap.position
+        written = traffic.transactions
+        wait_for(lambda: traffic.transactions > written + 100, 30, "more rides after the snapshot")
+    finally:
+        traffic.stop()
+    end = env.current_wal()
+    wait_for(lambda: env.confirmed_flush() >= end, 30, "the bridge to publish everything")
+    bridge.terminate()
+    bridge.wait(30)
+    entries = read_stream(env.redis, "cdc:ride")
+    created_before = {e["key"]["id"] for e in entries if e["op"] == "c" and int(e["lsn"]) < position}
+    created_after = {e["key"]["id"] for e in entries if e["op"] == "c" and int(e["lsn"]) >= position}
+    deleted_before = {e["key"]["id"] for e in entries if e["op"] == "d" and int(e["lsn"]) < position}
+    assert created_before and created_after, "the writer must commit on both sides of the position"
+    assert seen == created_before - deleted_before
+    assert not seen & created_after
+
+
+# -- drift and resets -------------------------------------------------------------------
+
+
+def test_injected_drift_is_reported_then_repaired_exactly_and_a_second_run_changes_nothing(env, spark):
+    setup(env, "ride-totals")
+    bridge = env.start_bridge()
+    consumers = Supervisor(env, "ride-totals", 1, {})
+    consumers.start()
+    try:
+        insert_rides(env, 300, seed=1)
+        wait_for(lambda: state(env, "ride-totals") == truth(env), 60, "the consumer to reach the totals")
+
+        # drift 1: corrupted totals (one wrong, one row lost)
+        env.execute("UPDATE consumer_states SET total_distance = total_distance + 5 WHERE consumer = 'ride-totals' AND rider_id = 3")
+        env.execute("DELETE FROM consumer_states WHERE consumer = 'ride-totals' AND rider_id = 4")
+        # drift 2: stream entries deleted before the consumer read them
+        consumers.stop()
+        last = env.redis.xinfo_stream("cdc:ride")["last-generated-id"].decode()
+        env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (7, 100.5), (7, 200.25)")
+        wait_for(lambda: len(env.redis.xrange("cdc:ride", "(" + last, "+")) == 2, 30, "the two rides in the stream")
+        env.redis.xdel("cdc:ride", *[i for i, _ in env.redis.xrange("cdc:ride", "(" + last, "+")])
+
+        expected = truth(env)
+        states_before, checkpoints_before = rows(env, "consumer_states", "1, 2"), checkpoints(env)
+        result = reconcile(env, spark, dry_run=True)
+        [outcome] = result.outcomes
+        assert outcome.status == "drift" and not result.exact
+        found = {(d.key, d.column): (d.expected, d.actual) for d in outcome.drift.drifted}
+        assert found == {
+            ((3,), "total_distance"): (expected[3], expected[3] + 5),
+            ((4,), "total_distance"): (expected[4], Decimal(0)),
+            ((7,), "total_distance"): (expected[7], expected[7] - Decimal("300.75")),
+            ((0,), "total_distance"): (expected[0], expected[0] - Decimal("300.75")),  # the overall row: only the lost entries
+        }
+        assert outcome.drift.only_truth == 1 and outcome.drift.only_truth_totals["total_distance"] == expected[4]
+        assert result.source_rows == env.execute("SELECT count(*) FROM rides")[0][0]
+        assert rows(env, "consumer_states", "1, 2") == states_before, "a dry run changes nothing"
+        assert checkpoints(env) == checkpoints_before
+        assert env.execute("SELECT status, keys_drifted, dry_run FROM cdc_reconcile_runs") == [("drift", 4, True)]
+        assert env.execute("SELECT count(*) FROM cdc_drift")[0][0] == 4
+
+        result = reconcile(env, spark)
+        assert [o.status for o in result.outcomes] == ["repaired"] and result.exact
+        assert state(env, "ride-totals") == truth(env)
+
+        # the consumer goes on from the reset: exact after more changes
+        consumers = Supervisor(env, "ride-totals", 1, {})
+        consumers.start()
+        insert_rides(env, 100, seed=2)
+        wait_for(lambda: state(env, "ride-totals") == truth(env), 60, "the consumer to stay exact after the reset")
+
+        # drift 3: the checkpoint is dropped and the group rewound, so everything is applied twice
+        consumers.stop()
+        env.execute("DELETE FROM cdc_checkpoints WHERE consumer = 'ride-totals'")
+        env.redis.xgroup_setid("cdc:ride", "ride-totals", "0")
+        consumers = Supervisor(env, "ride-totals", 1, {})
+        consumers.start()
+        wait_for(lambda: caught_up(env, "ride-totals"), 60, "the rewound consumer to re-read everything")
+        assert state(env, "ride-totals") != truth(env)
+        result = reconcile(env, spark)
+        assert [o.status for o in result.outcomes] == ["repaired"]
+        assert state(env, "ride-totals") == truth(env)
+
+        # idempotent: a second run finds nothing and changes nothing
+        states_before, checkpoints_before = rows(env, "consumer_states", "1, 2"), checkpoints(env)
+        result = reconcile(env, spark)
+        assert [o.status for o in result.outcomes] == ["clean"] and result.exact
+        assert rows(env, "consumer_states", "1, 2") == states_before
+        assert checkpoints(env) == checkpoints_before
+    finally:
+        consumers.stop()
+        bridge.terminate()
+        bridge.wait(30)
+
+
+@pytest.mark.slow
+def test_resets_are_exact_while_rides_keep_changing_and_faults_stay_on(env, spark):
+    """One consumer stopped behind the snapshot, one running ahead of it through kills and crashes;
+    a writer changes rides during the whole job; both end exactly at the ground truth."""
+    setup(env, "totals-a", "totals-b")
+    bridge = env.start_bridge(env={"CDC_FAULT_DOUBLE_SEND": "0.1"})
+    faults = {"CDC_FAULT_CRASH_BEFORE_COMMIT": "0.1"}
+    a, b = Supervisor(env, "totals-a", 1, faults), Supervisor(env, "totals-b", 2, faults)
+    a.start()
+    b.start()
+    traffic = RideTraffic(env.dsn, pause_s=0.01)
+    traffic.start()
+    killing = threading.Event()
+    rng = random.Random(3)
+
+    def kill_b() -> None:
+        while not killing.wait(rng.uniform(0.5, 1.5)):
+            b.kill_one(rng)
+
+    killer = threading.Thread(target=kill_b, daemon=True)
+    try:
+        wait_for(lambda: len(state(env, "totals-a")) > 5 and len(state(env, "totals-b")) > 5, 60, "both consumers to start")
+        env.execute("UPDATE consumer_states SET total_distance = total_distance * 2 WHERE rider_id IN (1, 2)")
+        a.stop()  # totals-a is behind the snapshot when the reset comes
+        killer.start()
+        result = reconcile(env, spark)
+        killing.set()
+        killer.join()
+        outcomes = {o.consumer: o for o in result.outcomes}
+        assert {c: o.status for c, o in outcomes.items()} == {"totals-a": "repaired", "totals-b": "repaired"}
+        assert all(p.behind for p in outcomes["totals-a"].streams) and outcomes["totals-a"].caught_up > 0
+        assert not any(p.behind for p in outcomes["totals-b"].streams) and outcomes["totals-b"].replayed > 0
+        a = Supervisor(env, "totals-a", 1, faults)
+        a.start()
+        written = traffic.transactions
+        wait_for(lambda: traffic.transactions > written + 100, 60, "the writer to go on after the job")
+    finally:
+        killing.set()
+        traffic.stop()
+    try:
+        expected = truth(env)
+        for group in ("totals-a", "totals-b"):
+            wait_for(lambda: state(env, group) == expected, 120, f"{group} to reach the ground truth")
+    finally:
+        a.stop()
+        b.stop()
+        bridge.terminate()
+        bridge.wait(30)
+    assert b.kills >= 2 and 86 in a.exits + b.exits, "kills and crashes before commit happened"
+
+
+def test_an_older_reset_never_overwrites_a_newer_one(env):
+    from cdc.reconcile import HISTORY_DDL
+    from cdc.reset import RESET_DDL, reset_consumer
+
+    setup(env, "ride-totals")
+    [spec] = load_specs(env.tmp / "reconcile")
+    target = spec.consumers[0]
+    with env.connect() as conn:
+        conn.execute(RESET_DDL)
+        conn.execute(HISTORY_DDL)
+        newer = reset_consumer(conn, env.redis, spec, target, ["cdc:ride"], 2000, {}, {(0,): (Decimal(7),), (1,): (Decimal(7),)}, ride_totals)
+        assert newer.status == "repaired"
+        older = reset_consumer(conn, env.redis, spec, target, ["cdc:ride"], 1000, {}, {(0,): (Decimal(1),)}, ride_totals)
+        assert older.status == "stale"
+    assert state(env, "ride-totals") == {0: Decimal(7), 1: Decimal(7)}
+    assert env.execute("SELECT lsn, seq FROM cdc_checkpoints WHERE consumer = 'ride-totals'") == [(2000, -1)]
+
+
+def test_entries_deleted_after_the_snapshot_refuse_an_inexact_reset(env):
+    from cdc.reset import RESET_DDL, reset_consumer
+
+    setup(env, "ride-totals")
+    env.redis.xadd("cdc:ride", {"op": "c", "lsn": "5000", "seq": "0", "key": '{"id": 1}', "data": '{"id": 1, "rider": 1, "distance": "2"}'}, id="1-1")
+    env.redis.xadd("cdc:ride", {"op": "c", "lsn": "5001", "seq": "0", "key": '{"id": 2}', "data": '{"id": 2, "rider": 1, "distance": "3"}'}, id="2-1")
+    env.redis.xdel("cdc:ride", "2-1")
+    env.execute("INSERT INTO cdc_checkpoints (consumer, stream, entry_id, lsn, seq) VALUES ('ride-totals', 'cdc:ride', '2-1', 5001, 0)")
+    [spec] = load_specs(env.tmp / "reconcile")
+    with env.connect() as conn:
+        conn.execute(RESET_DDL)
+        outcome = reset_consumer(conn, env.redis, spec, spec.consumers[0], ["cdc:ride"], 4000, {"cdc:ride": "0-0"},
+                                 {(0,): (Decimal(1),)}, ride_totals)
+    assert outcome.status == "failed" and "deleted" in outcome.reason
+
+
+# -- Spark's read -----------------------------------------------------------------------
+
+
+def test_every_partition_must_read_the_snapshot(env, spark, monkeypatch):
+    """Without the snapshot import, partitions read "now": the job notices and refuses."""
+    import cdc.truth
+
+    setup(env, "ride-totals")
+    insert_rides(env, 200, seed=4)
+    [spec] = load_specs(env.tmp / "reconcile")
+    with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
+        import_snapshot(ref, snap.name)
+        reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+        types = cdc.truth.describe_source(ref, spec)
+        bounds = ref.execute("SELECT min(id), max(id) FROM rides").fetchone()
+        ref.execute("COMMIT")
+        env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 1)")  # after the snapshot
+        truth_at = cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types)
+        assert truth_at.partitions == 4
+        assert truth_at.source_rows == env.execute("SELECT count(*) FROM rides")[0][0] - 1
+        monkeypatch.setattr(cdc.truth, "session_init_statement", lambda name: "SELECT 1")
+        with pytest.raises(CdcError, match="did not all read snapshot"):
+            cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types)
+
+
+def test_numeric_values_stay_exact(env, spark):
+    env.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, account int NOT NULL, amount numeric NOT NULL, "
+                "fee numeric(30, 12) NOT NULL)")
+    env.execute("INSERT INTO ledger SELECT g, g % 3, 12345678901234567890.123456 + g, 0.000000000001 * g FROM generate_series(1, 3000) g")
+    text = (
+        "name: ledger\nsource: {table: ledger, partition_column: id, partitions: 3}\n"
+        "truth:\n  group_by: [account]\n  values:\n    total: {of: sum(amount), decimal: [38, 6]}\n"
+        "    fees: sum(fee)\n    biggest: max(amount)\n    n: count(*)\n"
+        "consumers: [{name: x, entity: e, handler: 'm:f', state: {table: t}}]\n"
+    )
+    [doc] = load_yaml_documents(text, "ledger.yaml")
+    spec = parse_spec(doc, "ledger.yaml")
+    import cdc.truth
+
+    with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
+        import_snapshot(ref, snap.name)
+        reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+        types = cdc.truth.describe_source(ref, spec)
+        ref.execute("COMMIT")
+        with pytest.raises(ConfigError, match=r"ledger.yaml:6: amount is numeric without a precision"):
+            cdc.truth.compute_truth(spark, parse_spec(load_yaml_documents(text.replace(
+                "{of: sum(amount), decimal: [38, 6]}", "sum(amount)"), "ledger.yaml")[0], "ledger.yaml"),
+                env.dsn, snap.name, reference, (1, 3000), types)
+        got = cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, (1, 3000), types)
+    want = {(acct,): (total, fees, biggest, n) for acct, total, fees, biggest, n in env.execute(
+        "SELECT account, sum(amount), sum(fee), max(amount), count(*) FROM ledger GROUP BY account")}
+    assert got.rows == want
+    env.execute("UPDATE ledger SET amount = amount + 0.0000001 WHERE id = 17")  # needs a 7th decimal place
+    with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
+        import_snapshot(ref, snap.name)
+        reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+        ref.execute("COMMIT")
+        with pytest.raises(CdcError, match="values of amount need a larger scale"):
+            cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, (1, 3000), types)
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+def test_cdc_reconcile_reports_repairs_and_exits_by_outcome(env):
+    setup(env, "ride-totals")
+    bridge = env.start_bridge()
+    consumers = Supervisor(env, "ride-totals", 1, {})
+    consumers.start()
+    try:
+        insert_rides(env, 50, seed=5)
+        wait_for(lambda: state(env, "ride-totals") == truth(env), 60, "the consumer to reach the totals")
+        env.execute("UPDATE consumer_states SET total_distance = total_distance - 1 WHERE consumer = 'ride-totals' AND rider_id = 2")
+        report = env.tmp / "report.json"
+        dry = env.cdc("reconcile", "--dry-run", "--master", "local[1]", "--report", str(report), timeout=300)
+        assert dry.returncode == 7, dry.stderr
+        assert "NOT repaired (dry run)" in dry.stdout
+        assert "rider_id" in dry.stdout and "difference" in dry.stdout
+        assert "reading" in dry.stderr and "snapshot" in dry.stderr
+        import orjson
+
+        [doc] = orjson.loads(report.read_bytes())
+        assert doc["consumers"][0]["status"] == "drift"
+        assert {tuple(d["key"].values()) for d in doc["consumers"][0]["drift"]} == {(2,)}
+        assert all(Decimal(d["difference"]) == 1 for d in doc["consumers"][0]["drift"])
+        fixed = env.cdc("reconcile", "--json", timeout=300)
+        assert fixed.returncode == 0, fixed.stderr
+        assert orjson.loads(fixed.stdout)[0]["consumers"][0]["status"] == "repaired"
+        assert state(env, "ride-totals") == truth(env)
+        assert "Traceback" not in dry.stderr + fixed.stderr
+    finally:
+        consumers.stop()
+        bridge.terminate()
+        bridge.wait(30)
+
+
+def test_cdc_reconcile_explains_a_missing_driver(env):
+    setup(env, "ride-totals")
+    result = env.cdc("reconcile", env={"CDC_RECONCILE_JDBC_JAR": "/nonexistent/postgresql.jar"})
+    assert result.returncode == 2
+    assert "libpostgresql-jdbc-java" in result.stderr and "Traceback" not in result.stderr

@@ -44,7 +44,8 @@ NUMERIC_OID = 1700
 SNAPSHOT_COLUMN = "__cdc_snapshot"
 _LOG4J = "rootLogger.level = error\nrootLogger.appenderRef.stderr.ref = console\nappender.console.type = Console\n" \
          "appender.console.name = console\nappender.console.target = SYSTEM_ERR\n" \
-         "appender.console.layout.type = PatternLayout\nappender.console.layout.pattern = spark: %p %c{1}: %m%n\n"
+         "appender.console.layout.type = PatternLayout\nappender.console.layout.pattern = spark: %p %c{1}: %m%n\n" \
+         "logger.repl.name = org.apache.spark.repl.Main\nlogger.repl.level = error\n"
 
 
 def quote(name: str) -> str:
@@ -148,16 +149,16 @@ def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g"):
     if not Path(jdbc_jar).is_file():
         raise ConfigError(f"the PostgreSQL JDBC driver {jdbc_jar} does not exist",
                           hint="run: apt-get install libpostgresql-jdbc-java, or set spark.jdbc_jar")
-    log4j = Path(tempfile.gettempdir()) / "cdc-spark-log4j2.properties"
-    log4j.write_text(_LOG4J)
-    java_opts = f"-Dlog4j.configurationFile=file:{log4j}"
+    if not os.environ.get("SPARK_CONF_DIR"):
+        # Spark's own log lines: errors only, unless the operator brings a Spark configuration
+        conf_dir = Path(tempfile.mkdtemp(prefix="cdc-spark-conf-"))
+        (conf_dir / "log4j2.properties").write_text(_LOG4J)
+        os.environ["SPARK_CONF_DIR"] = str(conf_dir)
     spark = (
         SparkSession.builder.master(master)
         .appName("cdc-reconcile")
         .config("spark.jars", jdbc_jar)
         .config("spark.driver.memory", driver_memory)
-        .config("spark.driver.extraJavaOptions", java_opts)
-        .config("spark.executor.extraJavaOptions", java_opts)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.session.timeZone", "UTC")

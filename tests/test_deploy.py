@@ -92,6 +92,45 @@ def test_systemd_unit_and_dockerfile_run_real_commands():
         assert (ROOT / source).exists(), source
 
 
+def test_nightly_reconciliation_schedules_run_real_commands_on_valid_specs():
+    from cdc.config import Settings
+    from cdc.reconcile_spec import load_specs, parse_spec
+
+    # cron.d: environment lines, then "m h dom mon dow user command"
+    lines = [ln for ln in (DEPLOY / "cron" / "cdc-reconcile").read_text().splitlines() if ln and not ln.startswith("#")]
+    env_lines = dict(ln.split("=", 1) for ln in lines if re.match(r"^[A-Z_]+=", ln))
+    jobs = [ln for ln in lines if not re.match(r"^[A-Z_]+=", ln)]
+    assert len(jobs) == 1
+    fields = jobs[0].split(None, 6)
+    assert fields[:5] == ["30", "2", "*", "*", "*"]
+    argv = shlex.split(fields[6])
+    assert argv[0].endswith("/cdc")
+    parses_as_cdc(argv[1:])
+    assert "reconcile" in argv and "CDC_RECONCILE_STATE_DSN_FILE" in env_lines
+    # the CronJob: its args, its mounted config and spec
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "reconcile-cronjob.yaml").read_text()))
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    cron = next(d for d in docs if d["kind"] == "CronJob")
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    container = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    parses_as_cdc(container["args"])
+    mounted = {m["subPath"] for m in container["volumeMounts"] if "subPath" in m}
+    assert mounted <= set(config_map["data"])
+    settings = Settings.from_dict(yaml.safe_load(config_map["data"]["cdc.yaml"]))
+    assert settings.reconcile.specs == "/etc/cdc/reconcile"
+    spec = parse_spec(yaml.safe_load(config_map["data"]["ride_totals.yaml"]))
+    assert spec == parse_spec(yaml.safe_load((ROOT / "reconcile" / "ride_totals.yaml").read_text())), \
+        "the CronJob mounts the repository's spec"
+    # compose's nightly service and the image it builds
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    parses_as_cdc(compose["services"]["reconcile"]["command"])
+    docker = (DEPLOY / "reconcile.Dockerfile").read_text()
+    parses_as_cdc(yaml.safe_load(re.search(r"^CMD (\[.*\])$", docker, re.M).group(1)))
+    for source in re.findall(r"^COPY (\S+)", docker, re.M):
+        assert (ROOT / source).exists(), source
+    assert [s.name for s in load_specs(ROOT / "reconcile")] == ["ride-totals"]
+
+
 @pytest.mark.integration
 def test_mounted_configs_pass_cdc_check(env):
     env.apply_sql("10_rocket_rides.sql")
@@ -165,6 +204,14 @@ def test_redis_conf_acl_user_can_run_the_bridge_and_nothing_else(env, servers_ro
             consumer.wait(30)
         for command in ("status", "trim"):
             env.cdc(command, check=True)
+        # what cdc reconcile does in Redis: hold the stream, re-read it and the group, release
+        from cdc.reconcile import _hold, _release
+        from cdc.reset import plan_stream
+
+        holds = _hold(client, ["cdc:ride"], "reconcile:acl")
+        plan = plan_stream(client, "cdc:ride", "g", (0, -1), "0-0", 2**63, holds["cdc:ride"])
+        assert plan.behind and plan.catch_up == []
+        _release(client, holds, "reconcile:acl")
         with pytest.raises(redis.exceptions.NoPermissionError):
             client.flushall()
         with pytest.raises(redis.exceptions.NoPermissionError):

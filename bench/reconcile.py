@@ -5,7 +5,7 @@ rides are already in the table but not in the WAL the bridge reads. The
 ride-totals consumer's state starts empty, so the first `reconcile_spec` reports
 every key (R riders and the overall row) as drift and writes the truth; a second
 run right after must find the state exact. As a baseline, PostgreSQL computes
-the same totals in one query (it may use its own parallel workers). Prints the
+the same totals in one query (GROUPING SETS: one process, no parallel workers). Prints the
 Spark start-up time, both runs (wall time, read time, rows/s of the read), the
 baseline's rows/s and the ratio of the two, and checks that the state the reset
 wrote equals the baseline exactly.

@@ -37,6 +37,7 @@ import psycopg
 import redis
 
 from .drift import DriftReport, compare
+from .errors import CdcError
 from .entry import Entry, parse_entry
 from .reconcile_spec import ConsumerTarget, ReconcileSpec
 
@@ -228,8 +229,6 @@ def reset_consumer(
     """Compare one consumer's state with truth(position) and, unless `dry_run`, make it exact."""
     outcome = ResetOutcome(target.name)
     streams = sorted(streams)
-    key_cols = spec.key_columns
-    value_cols = [a.name for a in spec.values]
     with conn.transaction():
         conn.execute(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
         conn.execute(_FENCE_ENSURE, (target.name,))
@@ -248,29 +247,46 @@ def reset_consumer(
             outcome.status = "failed"
             outcome.reason = "; ".join(lost) + "; run the reconciliation again"
             return outcome
-        with conn.transaction():  # a savepoint: kept only when the state is repaired
-            catch_up = [e for p in outcome.streams for e in p.catch_up]
-            if catch_up:
-                apply(conn, catch_up, target.name)
-            actual = _rows(conn, target, key_cols, value_cols)
-            _write_truth(conn, target, key_cols, value_cols, truth)
-            replay = [e for p in outcome.streams for e in p.replay]
-            if replay:
-                apply(conn, replay, target.name)
-            expected = _rows(conn, target, key_cols, value_cols)
-            outcome.drift = compare(expected, actual, spec.values)
-            if outcome.drift.clean or dry_run:
-                outcome.status = "clean" if outcome.drift.clean else "drift"
-                raise psycopg.Rollback()
-            for p in outcome.streams:
-                last = p.catch_up[-1] if p.catch_up else None
-                mark = last.position if last else p.checkpoint
-                if mark < (position, -1):
-                    conn.execute(_SAVE, (last.id if last else p.entry_id, position, -1, target.name, p.stream))
-                elif last is not None:
-                    conn.execute(_SAVE, (last.id, last.lsn, last.seq, target.name, p.stream))
-            outcome.status = "repaired"
+        try:
+            _compare_and_repair(conn, spec, target, outcome, position, truth, apply, dry_run)
+        except (psycopg.Error, CdcError):
+            raise
+        except Exception as exc:  # the consumer's apply function refused an entry: report, keep the state
+            outcome.status = "failed"
+            outcome.reason = f"its apply function {target.handler} failed: {type(exc).__name__}: {exc}"
+            return outcome
         if not dry_run and outcome.status in ("repaired", "clean"):
             conn.execute(_FENCE_SET, (position, target.name))
     return outcome
+
+
+def _compare_and_repair(
+    conn: psycopg.Connection, spec: ReconcileSpec, target: ConsumerTarget, outcome: ResetOutcome, position: int,
+    truth: dict[tuple, tuple], apply: Apply, dry_run: bool,
+) -> None:
+    """Inside a savepoint: catch up, measure, build truth + replay, compare; keep it only to repair."""
+    key_cols = spec.key_columns
+    value_cols = [a.name for a in spec.values]
+    with conn.transaction():  # a savepoint: kept only when the state is repaired
+        catch_up = [e for p in outcome.streams for e in p.catch_up]
+        if catch_up:
+            apply(conn, catch_up, target.name)
+        actual = _rows(conn, target, key_cols, value_cols)
+        _write_truth(conn, target, key_cols, value_cols, truth)
+        replay = [e for p in outcome.streams for e in p.replay]
+        if replay:
+            apply(conn, replay, target.name)
+        expected = _rows(conn, target, key_cols, value_cols)
+        outcome.drift = compare(expected, actual, spec.values)
+        if outcome.drift.clean or dry_run:
+            outcome.status = "clean" if outcome.drift.clean else "drift"
+            raise psycopg.Rollback()
+        for p in outcome.streams:
+            last = p.catch_up[-1] if p.catch_up else None
+            mark = last.position if last else p.checkpoint
+            if mark < (position, -1):
+                conn.execute(_SAVE, (last.id if last else p.entry_id, position, -1, target.name, p.stream))
+            elif last is not None:
+                conn.execute(_SAVE, (last.id, last.lsn, last.seq, target.name, p.stream))
+        outcome.status = "repaired"
 

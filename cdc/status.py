@@ -13,6 +13,7 @@ from . import keys
 from .admin import connect
 from .config import Settings
 from .errors import TransientError
+from .lsn import Lsn
 from .mapping import Mapping
 from .publisher import Publisher
 from .redisconn import connect_redis
@@ -45,8 +46,20 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
             ).fetchall() if conn.execute(
                 "SELECT coalesce(has_table_privilege(to_regclass('public.cdc_backfills'), 'SELECT'), false)"
             ).fetchone()[0] else []
+            reconciliations = conn.execute(
+                "SELECT DISTINCT ON (spec, consumer) spec, consumer, status, reason, finished_at, dry_run, "
+                "keys_compared, keys_drifted, position FROM cdc_reconcile_runs ORDER BY spec, consumer, id DESC"
+            ).fetchall() if conn.execute(
+                "SELECT coalesce(has_table_privilege(to_regclass('public.cdc_reconcile_runs'), 'SELECT'), false)"
+            ).fetchone()[0] else []
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
+    result["reconciliations"] = [
+        {"spec": r[0], "consumer": r[1], "status": r[2], "reason": r[3],
+         "finished_at": r[4].isoformat(timespec="seconds").replace("+00:00", "Z"), "dry_run": r[5],
+         "keys_compared": r[6], "keys_drifted": r[7], "position": str(Lsn(int(r[8])))}
+        for r in reconciliations
+    ]
     result["backfills"] = [
         {"id": b[0], "entity": b[1], "status": b[2], "rows_done": b[3], "rows_total": b[4], "chunks": b[5],
          "where": b[6], "rows_per_s": round(b[3] / b[7], 1) if b[7] else None}
@@ -152,4 +165,11 @@ def render(status: dict) -> str:
         rate = f", {b['rows_per_s']:,.0f} rows/s" if b["rows_per_s"] else ""
         part = f" where {b['where']}" if b["where"] else ""
         lines.append(f"backfill {b['id']} of {b['entity']}{part}: {b['status']}, {b['rows_done']}/{b['rows_total']} rows{rate}")
+    for r in status.get("reconciliations", []):
+        dry = " (dry run)" if r["dry_run"] else ""
+        why = f": {r['reason']}" if r["reason"] else ""
+        lines.append(
+            f"last reconciliation {r['spec']}/{r['consumer']}: {r['status']}{dry} at {r['finished_at']}, "
+            f"{r['keys_drifted']} of {r['keys_compared']} keys drifted, position {r['position']}{why}"
+        )
     return "\n".join(lines) + "\n"

@@ -213,7 +213,10 @@ def compute_truth(
         if partitions > 1:
             reader = (reader.option("partitionColumn", spec.partition_column).option("numPartitions", str(partitions))
                       .option("lowerBound", str(low)).option("upperBound", str(high)))
-    df = reader.load()
+    try:
+        df = reader.load()  # connects once, for the schema
+    except Exception as exc:
+        raise spark_error(exc) from None
     view = f"cdc_source_{spec.name.replace('-', '_').replace('.', '_')}"
     df.createOrReplaceTempView(view)
 
@@ -240,10 +243,16 @@ def compute_truth(
     if watcher:
         watcher.start()
     try:
+        rows = _rows(spark, sql)
+    except BaseException:
+        if watcher:
+            watcher.stopped.set()
+        raise
+    try:
         grouped_rows = 0
         overall_rows = None
         n_keys = len(spec.group_by)
-        for row in spark.sql(sql).toLocalIterator():
+        for row in rows:
             if row["__rows"] == 0:
                 continue
             snapshots.update(s for s in (row["__snap_min"], row["__snap_max"]) if s is not None)
@@ -276,6 +285,43 @@ def compute_truth(
             hint="the JDBC read must run with fetchsize > 0 so each partition imports the snapshot in a transaction",
         )
     return truth
+
+
+def _rows(spark, sql: str):
+    """The aggregate's rows, streamed to the driver; Spark's failures become one clear error."""
+    try:
+        it = spark.sql(sql).toLocalIterator()
+        first = next(it, None)
+    except Exception as exc:  # py4j/pyspark errors carry the Java stack; keep its cause line
+        raise spark_error(exc) from None
+    if first is None:
+        return iter(())
+    import itertools
+
+    return _guarded(itertools.chain([first], it))
+
+
+def _guarded(it):
+    try:
+        yield from it
+    except Exception as exc:
+        raise spark_error(exc) from None
+
+
+def spark_error(exc: BaseException) -> CdcError:
+    """The most telling line of a Spark/JDBC failure (the innermost "Caused by", else the first)."""
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    causes = [ln[len("Caused by: "):] for ln in lines if ln.startswith("Caused by: ")]
+    message = causes[-1] if causes else (lines[0] if lines else type(exc).__name__)
+    hint = None
+    if "connect" in message.lower() or "UnknownHost" in message:
+        hint = "check the host and port in postgres.dsn; Spark's executors must reach PostgreSQL too"
+    elif "password authentication failed" in message:
+        hint = "check the user and password in postgres.dsn"
+    elif "permission denied" in message:
+        hint = "grant SELECT on the source to the reconciliation's role"
+    return CdcError(f"the Spark read failed: {message[:500]}", hint=hint)
 
 
 def _value(value: Any, additive: bool) -> Any:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from decimal import Decimal
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from cdc.config import Settings
 from cdc.errors import CdcError, ConfigError
 from cdc.exported_snapshot import ExportedSnapshot, import_snapshot
 from cdc.local import wait_for
+from cdc.lsn import Lsn
 from cdc.reconcile import reconcile_spec
 from cdc.reconcile_spec import load_specs, parse_spec
 from cdc.rocketrides import ride_totals
@@ -52,10 +53,10 @@ def setup(env, *consumers: str, riders: int = 20) -> None:
     env.execute("INSERT INTO riders (id, name, email) SELECT g, 'r' || g, 'e' FROM generate_series(1, %s) g", (riders,))
 
 
-def reconcile(env, spark, dry_run: bool = False):
+def reconcile(env, spark, dry_run: bool = False, say=lambda line: None):
     settings = Settings.from_file(env.config_path)
     [spec] = load_specs(Path(settings.reconcile.specs))
-    return reconcile_spec(settings, spec, spark, dry_run=dry_run)
+    return reconcile_spec(settings, spec, spark, dry_run=dry_run, say=say)
 
 
 def rows(env, table: str, order: str) -> list[tuple]:
@@ -245,16 +246,27 @@ def test_resets_are_exact_while_rides_keep_changing_and_faults_stay_on(env, spar
     bridge = env.start_bridge(env={"CDC_FAULT_DOUBLE_SEND": "0.1"})
     faults = {"CDC_FAULT_CRASH_BEFORE_COMMIT": "0.1"}
     a, b = Supervisor(env, "totals-a", 1, faults), Supervisor(env, "totals-b", 2, faults)
-    a.start()
-    b.start()
+    supervisors = [a, b]
+    for s in supervisors:
+        s.start()
     traffic = RideTraffic(env.dsn, pause_s=0.01)
     traffic.start()
     killing = threading.Event()
     rng = random.Random(3)
 
     def kill_b() -> None:
-        while not killing.wait(rng.uniform(0.5, 1.5)):
+        while not killing.wait(rng.uniform(1.0, 2.5)):
             b.kill_one(rng)
+
+    positions: list[Lsn] = []
+
+    def say(line: str) -> None:
+        """Called by the job as it goes: once the truth is read, let totals-b get past the snapshot."""
+        if m := re.search(r"at position (\S+)", line):
+            positions.append(Lsn.parse(m.group(1)))
+        if re.search(r": read \d+ rows", line):
+            wait_for(lambda: env.execute("SELECT min(lsn) FROM cdc_checkpoints WHERE consumer = 'totals-b'")[0][0]
+                     >= positions[0], 60, "totals-b to apply entries after the snapshot")
 
     killer = threading.Thread(target=kill_b, daemon=True)
     try:
@@ -262,7 +274,7 @@ def test_resets_are_exact_while_rides_keep_changing_and_faults_stay_on(env, spar
         env.execute("UPDATE consumer_states SET total_distance = total_distance * 2 WHERE rider_id IN (1, 2)")
         a.stop()  # totals-a is behind the snapshot when the reset comes
         killer.start()
-        result = reconcile(env, spark)
+        result = reconcile(env, spark, say=say)
         killing.set()
         killer.join()
         outcomes = {o.consumer: o for o in result.outcomes}
@@ -270,19 +282,22 @@ def test_resets_are_exact_while_rides_keep_changing_and_faults_stay_on(env, spar
         assert all(p.behind for p in outcomes["totals-a"].streams) and outcomes["totals-a"].caught_up > 0
         assert not any(p.behind for p in outcomes["totals-b"].streams) and outcomes["totals-b"].replayed > 0
         a = Supervisor(env, "totals-a", 1, faults)
+        supervisors.append(a)
         a.start()
         written = traffic.transactions
         wait_for(lambda: traffic.transactions > written + 100, 60, "the writer to go on after the job")
-    finally:
-        killing.set()
+        while b.kills < 2:  # whatever the job's speed, totals-b is killed at least twice
+            b.kill_one(rng)
+            time.sleep(0.5)
         traffic.stop()
-    try:
         expected = truth(env)
         for group in ("totals-a", "totals-b"):
             wait_for(lambda: state(env, group) == expected, 120, f"{group} to reach the ground truth")
     finally:
-        a.stop()
-        b.stop()
+        killing.set()
+        traffic.stopped.set()
+        for s in supervisors:
+            s.stop()
         bridge.terminate()
         bridge.wait(30)
     assert b.kills >= 2 and 86 in a.exits + b.exits, "kills and crashes before commit happened"
@@ -383,6 +398,37 @@ def test_numeric_values_stay_exact(env, spark):
             cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, (1, 3000), types)
 
 
+def test_an_unreachable_source_is_one_clear_error(env, spark):
+    import cdc.truth
+    from cdc.local import free_port
+
+    setup(env, "ride-totals")
+    [spec] = load_specs(env.tmp / "reconcile")
+    types = {"rider_id": (20, None, None), "distance_m": (1700, 12, 3), "id": (20, None, None)}
+    dsn = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    with pytest.raises(CdcError) as caught:
+        cdc.truth.compute_truth(spark, spec, dsn, "00000003-00000002-1", "1:1:", (1, 10), types)
+    message = str(caught.value)
+    assert message.startswith("the Spark read failed:") and "connect" in message and "check the host" in message
+    assert "\n" not in message and "at org." not in message
+
+
+def test_a_consumer_that_cannot_apply_an_entry_is_reported_and_left_alone(env):
+    from cdc.reset import RESET_DDL, reset_consumer
+
+    setup(env, "ride-totals")
+    env.redis.xadd("cdc:ride", {"op": "u", "lsn": "5000", "seq": "0", "key": '{"id": 1}', "data": '{"id": 1, "rider": 1, "distance": "2"}'})
+    env.execute("INSERT INTO cdc_checkpoints (consumer, stream, entry_id, lsn, seq) VALUES ('ride-totals', 'cdc:ride', '1-0', 5000, 0)")
+    env.execute("INSERT INTO consumer_states VALUES ('ride-totals', 0, 42)")
+    [spec] = load_specs(env.tmp / "reconcile")
+    with env.connect() as conn:
+        conn.execute(RESET_DDL)
+        outcome = reset_consumer(conn, env.redis, spec, spec.consumers[0], ["cdc:ride"], 4000, {"cdc:ride": "0-0"},
+                                 {(0,): (Decimal(1),)}, ride_totals)
+    assert outcome.status == "failed" and "without a before-image" in outcome.reason
+    assert env.execute("SELECT rider_id, total_distance FROM consumer_states") == [(0, 42)]
+
+
 # -- the command ------------------------------------------------------------------------
 
 
@@ -412,6 +458,9 @@ def test_cdc_reconcile_reports_repairs_and_exits_by_outcome(env):
         assert orjson.loads(fixed.stdout)[0]["consumers"][0]["status"] == "repaired"
         assert state(env, "ride-totals") == truth(env)
         assert "Traceback" not in dry.stderr + fixed.stderr
+        status = env.cdc("status", check=True).stdout
+        assert "last reconciliation totals/ride-totals: repaired at " in status
+        assert re.search(r"1 of \d+ keys drifted", status)
     finally:
         consumers.stop()
         bridge.terminate()

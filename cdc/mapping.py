@@ -16,7 +16,7 @@ from typing import Any
 
 from . import keys
 from .errors import ConfigError, MappingError
-from .yamlsrc import load_yaml_file, where
+from .yamlsrc import load_yaml_file, where, yaml_files
 
 __all__ = ["Condition", "FieldSpec", "Mapping", "load_mappings", "parse_mapping"]
 
@@ -302,13 +302,7 @@ def _documents(path: Path) -> Iterable[Any]:
 
 def load_mappings(path: Path, env: MappingABC[str, str] | None = None) -> list[Mapping]:
     """Every mapping in a folder of ``*.yaml``/``*.yml`` (or one file); validated together."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ConfigError(f"mappings path {path} does not exist", hint="set mappings: to a folder of *.yaml files")
+    files = yaml_files(path, "mappings", "set mappings: to a folder of *.yaml files")
     mappings = [parse_mapping(doc, env) for file in files for doc in _documents(file)]
     if not mappings:
         raise ConfigError(f"no mappings found in {path}", hint="add a *.yaml file with entity, table, key and fields")

@@ -117,9 +117,11 @@ class SpecResult:
         }
 
 
-def _hold(client: redis.Redis, streams: list[str], holder: str) -> dict[str, str]:
-    """Hold each stream at its last entry: trimming keeps everything published after this."""
-    holds = {}
+def _hold(client: redis.Redis, streams: list[str], holder: str, holds: dict[str, str] | None = None) -> dict[str, str]:
+    """Hold each stream at its last entry: trimming keeps everything published after this.
+
+    `holds` fills as it goes, so a failure half-way still releases what was held."""
+    holds = {} if holds is None else holds
     expires = int(time.time() * 1000) + HOLD_TTL_MS
     for stream in streams:
         try:
@@ -214,7 +216,7 @@ def reconcile_spec(
     holder = f"reconcile:{spec.name}:{uuid.uuid4().hex[:8]}"
     holds: dict[str, str] = {}
     try:
-        holds = _hold(client, all_streams, holder)
+        _hold(client, all_streams, holder, holds)
         with ExportedSnapshot(dsn) as snap:
             result.position, result.snapshot = snap.position, snap.name
             say(f"{spec.name}: snapshot {snap.name} at position {snap.position}")

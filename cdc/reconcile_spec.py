@@ -8,7 +8,7 @@ Loading is pure and reports ``file:line`` with the fix; `cdc.reconcile` runs it.
     name: ride-totals
     source:
       table: public.rides             # or query: SELECT ... (a subquery)
-      partition_column: id            # integer, date or timestamp column to split the read on
+      partition_column: id            # an integer column to split the read on
       partitions: 4
     truth:
       group_by: [rider_id]
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .yamlsrc import load_yaml_file, where
+from .yamlsrc import load_yaml_file, where, yaml_files
 
 __all__ = ["Aggregate", "ConsumerTarget", "ReconcileSpec", "load_specs", "parse_spec"]
 
@@ -223,7 +223,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
     partition_column = _ident(src, "partition_column", "partition_column") if "partition_column" in src else None
     partitions = _positive(src, "partitions", 4)
     if partitions > 1 and partition_column is None:
-        raise _fail(where(src), "a parallel read needs partition_column (an integer, date or timestamp column)",
+        raise _fail(where(src), "a parallel read needs partition_column (an integer column)",
                     "add partition_column: id, or partitions: 1")
     fetch_size = _positive(src, "fetch_size", 10_000)
 
@@ -266,14 +266,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
 
 def load_specs(path: Path) -> list[ReconcileSpec]:
     """Every spec in a folder of ``*.yaml``/``*.yml`` (or one file)."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ConfigError(f"reconciliation specs path {path} does not exist",
-                          hint="set reconcile: in the config to a folder of *.yaml specs")
+    files = yaml_files(path, "reconciliation specs", "set reconcile.specs in the config to a folder of *.yaml specs")
     specs = [parse_spec(doc, str(file)) for file in files for doc in load_yaml_file(file)]
     if not specs:
         raise ConfigError(f"no reconciliation specs in {path}")

@@ -207,9 +207,10 @@ def compute_truth(
     partitions = 1
     if spec.partition_column and bounds is not None and bounds[0] is not None and spec.partitions > 1:
         low, high = bounds
-        partitions = spec.partitions
-        if isinstance(low, int) and isinstance(high, int):
-            partitions = max(1, min(partitions, high - low + 1))
+        if not isinstance(low, int) or isinstance(low, bool) or not isinstance(high, int):
+            raise ConfigError(f"{spec.where}: partition_column {spec.partition_column} must be an integer column",
+                              hint="split on an integer key, or read with partitions: 1")
+        partitions = max(1, min(spec.partitions, high - low + 1))
         if partitions > 1:
             reader = (reader.option("partitionColumn", spec.partition_column).option("numPartitions", str(partitions))
                       .option("lowerBound", str(low)).option("upperBound", str(high)))

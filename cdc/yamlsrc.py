@@ -13,7 +13,7 @@ import yaml
 
 from .errors import ConfigError
 
-__all__ = ["Located", "LocatedDict", "LocatedList", "load_yaml_documents", "where"]
+__all__ = ["Located", "LocatedDict", "LocatedList", "load_yaml_documents", "where", "yaml_files"]
 
 
 class Located:
@@ -92,6 +92,16 @@ def load_yaml_documents(text: str, source: str) -> list[Any]:
         raise ConfigError(f"{source}{line}: invalid YAML: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+
+
+def yaml_files(path: Path, what: str, hint: str) -> list[Path]:
+    """The ``*.yaml``/``*.yml`` files in a folder (sorted), or the one file `path` names."""
+    path = Path(path)
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    if path.is_file():
+        return [path]
+    raise ConfigError(f"{what} path {path} does not exist", hint=hint)
 
 
 def load_yaml_file(path: Path) -> list[Any]:

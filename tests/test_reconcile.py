@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+import textwrap
 import threading
 import time
 from decimal import Decimal
@@ -75,6 +76,23 @@ def insert_rides(env, n: int, seed: int) -> None:
                          (rng.randint(1, 20), Decimal(rng.randint(1, 10**7)) / 1000))
         conn.execute("UPDATE rides SET distance_m = distance_m + 1.25, rider_id = 5 WHERE id IN (SELECT id FROM rides ORDER BY id LIMIT 3)")
         conn.execute("DELETE FROM rides WHERE id IN (SELECT id FROM rides ORDER BY id DESC LIMIT 2)")
+
+
+def exact_consumer(env, rides: int, seed: int):
+    """The bridge and a ride-totals consumer, once it holds the exact totals of `rides` new rides."""
+    setup(env, "ride-totals")
+    bridge = env.start_bridge()
+    consumers = Supervisor(env, "ride-totals", 1, {})
+    consumers.start()
+    try:
+        insert_rides(env, rides, seed=seed)
+        wait_for(lambda: state(env, "ride-totals") == truth(env), 60, "the consumer to reach the totals")
+    except BaseException:
+        consumers.stop()
+        bridge.kill()
+        bridge.wait(30)
+        raise
+    return bridge, consumers
 
 
 def caught_up(env, group: str) -> bool:
@@ -167,13 +185,8 @@ def test_the_snapshot_position_splits_transactions_exactly(env):
 
 
 def test_injected_drift_is_reported_then_repaired_exactly_and_a_second_run_changes_nothing(env, spark):
-    setup(env, "ride-totals")
-    bridge = env.start_bridge()
-    consumers = Supervisor(env, "ride-totals", 1, {})
-    consumers.start()
+    bridge, consumers = exact_consumer(env, rides=300, seed=1)
     try:
-        insert_rides(env, 300, seed=1)
-        wait_for(lambda: state(env, "ride-totals") == truth(env), 60, "the consumer to reach the totals")
 
         # drift 1: corrupted totals (one wrong, one row lost)
         env.execute("UPDATE consumer_states SET total_distance = total_distance + 5 WHERE consumer = 'ride-totals' AND rider_id = 3")
@@ -362,6 +375,44 @@ def test_every_partition_must_read_the_snapshot(env, spark, monkeypatch):
             cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types)
 
 
+def truth_now(env, spark, spec):
+    """compute_truth over a fresh exported snapshot, as the job does."""
+    import cdc.truth
+
+    with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
+        import_snapshot(ref, snap.name)
+        reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+        types = cdc.truth.describe_source(ref, spec)
+        col = cdc.truth.quote(spec.partition_column)
+        bounds = ref.execute(f"SELECT min({col}), max({col}) FROM {cdc.truth.source_from(spec)}").fetchone()
+        ref.execute("COMMIT")
+        return cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types)
+
+
+def test_a_query_source_and_min_max_count(env, spark):
+    env.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12, 2) NOT NULL, "
+                "kind text NOT NULL, secret text)")
+    env.execute("INSERT INTO ledger SELECT g, g % 4, g * 1.25, CASE WHEN g % 3 = 0 THEN 'fee' ELSE 'sale' END, 'x' "
+                "FROM generate_series(1, 1000) g")
+    text = textwrap.dedent("""\
+        name: sales
+        source:
+          query: SELECT id, account AS acct, amount FROM ledger WHERE kind = 'sale'
+          partition_column: id
+          partitions: 3
+        truth:
+          group_by: [acct]
+          values: {total: sum(amount), smallest: min(amount), largest: max(amount), n: count(*)}
+        consumers: [{name: x, entity: e, handler: 'm:f', state: {table: t}}]
+    """)
+    spec = parse_spec(load_yaml_documents(text, "sales.yaml")[0], "sales.yaml")
+    got = truth_now(env, spark, spec)
+    want = {(acct,): (total, lo, hi, n) for acct, total, lo, hi, n in env.execute(
+        "SELECT account, sum(amount), min(amount), max(amount), count(*) FROM ledger WHERE kind = 'sale' GROUP BY account")}
+    assert got.rows == want and got.partitions == 3
+    assert got.source_rows == sum(n for *_, n in want.values())
+
+
 def test_numeric_values_stay_exact(env, spark):
     env.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, account int NOT NULL, amount numeric NOT NULL, "
                 "fee numeric(30, 12) NOT NULL)")
@@ -433,13 +484,8 @@ def test_a_consumer_that_cannot_apply_an_entry_is_reported_and_left_alone(env):
 
 
 def test_cdc_reconcile_reports_repairs_and_exits_by_outcome(env):
-    setup(env, "ride-totals")
-    bridge = env.start_bridge()
-    consumers = Supervisor(env, "ride-totals", 1, {})
-    consumers.start()
+    bridge, consumers = exact_consumer(env, rides=50, seed=5)
     try:
-        insert_rides(env, 50, seed=5)
-        wait_for(lambda: state(env, "ride-totals") == truth(env), 60, "the consumer to reach the totals")
         env.execute("UPDATE consumer_states SET total_distance = total_distance - 1 WHERE consumer = 'ride-totals' AND rider_id = 2")
         report = env.tmp / "report.json"
         dry = env.cdc("reconcile", "--dry-run", "--master", "local[1]", "--report", str(report), timeout=300)
@@ -467,8 +513,13 @@ def test_cdc_reconcile_reports_repairs_and_exits_by_outcome(env):
         bridge.wait(30)
 
 
-def test_cdc_reconcile_explains_a_missing_driver(env):
+def test_cdc_reconcile_explains_a_missing_driver_and_a_bad_spec(env):
     setup(env, "ride-totals")
     result = env.cdc("reconcile", env={"CDC_RECONCILE_JDBC_JAR": "/nonexistent/postgresql.jar"})
     assert result.returncode == 2
     assert "libpostgresql-jdbc-java" in result.stderr and "Traceback" not in result.stderr
+    spec = env.tmp / "reconcile" / "totals.yaml"
+    spec.write_text(spec.read_text().replace("sum(distance_m)", "median(distance_m)"))
+    result = env.cdc("reconcile")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{spec}:6: value total_distance: expected sum(column)" in result.stderr

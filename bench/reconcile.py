@@ -173,8 +173,9 @@ def main() -> int:
         def spark_row(label: str, r: SpecResult) -> str:
             status = ", ".join(o.status for o in r.outcomes)
             drift = sum(o.drift.keys_drifted for o in r.outcomes)
+            paused = max(o.locked_seconds for o in r.outcomes)
             return row(label, r.seconds, r.read_seconds, r.source_rows / r.read_seconds, r.truth_keys,
-                       f"{status} ({drift:,} keys drifted)")
+                       f"{status} ({drift:,} keys drifted; consumer paused {paused:.2f}s)")
 
         print()
         print(f"{args.rows:,} rides of {args.riders:,} riders; Spark local[*] on {spark_cores} core(s), "

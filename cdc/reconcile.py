@@ -109,6 +109,7 @@ class SpecResult:
                     "reason": o.reason,
                     "caught_up": o.caught_up,
                     "replayed": o.replayed,
+                    "locked_seconds": round(o.locked_seconds, 3),
                     "streams": {p.stream: {"behind": p.behind, "checkpoint": list(p.checkpoint)} for p in o.streams},
                     **o.drift.as_json(self.spec.key_columns),
                 }
@@ -280,7 +281,7 @@ def reconcile_spec(
 def describe(outcome: ResetOutcome) -> str:
     behind = sum(1 for p in outcome.streams if p.behind)
     where = f"{behind} of {len(outcome.streams)} stream(s) behind the snapshot"
-    moved = f"{outcome.caught_up} entries caught up, {outcome.replayed} replayed"
+    moved = f"{outcome.caught_up} entries caught up, {outcome.replayed} replayed, consumer paused {outcome.locked_seconds:.2f}s"
     drift = outcome.drift
     found = "no drift" if drift.clean else f"{drift.keys_drifted} of {drift.keys_compared} keys drifted"
     verdict = {

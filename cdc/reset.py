@@ -30,6 +30,7 @@ refuses a reset from an older snapshot once a newer one has been applied.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -97,6 +98,7 @@ class ResetOutcome:
     reason: str = ""
     drift: DriftReport = field(default_factory=DriftReport)
     streams: list[StreamPlan] = field(default_factory=list)
+    locked_seconds: float = 0.0  # how long the consumer's checkpoint rows were held
 
     @property
     def caught_up(self) -> int:
@@ -228,36 +230,50 @@ def reset_consumer(
 ) -> ResetOutcome:
     """Compare one consumer's state with truth(position) and, unless `dry_run`, make it exact."""
     outcome = ResetOutcome(target.name)
-    streams = sorted(streams)
-    with conn.transaction():
-        conn.execute(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
-        conn.execute(_FENCE_ENSURE, (target.name,))
-        fence = int(conn.execute(_FENCE_LOCK, (target.name,)).fetchone()[0])
-        if fence >= position:
-            outcome.status = "stale"
-            outcome.reason = f"a reset from a newer snapshot (position {fence}) was applied already"
-            return outcome
-        conn.execute(_ENSURE, (target.name, streams))
-        checkpoints = {s: ((int(lsn), seq), eid) for s, eid, lsn, seq in conn.execute(_LOCK, (target.name, streams))}
-        for stream in streams:
-            mark, eid = checkpoints[stream]
-            outcome.streams.append(plan_stream(client, stream, target.group, mark, eid, position, holds.get(stream, "0-0")))
-        lost = [p.lost for p in outcome.streams if p.lost]
-        if lost:
-            outcome.status = "failed"
-            outcome.reason = "; ".join(lost) + "; run the reconciliation again"
-            return outcome
-        try:
-            _compare_and_repair(conn, spec, target, outcome, position, truth, apply, dry_run)
-        except (psycopg.Error, CdcError):
-            raise
-        except Exception as exc:  # the consumer's apply function refused an entry: report, keep the state
-            outcome.status = "failed"
-            outcome.reason = f"its apply function {target.handler} failed: {type(exc).__name__}: {exc}"
-            return outcome
-        if not dry_run and outcome.status in ("repaired", "clean"):
-            conn.execute(_FENCE_SET, (position, target.name))
+    locked_at = None
+    try:
+        with conn.transaction():
+            conn.execute(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
+            conn.execute(_FENCE_ENSURE, (target.name,))
+            fence = int(conn.execute(_FENCE_LOCK, (target.name,)).fetchone()[0])
+            if fence >= position:
+                outcome.status = "stale"
+                outcome.reason = f"a reset from a newer snapshot (position {fence}) was applied already"
+                return outcome
+            locked_at = time.monotonic()
+            _reset_locked(conn, client, spec, target, sorted(streams), position, holds, truth, apply, dry_run, outcome)
+    finally:
+        if locked_at is not None:  # how long the consumer's batches had to wait
+            outcome.locked_seconds = time.monotonic() - locked_at
     return outcome
+
+
+def _reset_locked(
+    conn: psycopg.Connection, client: redis.Redis, spec: ReconcileSpec, target: ConsumerTarget, streams: list[str],
+    position: int, holds: dict[str, str], truth: dict[tuple, tuple], apply: Apply, dry_run: bool,
+    outcome: ResetOutcome,
+) -> None:
+    """Under the fence's lock: lock the checkpoints, plan every stream, then compare and repair."""
+    conn.execute(_ENSURE, (target.name, streams))
+    checkpoints = {s: ((int(lsn), seq), eid) for s, eid, lsn, seq in conn.execute(_LOCK, (target.name, streams))}
+    for stream in streams:
+        mark, eid = checkpoints[stream]
+        outcome.streams.append(plan_stream(client, stream, target.group, mark, eid, position, holds.get(stream, "0-0")))
+    lost = [p.lost for p in outcome.streams if p.lost]
+    if lost:
+        outcome.status = "failed"
+        outcome.reason = "; ".join(lost) + "; run the reconciliation again"
+        return
+    try:
+        _compare_and_repair(conn, spec, target, outcome, position, truth, apply, dry_run)
+    except (psycopg.Error, CdcError):
+        raise
+    except Exception as exc:  # the consumer's apply function refused an entry: report, keep the state
+        outcome.status = "failed"
+        outcome.reason = f"its apply function {target.handler} failed: {type(exc).__name__}: {exc}"
+        return
+    if not dry_run and outcome.status in ("repaired", "clean"):
+        conn.execute(_FENCE_SET, (position, target.name))
 
 
 def _compare_and_repair(

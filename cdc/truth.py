@@ -42,10 +42,25 @@ log = logging.getLogger("cdc.truth")
 
 NUMERIC_OID = 1700
 SNAPSHOT_COLUMN = "__cdc_snapshot"
-_LOG4J = "rootLogger.level = error\nrootLogger.appenderRef.stderr.ref = console\nappender.console.type = Console\n" \
-         "appender.console.name = console\nappender.console.target = SYSTEM_ERR\n" \
-         "appender.console.layout.type = PatternLayout\nappender.console.layout.pattern = spark: %p %c{1}: %m%n\n" \
-         "logger.repl.name = org.apache.spark.repl.Main\nlogger.repl.level = error\n"
+#: the shells' loggers: given a level of their own, Spark does not announce its default level on start
+_SHELL_LOGGERS = ("org.apache.spark.repl.Main", "org.apache.spark.api.python.PythonGatewayServer",
+                  "org.apache.spark.deploy.SparkSubmit", "org.apache.spark.SparkContext")
+
+
+def _log4j_properties() -> str:
+    """Spark's own log lines: errors only, on stderr, prefixed so they read as Spark's."""
+    lines = [
+        "rootLogger.level = error",
+        "rootLogger.appenderRef.stderr.ref = console",
+        "appender.console.type = Console",
+        "appender.console.name = console",
+        "appender.console.target = SYSTEM_ERR",
+        "appender.console.layout.type = PatternLayout",
+        "appender.console.layout.pattern = spark: %p %c{1}: %m%n",
+    ]
+    for n, name in enumerate(_SHELL_LOGGERS):
+        lines += [f"logger.shell{n}.name = {name}", f"logger.shell{n}.level = error"]
+    return "\n".join(lines) + "\n"
 
 
 def quote(name: str) -> str:
@@ -150,9 +165,9 @@ def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g"):
         raise ConfigError(f"the PostgreSQL JDBC driver {jdbc_jar} does not exist",
                           hint="run: apt-get install libpostgresql-jdbc-java, or set spark.jdbc_jar")
     if not os.environ.get("SPARK_CONF_DIR"):
-        # Spark's own log lines: errors only, unless the operator brings a Spark configuration
+        # unless the operator brings a Spark configuration, Spark logs errors only
         conf_dir = Path(tempfile.mkdtemp(prefix="cdc-spark-conf-"))
-        (conf_dir / "log4j2.properties").write_text(_LOG4J)
+        (conf_dir / "log4j2.properties").write_text(_log4j_properties())
         os.environ["SPARK_CONF_DIR"] = str(conf_dir)
     spark = (
         SparkSession.builder.master(master)

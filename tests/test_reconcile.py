@@ -316,6 +316,68 @@ def test_resets_are_exact_while_rides_keep_changing_and_faults_stay_on(env, spar
     assert b.kills >= 2 and 86 in a.exits + b.exits, "kills and crashes before commit happened"
 
 
+def test_a_reset_catches_up_a_stream_behind_and_replays_one_ahead(env):
+    """Per stream, with P = 250: one stream's consumer is behind P (an entry pending, one undelivered),
+    the other's is past it (with a double-sent entry). The reset measures the state at P, repairs it,
+    and the consumer carries on to the exact final total."""
+    from cdc.checkpoint import TransactionalHandler
+    from cdc.entry import parse_entry
+    from cdc.reset import RESET_DDL, reset_consumer
+
+    setup(env, "ride-totals")
+    r = env.redis
+
+    def add(stream: str, lsn: int, distance: int) -> str:
+        return r.xadd(stream, {"op": "c", "lsn": str(lsn), "seq": "0", "key": "{}",
+                               "data": f'{{"rider": 1, "distance": "{distance}"}}'}).decode()
+
+    behind, ahead = "cdc:t:0", "cdc:t:1"
+    for stream in (behind, ahead):
+        r.xgroup_create(stream, "ride-totals", id="0", mkstream=True)
+    handler = TransactionalHandler(env.dsn, "ride-totals", ride_totals)
+
+    def consume(stream: str, count: int) -> None:
+        """Like a consumer: its pending entries first, then new ones; apply, then acknowledge."""
+        raw = [e for start in ("0", ">") for _, entries in r.xreadgroup("ride-totals", "c1", {stream: start}, count=count)
+               for e in entries]
+        handler([parse_entry(stream, i, f) for i, f in raw])
+        r.xack(stream, "ride-totals", *[i for i, _ in raw])
+
+    try:
+        add(behind, 100, 1)
+        consume(behind, 1)                   # applied: 1
+        add(behind, 200, 2)
+        r.xreadgroup("ride-totals", "c1", {behind: ">"}, count=1)  # delivered, never applied: pending
+        add(behind, 300, 4)                  # after P, not delivered
+        hold = add(ahead, 150, 10)
+        add(ahead, 260, 20)
+        add(ahead, 260, 20)                  # the same change sent twice
+        consume(ahead, 3)                    # applied: 10 + 20 (the copy skipped)
+        add(ahead, 270, 40)                  # after P, not delivered
+        env.execute("UPDATE consumer_states SET total_distance = total_distance + 5 WHERE rider_id = 1")  # drift
+        truth_at_p = {(1,): (Decimal(13),), (0,): (Decimal(13),)}  # 1 + 2 + 10: every change before P
+        [spec] = load_specs(env.tmp / "reconcile")
+        with env.connect() as conn:
+            conn.execute(RESET_DDL)
+            outcome = reset_consumer(conn, r, spec, spec.consumers[0], [behind, ahead], 250,
+                                     {behind: "0-0", ahead: hold}, truth_at_p, ride_totals)
+        plans = {p.stream: p for p in outcome.streams}
+        assert [e.lsn for e in plans[behind].catch_up] == [200] and plans[behind].behind
+        assert [e.lsn for e in plans[ahead].replay] == [260] and not plans[ahead].behind
+        found = {d.key: (d.expected, d.actual) for d in outcome.drift.drifted}
+        assert found == {(1,): (Decimal(33), Decimal(38))}, "measured at P: 13 + 20 replayed, against 31 + 5 + 2 caught up"
+        assert outcome.status == "repaired"
+        assert state(env, "ride-totals") == {0: Decimal(33), 1: Decimal(33)}
+        assert env.execute("SELECT stream, lsn, seq FROM cdc_checkpoints ORDER BY stream") == [
+            (behind, 250, -1), (ahead, 260, 0)]
+        consume(behind, 10)                  # the pending 200 is skipped, 300 applied
+        consume(ahead, 10)                   # 270 applied
+        assert state(env, "ride-totals") == {0: Decimal(77), 1: Decimal(77)}  # 1 + 2 + 4 + 10 + 20 + 40
+        assert handler.skipped == 2, "the copy of 260, and 200, which the reset had caught up"
+    finally:
+        handler.close()
+
+
 def test_an_older_reset_never_overwrites_a_newer_one(env):
     from cdc.reconcile import HISTORY_DDL
     from cdc.reset import RESET_DDL, reset_consumer

@@ -62,7 +62,7 @@ class ExportedSnapshot:
             raise CdcError("the server did not export a snapshot for the temporary slot")
         self.position = Lsn.parse(row[1])
         self.name = row[2]
-        log.info("snapshot %s exported at position %s (temporary slot %s)", self.name, self.position, self.slot)
+        log.debug("snapshot %s exported at position %s (temporary slot %s)", self.name, self.position, self.slot)
         return self
 
     def close(self) -> None:

@@ -193,15 +193,20 @@ class _TaskProgress(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        stages: dict[int, tuple[int, int]] = {}  # every stage seen: (finished, total) tasks
+        last = None
         while not self.stopped.wait(0.5):
-            done = total = 0
             for stage_id in self.tracker.getActiveStageIds():
                 info = self.tracker.getStageInfo(stage_id)
                 if info is not None:
-                    done += info.numCompletedTasks
-                    total += info.numTasks
-            if total:
-                self.report(done, total)
+                    stages[stage_id] = (info.numCompletedTasks, info.numTasks)
+            for stage_id, (done, total) in stages.items():
+                if stage_id not in self.tracker.getActiveStageIds():
+                    stages[stage_id] = (total, total)  # finished
+            now = (sum(d for d, _ in stages.values()), sum(t for _, t in stages.values()))
+            if now[1] and now != last:
+                self.report(*now)
+                last = now
 
 
 def compute_truth(

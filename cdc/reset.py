@@ -162,7 +162,8 @@ def plan_stream(
         starts.append(hold_id)
         deleted = info.get("max-deleted-entry-id")
         if deleted is not None and _id(deleted) > hold_id:
-            plan.lost = (f"{stream}: entries after the snapshot were deleted (up to {deleted.decode() if isinstance(deleted, bytes) else deleted}), "
+            deleted = deleted.decode() if isinstance(deleted, bytes) else deleted
+            plan.lost = (f"{stream}: entries after the snapshot were deleted (up to {deleted}), "
                          "so the entries the consumer applied after it cannot be re-read")
             return plan
     if not starts:

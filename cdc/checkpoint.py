@@ -21,7 +21,7 @@ from .consumer import Fenced
 from .entry import Entry
 from .statedb import StateConnection
 
-__all__ = ["TransactionalHandler", "Apply"]
+__all__ = ["TransactionalHandler", "Apply", "lock_checkpoints"]
 
 log = logging.getLogger("cdc.checkpoint")
 
@@ -29,7 +29,7 @@ log = logging.getLogger("cdc.checkpoint")
 Apply = Callable[[psycopg.Connection, list[Entry], str], None]
 
 _LOCK = """
-SELECT stream, lsn, seq, epoch FROM cdc_checkpoints
+SELECT stream, entry_id, lsn, seq, epoch FROM cdc_checkpoints
 WHERE consumer = %s AND stream = ANY(%s) ORDER BY stream FOR UPDATE
 """
 _ENSURE = "INSERT INTO cdc_checkpoints (consumer, stream) SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING"
@@ -38,6 +38,16 @@ UPDATE cdc_checkpoints SET entry_id = %s, lsn = %s, seq = %s, epoch = %s, update
 WHERE consumer = %s AND stream = %s
 """
 _REPLAYED = "INSERT INTO cdc_replays (consumer, replay_of) VALUES (%s, %s) ON CONFLICT DO NOTHING"
+
+
+def lock_checkpoints(conn: psycopg.Connection, consumer: str, streams: list[str]) -> dict[str, tuple[str, tuple[int, int], int]]:
+    """Lock (creating if needed) `consumer`'s checkpoint rows on `streams`, always in stream order so that
+    every holder (each batch, a reset) takes them alike: stream -> (entry_id, (lsn, seq), epoch)."""
+    conn.execute(_ENSURE, (consumer, streams))
+    return {
+        stream: (entry_id, (int(lsn), seq), epoch)
+        for stream, entry_id, lsn, seq, epoch in conn.execute(_LOCK, (consumer, streams))
+    }
 
 
 class TransactionalHandler(StateConnection):
@@ -70,13 +80,12 @@ class TransactionalHandler(StateConnection):
         streams = sorted({e.stream for e in entries})
         try:
             with conn.transaction():
-                conn.execute(_ENSURE, (self.consumer, streams))
                 marks = {}
-                for stream, lsn, seq, epoch in conn.execute(_LOCK, (self.consumer, streams)):
+                for stream, (_, mark, epoch) in lock_checkpoints(conn, self.consumer, streams).items():
                     mine = self.epoch_of(stream)
                     if epoch > mine:
                         raise Fenced(f"{self.consumer} on {stream}: state written by epoch {epoch}, this consumer holds {mine}")
-                    marks[stream] = (int(lsn), seq)
+                    marks[stream] = mark
                 fresh: list[Entry] = []
                 last: dict[str, Entry] = {}
                 for e in entries:

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["Entry", "parse_entry"]
+__all__ = ["Entry", "next_stream_id", "parse_entry", "parse_stream_id"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +62,16 @@ def parse_entry(stream: str | bytes, entry_id: str | bytes, fields: dict) -> Ent
         v=int(fields.get(b"v", b"1")),
         fields=fields,
     )
+
+
+def parse_stream_id(entry_id: str | bytes) -> tuple[int, int]:
+    """A stream entry ID ("ms-seq", as text or bytes) as a tuple that sorts like the IDs."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def next_stream_id(entry_id: str | bytes) -> str:
+    """The smallest ID after `entry_id`: where an exclusive range continues."""
+    ms, seq = parse_stream_id(entry_id)
+    return f"{ms}-{seq + 1}"

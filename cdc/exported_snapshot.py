@@ -74,10 +74,12 @@ class ExportedSnapshot:
         self.close()
 
 
-def import_snapshot(conn: psycopg.Connection, name: str) -> None:
-    """Begin a REPEATABLE READ transaction on `conn` that sees exactly the exported snapshot `name`."""
+def import_snapshot(conn: psycopg.Connection, name: str) -> str:
+    """Begin a REPEATABLE READ transaction on `conn` that sees exactly the exported snapshot `name`;
+    returns it as ``pg_current_snapshot()`` shows it, to compare other importers with."""
     conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     conn.execute(f"SET TRANSACTION SNAPSHOT '{name}'")
+    return conn.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
 
 
 def session_init_statement(name: str) -> str:

@@ -200,7 +200,7 @@ def reconcile_spec(
     progress: Callable[[int, int], None] | None = None,
 ) -> SpecResult:
     """Run one spec end to end; the result says, per consumer, what was found and done."""
-    from .truth import compute_truth, describe_source, quote, source_from
+    from .truth import compute_truth, describe_source, partition_bounds
 
     started_wall, started = time.time(), time.monotonic()
     result = SpecResult(spec)
@@ -223,13 +223,9 @@ def reconcile_spec(
             say(f"{spec.name}: snapshot {snap.name} at position {snap.position}")
             try:
                 with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as ref:
-                    import_snapshot(ref, snap.name)
-                    reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+                    reference = import_snapshot(ref, snap.name)
                     types = describe_source(ref, spec)
-                    bounds = None
-                    if spec.partition_column:
-                        col = quote(spec.partition_column)
-                        bounds = ref.execute(f"SELECT min({col}), max({col}) FROM {source_from(spec)}").fetchone()
+                    bounds = partition_bounds(ref, spec)
                     ref.execute("COMMIT")
             except psycopg.Error as exc:
                 raise classify_pg_error(exc) from None

@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import psycopg
 import redis
+from psycopg import sql
 
+from .checkpoint import Apply, lock_checkpoints
 from .drift import DriftReport, compare
 from .errors import CdcError
-from .entry import Entry, parse_entry
+from .entry import Entry, next_stream_id, parse_entry, parse_stream_id
 from .reconcile_spec import ConsumerTarget, ReconcileSpec
 
 __all__ = ["ResetOutcome", "StreamPlan", "plan_stream", "reset_consumer"]
@@ -57,25 +59,9 @@ CREATE TABLE IF NOT EXISTS public.cdc_reset_fences (
 _FENCE_ENSURE = "INSERT INTO cdc_reset_fences (consumer) VALUES (%s) ON CONFLICT DO NOTHING"
 _FENCE_LOCK = "SELECT position FROM cdc_reset_fences WHERE consumer = %s FOR UPDATE"
 _FENCE_SET = "UPDATE cdc_reset_fences SET position = %s, applied_at = now() WHERE consumer = %s"
-_ENSURE = "INSERT INTO cdc_checkpoints (consumer, stream) SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING"
-_LOCK = """
-SELECT stream, entry_id, lsn, seq FROM cdc_checkpoints
-WHERE consumer = %s AND stream = ANY(%s) ORDER BY stream FOR UPDATE
-"""
 _SAVE = "UPDATE cdc_checkpoints SET entry_id = %s, lsn = %s, seq = %s, updated_at = now() WHERE consumer = %s AND stream = %s"
 
 Position = tuple[int, int]
-Apply = Callable[[psycopg.Connection, list[Entry], str], None]
-
-
-def _q(name: str) -> str:
-    return ".".join('"' + part.replace('"', '""') + '"' for part in name.split("."))
-
-
-def _id(entry_id: str | bytes) -> tuple[int, int]:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
 
 
 @dataclass
@@ -123,7 +109,7 @@ def _group_view(client: redis.Redis, stream: str, group: str) -> tuple[tuple[int
         name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
         if name != group:
             continue
-        last = _id(g["last-delivered-id"])
+        last = parse_stream_id(g["last-delivered-id"])
         pending: set[str] = set()
         start = "-"
         while g["pending"]:
@@ -132,8 +118,7 @@ def _group_view(client: redis.Redis, stream: str, group: str) -> tuple[tuple[int
                 break
             for p in page:
                 pending.add(p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"])
-            last_id = _id(page[-1]["message_id"])
-            start = f"{last_id[0]}-{last_id[1] + 1}"
+            start = next_stream_id(page[-1]["message_id"])
             if len(page) < 10_000:
                 break
         return last, pending
@@ -151,17 +136,17 @@ def plan_stream(
         info = client.xinfo_stream(stream)
     except redis.ResponseError:
         return plan  # no stream yet: nothing was published, nothing to read
-    hold_id = _id(hold)
+    hold_id = parse_stream_id(hold)
     starts: list[tuple[int, int]] = []
     delivered, pending = (None, set())
     if behind:
         delivered, pending = _group_view(client, stream, group)
         if delivered is not None:
-            starts.append(min([delivered] + [_id(p) for p in pending]))
+            starts.append(min([delivered] + [parse_stream_id(p) for p in pending]))
     else:
         starts.append(hold_id)
         deleted = info.get("max-deleted-entry-id")
-        if deleted is not None and _id(deleted) > hold_id:
+        if deleted is not None and parse_stream_id(deleted) > hold_id:
             deleted = deleted.decode() if isinstance(deleted, bytes) else deleted
             plan.lost = (f"{stream}: entries after the snapshot were deleted (up to {deleted}), "
                          "so the entries the consumer applied after it cannot be re-read")
@@ -180,7 +165,7 @@ def plan_stream(
             e = parse_entry(stream, raw_id, fields)
             pos = e.position
             if e.lsn < position:
-                if behind and pos > running_catch and (e.id in pending or _id(e.id) > delivered):
+                if behind and pos > running_catch and (e.id in pending or parse_stream_id(e.id) > delivered):
                     plan.catch_up.append(e)
                     running_catch = pos
             elif pos <= checkpoint and pos > running_replay:
@@ -188,29 +173,36 @@ def plan_stream(
                 running_replay = pos
         if len(page) < 10_000:
             break
-        last = _id(page[-1][0])
-        cursor = f"{last[0]}-{last[1] + 1}"
+        cursor = next_stream_id(page[-1][0])
     return plan
 
 
+def _table(target: ConsumerTarget) -> sql.Identifier:
+    return sql.Identifier(*target.table.split("."))
+
+
+def _columns(names: Iterable[str]) -> sql.Composable:
+    return sql.SQL(", ").join(sql.Identifier(c) for c in names)
+
+
+def _in_scope(target: ConsumerTarget) -> sql.Composable:
+    """The WHERE condition selecting the consumer's rows (its scope columns' values)."""
+    conditions = [sql.SQL("{} = {}").format(sql.Identifier(c), sql.Literal(v)) for c, v in target.scope]
+    return sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("TRUE")
+
+
 def _rows(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str]) -> dict:
-    cols = ", ".join(_q(c) for c in (*key_cols, *value_cols))
-    where = " AND ".join(f"{_q(c)} = %s" for c, _ in target.scope) or "TRUE"
-    rows = {}
+    query = sql.SQL("SELECT {} FROM {} WHERE {}").format(_columns((*key_cols, *value_cols)), _table(target), _in_scope(target))
     n = len(key_cols)
-    for row in conn.execute(f"SELECT {cols} FROM {_q(target.table)} WHERE {where}", [v for _, v in target.scope]):
-        rows[tuple(row[:n])] = tuple(row[n:])
-    return rows
+    return {tuple(row[:n]): tuple(row[n:]) for row in conn.execute(query)}
 
 
 def _write_truth(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str],
                  truth: dict[tuple, tuple]) -> None:
-    where = " AND ".join(f"{_q(c)} = %s" for c, _ in target.scope) or "TRUE"
-    conn.execute(f"DELETE FROM {_q(target.table)} WHERE {where}", [v for _, v in target.scope])
-    scope_cols = [c for c, _ in target.scope]
+    conn.execute(sql.SQL("DELETE FROM {} WHERE {}").format(_table(target), _in_scope(target)))
     scope_vals = [v for _, v in target.scope]
-    cols = ", ".join(_q(c) for c in (*scope_cols, *key_cols, *value_cols))
-    with conn.cursor().copy(f"COPY {_q(target.table)} ({cols}) FROM STDIN") as copy:
+    cols = _columns((*(c for c, _ in target.scope), *key_cols, *value_cols))
+    with conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN").format(_table(target), cols)) as copy:
         for key, values in truth.items():
             copy.write_row((*scope_vals, *key, *values))
 
@@ -255,10 +247,9 @@ def _reset_locked(
     outcome: ResetOutcome,
 ) -> None:
     """Under the fence's lock: lock the checkpoints, plan every stream, then compare and repair."""
-    conn.execute(_ENSURE, (target.name, streams))
-    checkpoints = {s: ((int(lsn), seq), eid) for s, eid, lsn, seq in conn.execute(_LOCK, (target.name, streams))}
+    checkpoints = lock_checkpoints(conn, target.name, streams)
     for stream in streams:
-        mark, eid = checkpoints[stream]
+        eid, mark, _ = checkpoints[stream]
         outcome.streams.append(plan_stream(client, stream, target.group, mark, eid, position, holds.get(stream, "0-0")))
     lost = [p.lost for p in outcome.streams if p.lost]
     if lost:

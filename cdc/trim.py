@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import redis
 
 from . import keys
+from .entry import next_stream_id, parse_stream_id
 
 __all__ = ["TrimPolicy", "TrimResult", "active_holds", "safe_trim_point", "trim_stream"]
 
@@ -41,16 +42,6 @@ class TrimResult:
     groups: dict = field(default_factory=dict)
 
 
-def _parse_id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _next_id(entry_id: str) -> str:
-    ms, seq = _parse_id(entry_id)
-    return f"{ms}-{seq + 1}"
-
-
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -64,16 +55,16 @@ def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]
     info = {}
     for g in groups:
         name = _text(g["name"])
-        first_undelivered = _next_id(_text(g["last-delivered-id"]))
-        candidates = [_parse_id(first_undelivered)]
+        first_undelivered = next_stream_id(_text(g["last-delivered-id"]))
+        candidates = [parse_stream_id(first_undelivered)]
         if g["pending"]:
             summary = client.xpending(stream, name)
-            candidates.append(_parse_id(_text(summary["min"])))
+            candidates.append(parse_stream_id(_text(summary["min"])))
         point = min(candidates)
         needed.append(point)
         info[name] = f"{point[0]}-{point[1]}"
     for holder, held in active_holds(client, stream).items():
-        needed.append(_parse_id(_next_id(held)))
+        needed.append(parse_stream_id(next_stream_id(held)))
         info[f"hold:{holder}"] = held
     low = min(needed)
     return f"{low[0]}-{low[1]}", info
@@ -106,7 +97,7 @@ def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolic
         keep = client.xrevrange(stream, count=policy.max_len)
         if keep:
             first_kept = _text(keep[-1][0])
-            if cap_id is None or _parse_id(first_kept) > _parse_id(cap_id):
+            if cap_id is None or parse_stream_id(first_kept) > parse_stream_id(cap_id):
                 cap_id = first_kept
     if cap_id is not None:
         length = client.xlen(stream)

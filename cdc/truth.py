@@ -35,8 +35,9 @@ from psycopg.conninfo import conninfo_to_dict
 from .errors import CdcError, ConfigError
 from .exported_snapshot import session_init_statement
 from .reconcile_spec import ReconcileSpec
+from .replication import quote_ident
 
-__all__ = ["Truth", "compute_truth", "describe_source", "jdbc_url", "quote", "source_from", "source_query", "start_spark"]
+__all__ = ["Truth", "compute_truth", "describe_source", "jdbc_url", "partition_bounds", "source_from", "source_query", "start_spark"]
 
 log = logging.getLogger("cdc.truth")
 
@@ -61,10 +62,6 @@ def _log4j_properties() -> str:
     for n, name in enumerate(_SHELL_LOGGERS):
         lines += [f"logger.shell{n}.name = {name}", f"logger.shell{n}.level = error"]
     return "\n".join(lines) + "\n"
-
-
-def quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _bq(name: str) -> str:
@@ -103,13 +100,13 @@ def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
 
 def source_from(spec: ReconcileSpec) -> str:
     if spec.table:
-        return ".".join(quote(part) for part in spec.table.split("."))
+        return ".".join(quote_ident(part) for part in spec.table.split("."))
     return f"({spec.query}) AS cdc_query"
 
 
 def describe_source(conn: psycopg.Connection, spec: ReconcileSpec) -> dict[str, tuple[int, int | None, int | None]]:
     """(type oid, precision, scale) of each source column the spec reads; errors name the spec's line."""
-    cols = ", ".join(quote(c) for c in spec.source_columns)
+    cols = ", ".join(quote_ident(c) for c in spec.source_columns)
     try:
         cur = conn.execute(f"SELECT {cols} FROM {source_from(spec)} LIMIT 0")
     except psycopg.errors.UndefinedColumn as exc:
@@ -124,9 +121,17 @@ def describe_source(conn: psycopg.Connection, spec: ReconcileSpec) -> dict[str, 
     return {d.name: (d.type_code, d.precision, d.scale) for d in cur.description}
 
 
+def partition_bounds(conn: psycopg.Connection, spec: ReconcileSpec) -> tuple[Any, Any] | None:
+    """(min, max) of the partition column, read in `conn`'s transaction (the imported snapshot)."""
+    if not spec.partition_column:
+        return None
+    col = quote_ident(spec.partition_column)
+    return conn.execute(f"SELECT min({col}), max({col}) FROM {source_from(spec)}").fetchone()
+
+
 def source_query(spec: ReconcileSpec, types: dict[str, tuple[int, int | None, int | None]]) -> str:
     """The subquery each Spark partition runs (Spark adds the partition's range condition)."""
-    select: list[str] = [quote(c) for c in spec.group_by]
+    select: list[str] = [quote_ident(c) for c in spec.group_by]
     done = set(spec.group_by)
     for a in spec.values:
         if a.column is None or a.column in done:
@@ -141,13 +146,13 @@ def source_query(spec: ReconcileSpec, types: dict[str, tuple[int, int | None, in
                          "as large as the data needs (a value that would be rounded fails the job)",
                 )
         if a.decimal is not None:
-            cast = f"{quote(a.column)}::numeric({a.decimal[0]},{a.decimal[1]})"
-            select.append(f"{cast} AS {quote(a.column)}")
-            select.append(f"({quote(a.column)} IS DISTINCT FROM {cast}) AS {quote('__cdc_rounded_' + a.column)}")
+            cast = f"{quote_ident(a.column)}::numeric({a.decimal[0]},{a.decimal[1]})"
+            select.append(f"{cast} AS {quote_ident(a.column)}")
+            select.append(f"({quote_ident(a.column)} IS DISTINCT FROM {cast}) AS {quote_ident('__cdc_rounded_' + a.column)}")
         else:
-            select.append(quote(a.column))
+            select.append(quote_ident(a.column))
     if spec.partition_column and spec.partition_column not in done:
-        select.append(quote(spec.partition_column))
+        select.append(quote_ident(spec.partition_column))
     select.append(f"(SELECT pg_current_snapshot()::text) AS {SNAPSHOT_COLUMN}")
     return f"(SELECT {', '.join(select)} FROM {source_from(spec)}) AS cdc_source"
 
@@ -196,13 +201,14 @@ class _TaskProgress(threading.Thread):
         stages: dict[int, tuple[int, int]] = {}  # every stage seen: (finished, total) tasks
         last = None
         while not self.stopped.wait(0.5):
-            for stage_id in self.tracker.getActiveStageIds():
+            active = set(self.tracker.getActiveStageIds())
+            for stage_id, (_, total) in stages.items():
+                if stage_id not in active:
+                    stages[stage_id] = (total, total)  # finished
+            for stage_id in active:
                 info = self.tracker.getStageInfo(stage_id)
                 if info is not None:
                     stages[stage_id] = (info.numCompletedTasks, info.numTasks)
-            for stage_id, (done, total) in stages.items():
-                if stage_id not in self.tracker.getActiveStageIds():
-                    stages[stage_id] = (total, total)  # finished
             now = (sum(d for d, _ in stages.values()), sum(t for _, t in stages.values()))
             if now[1] and now != last:
                 self.report(*now)
@@ -264,16 +270,10 @@ def compute_truth(
     if watcher:
         watcher.start()
     try:
-        rows = _rows(spark, sql)
-    except BaseException:
-        if watcher:
-            watcher.stopped.set()
-        raise
-    try:
         grouped_rows = 0
         overall_rows = None
         n_keys = len(spec.group_by)
-        for row in rows:
+        for row in _rows(spark, sql):
             if row["__rows"] == 0:
                 continue
             snapshots.update(s for s in (row["__snap_min"], row["__snap_max"]) if s is not None)
@@ -311,21 +311,8 @@ def compute_truth(
 def _rows(spark, sql: str):
     """The aggregate's rows, streamed to the driver; Spark's failures become one clear error."""
     try:
-        it = spark.sql(sql).toLocalIterator()
-        first = next(it, None)
+        yield from spark.sql(sql).toLocalIterator()
     except Exception as exc:  # py4j/pyspark errors carry the Java stack; keep its cause line
-        raise spark_error(exc) from None
-    if first is None:
-        return iter(())
-    import itertools
-
-    return _guarded(itertools.chain([first], it))
-
-
-def _guarded(it):
-    try:
-        yield from it
-    except Exception as exc:
         raise spark_error(exc) from None
 
 

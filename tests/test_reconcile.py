@@ -423,10 +423,9 @@ def test_every_partition_must_read_the_snapshot(env, spark, monkeypatch):
     insert_rides(env, 200, seed=4)
     [spec] = load_specs(env.tmp / "reconcile")
     with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
-        import_snapshot(ref, snap.name)
-        reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+        reference = import_snapshot(ref, snap.name)
         types = cdc.truth.describe_source(ref, spec)
-        bounds = ref.execute("SELECT min(id), max(id) FROM rides").fetchone()
+        bounds = cdc.truth.partition_bounds(ref, spec)
         ref.execute("COMMIT")
         env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 1)")  # after the snapshot
         truth_at = cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types)
@@ -442,11 +441,9 @@ def truth_now(env, spark, spec):
     import cdc.truth
 
     with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
-        import_snapshot(ref, snap.name)
-        reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+        reference = import_snapshot(ref, snap.name)
         types = cdc.truth.describe_source(ref, spec)
-        col = cdc.truth.quote(spec.partition_column)
-        bounds = ref.execute(f"SELECT min({col}), max({col}) FROM {cdc.truth.source_from(spec)}").fetchone()
+        bounds = cdc.truth.partition_bounds(ref, spec)
         ref.execute("COMMIT")
         return cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types)
 
@@ -490,8 +487,7 @@ def test_numeric_values_stay_exact(env, spark):
     import cdc.truth
 
     with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
-        import_snapshot(ref, snap.name)
-        reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+        reference = import_snapshot(ref, snap.name)
         types = cdc.truth.describe_source(ref, spec)
         ref.execute("COMMIT")
         with pytest.raises(ConfigError, match=r"ledger.yaml:6: amount is numeric without a precision"):
@@ -504,8 +500,7 @@ def test_numeric_values_stay_exact(env, spark):
     assert got.rows == want
     env.execute("UPDATE ledger SET amount = amount + 0.0000001 WHERE id = 17")  # needs a 7th decimal place
     with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
-        import_snapshot(ref, snap.name)
-        reference = ref.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
+        reference = import_snapshot(ref, snap.name)
         ref.execute("COMMIT")
         with pytest.raises(CdcError, match="values of amount need a larger scale"):
             cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, (1, 3000), types)

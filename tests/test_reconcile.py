@@ -95,6 +95,16 @@ def exact_consumer(env, rides: int, seed: int):
     return bridge, consumers
 
 
+def reset_directly(env, streams: list[str], position: int, holds: dict[str, str], truth_at: dict):
+    """The ride-totals consumer's reset against a hand-made truth, as the job runs it (no Spark)."""
+    from cdc.reset import RESET_DDL, reset_consumer
+
+    [spec] = load_specs(env.tmp / "reconcile")
+    with env.connect() as conn:
+        conn.execute(RESET_DDL)
+        return reset_consumer(conn, env.redis, spec, spec.consumers[0], streams, position, holds, truth_at, ride_totals)
+
+
 def caught_up(env, group: str) -> bool:
     """The group has every entry of cdc:ride delivered and acknowledged."""
     info = env.redis.xinfo_stream("cdc:ride")
@@ -322,8 +332,6 @@ def test_a_reset_catches_up_a_stream_behind_and_replays_one_ahead(env):
     and the consumer carries on to the exact final total."""
     from cdc.checkpoint import TransactionalHandler
     from cdc.entry import parse_entry
-    from cdc.reset import RESET_DDL, reset_consumer
-
     setup(env, "ride-totals")
     r = env.redis
 
@@ -356,11 +364,7 @@ def test_a_reset_catches_up_a_stream_behind_and_replays_one_ahead(env):
         add(ahead, 270, 40)                  # after P, not delivered
         env.execute("UPDATE consumer_states SET total_distance = total_distance + 5 WHERE rider_id = 1")  # drift
         truth_at_p = {(1,): (Decimal(13),), (0,): (Decimal(13),)}  # 1 + 2 + 10: every change before P
-        [spec] = load_specs(env.tmp / "reconcile")
-        with env.connect() as conn:
-            conn.execute(RESET_DDL)
-            outcome = reset_consumer(conn, r, spec, spec.consumers[0], [behind, ahead], 250,
-                                     {behind: "0-0", ahead: hold}, truth_at_p, ride_totals)
+        outcome = reset_directly(env, [behind, ahead], 250, {behind: "0-0", ahead: hold}, truth_at_p)
         plans = {p.stream: p for p in outcome.streams}
         assert [e.lsn for e in plans[behind].catch_up] == [200] and plans[behind].behind
         assert [e.lsn for e in plans[ahead].replay] == [260] and not plans[ahead].behind
@@ -379,36 +383,22 @@ def test_a_reset_catches_up_a_stream_behind_and_replays_one_ahead(env):
 
 
 def test_an_older_reset_never_overwrites_a_newer_one(env):
-    from cdc.reconcile import HISTORY_DDL
-    from cdc.reset import RESET_DDL, reset_consumer
-
     setup(env, "ride-totals")
-    [spec] = load_specs(env.tmp / "reconcile")
-    target = spec.consumers[0]
-    with env.connect() as conn:
-        conn.execute(RESET_DDL)
-        conn.execute(HISTORY_DDL)
-        newer = reset_consumer(conn, env.redis, spec, target, ["cdc:ride"], 2000, {}, {(0,): (Decimal(7),), (1,): (Decimal(7),)}, ride_totals)
-        assert newer.status == "repaired"
-        older = reset_consumer(conn, env.redis, spec, target, ["cdc:ride"], 1000, {}, {(0,): (Decimal(1),)}, ride_totals)
-        assert older.status == "stale"
+    newer = reset_directly(env, ["cdc:ride"], 2000, {}, {(0,): (Decimal(7),), (1,): (Decimal(7),)})
+    assert newer.status == "repaired"
+    older = reset_directly(env, ["cdc:ride"], 1000, {}, {(0,): (Decimal(1),)})
+    assert older.status == "stale"
     assert state(env, "ride-totals") == {0: Decimal(7), 1: Decimal(7)}
     assert env.execute("SELECT lsn, seq FROM cdc_checkpoints WHERE consumer = 'ride-totals'") == [(2000, -1)]
 
 
 def test_entries_deleted_after_the_snapshot_refuse_an_inexact_reset(env):
-    from cdc.reset import RESET_DDL, reset_consumer
-
     setup(env, "ride-totals")
     env.redis.xadd("cdc:ride", {"op": "c", "lsn": "5000", "seq": "0", "key": '{"id": 1}', "data": '{"id": 1, "rider": 1, "distance": "2"}'}, id="1-1")
     env.redis.xadd("cdc:ride", {"op": "c", "lsn": "5001", "seq": "0", "key": '{"id": 2}', "data": '{"id": 2, "rider": 1, "distance": "3"}'}, id="2-1")
     env.redis.xdel("cdc:ride", "2-1")
     env.execute("INSERT INTO cdc_checkpoints (consumer, stream, entry_id, lsn, seq) VALUES ('ride-totals', 'cdc:ride', '2-1', 5001, 0)")
-    [spec] = load_specs(env.tmp / "reconcile")
-    with env.connect() as conn:
-        conn.execute(RESET_DDL)
-        outcome = reset_consumer(conn, env.redis, spec, spec.consumers[0], ["cdc:ride"], 4000, {"cdc:ride": "0-0"},
-                                 {(0,): (Decimal(1),)}, ride_totals)
+    outcome = reset_directly(env, ["cdc:ride"], 4000, {"cdc:ride": "0-0"}, {(0,): (Decimal(1),)})
     assert outcome.status == "failed" and "deleted" in outcome.reason
 
 
@@ -522,17 +512,11 @@ def test_an_unreachable_source_is_one_clear_error(env, spark):
 
 
 def test_a_consumer_that_cannot_apply_an_entry_is_reported_and_left_alone(env):
-    from cdc.reset import RESET_DDL, reset_consumer
-
     setup(env, "ride-totals")
     env.redis.xadd("cdc:ride", {"op": "u", "lsn": "5000", "seq": "0", "key": '{"id": 1}', "data": '{"id": 1, "rider": 1, "distance": "2"}'})
     env.execute("INSERT INTO cdc_checkpoints (consumer, stream, entry_id, lsn, seq) VALUES ('ride-totals', 'cdc:ride', '1-0', 5000, 0)")
     env.execute("INSERT INTO consumer_states VALUES ('ride-totals', 0, 42)")
-    [spec] = load_specs(env.tmp / "reconcile")
-    with env.connect() as conn:
-        conn.execute(RESET_DDL)
-        outcome = reset_consumer(conn, env.redis, spec, spec.consumers[0], ["cdc:ride"], 4000, {"cdc:ride": "0-0"},
-                                 {(0,): (Decimal(1),)}, ride_totals)
+    outcome = reset_directly(env, ["cdc:ride"], 4000, {"cdc:ride": "0-0"}, {(0,): (Decimal(1),)})
     assert outcome.status == "failed" and "without a before-image" in outcome.reason
     assert env.execute("SELECT rider_id, total_distance FROM consumer_states") == [(0, 42)]
 

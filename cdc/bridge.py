@@ -506,13 +506,17 @@ class Bridge:
             and the slot position moves only to what Redis confirmed.
             """
             nonlocal pending, inflight, inflight_ack, inflight_count, inflight_counts, inflight_sent_at
-            nonlocal inflight_ts_ms
+            nonlocal inflight_ts_ms, next_check
             if inflight:
                 settle()
             if pending:
                 inflight_counts = {b.stream: b.count for b in batches.values() if b.count}
                 self.batch_sizes.observe(pending)
                 publisher.send(batches.values(), flushed=ackable)
+                if self.memory is not None and self.memory.ratio is not None:
+                    # Redis has a memory limit: look again before the next batch, not in half a
+                    # second (a fast stream would overshoot the pause mark into refused writes)
+                    next_check = 0.0
                 for b in batches.values():
                     b.clear()
                 inflight, inflight_ack, inflight_count = True, ackable, pending

@@ -8,7 +8,7 @@ Loading is pure and reports ``file:line`` with the fix; `cdc.reconcile` runs it.
     name: ride-totals
     source:
       table: public.rides             # or query: SELECT ... (a subquery)
-      partition_column: id            # an integer column to split the read on
+      partition_column: id            # an integer, date or timestamp column to split the read on
       partitions: 4
     truth:
       group_by: [rider_id]
@@ -88,6 +88,7 @@ class ReconcileSpec:
     values: tuple[Aggregate, ...]
     consumers: tuple[ConsumerTarget, ...]
     where: str = ""
+    partition_where: str = ""
 
     @property
     def key_columns(self) -> tuple[str, ...]:
@@ -223,7 +224,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
     partition_column = _ident(src, "partition_column", "partition_column") if "partition_column" in src else None
     partitions = _positive(src, "partitions", 4)
     if partitions > 1 and partition_column is None:
-        raise _fail(where(src), "a parallel read needs partition_column (an integer column)",
+        raise _fail(where(src), "a parallel read needs partition_column (an integer, date or timestamp column)",
                     "add partition_column: id, or partitions: 1")
     fetch_size = _positive(src, "fetch_size", 10_000)
 
@@ -260,7 +261,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
     return ReconcileSpec(
         name=name, table=table, query=query, partition_column=partition_column, partitions=partitions,
         fetch_size=fetch_size, group_by=tuple(group_by), overall=overall, values=aggregates, consumers=consumers,
-        where=where(raw),
+        where=where(raw), partition_where=where(src, "partition_column"),
     )
 
 

@@ -24,6 +24,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import date, datetime, timezone
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,25 @@ def partition_bounds(conn: psycopg.Connection, spec: ReconcileSpec) -> tuple[Any
     return conn.execute(f"SELECT min({col}), max({col}) FROM {source_from(spec)}").fetchone()
 
 
+def split(spec: ReconcileSpec, low: Any, high: Any) -> tuple[int, str, str]:
+    """How many ranges the read is split into, and Spark's bounds as text.
+
+    The bounds only set the stride: Spark's first range also takes everything
+    below (and NULL), its last everything above, so every row is read exactly
+    once whatever the bounds. An integer, date or timestamp column can split a read.
+    """
+    if isinstance(low, int) and not isinstance(low, bool):
+        return max(1, min(spec.partitions, high - low + 1)), str(low), str(high)
+    if isinstance(low, datetime):  # before date: a datetime is a date
+        if low.tzinfo is not None:  # Spark reads these in its session time zone: UTC
+            low, high = (v.astimezone(timezone.utc).replace(tzinfo=None) for v in (low, high))
+        return (1 if low == high else spec.partitions), low.isoformat(" "), high.isoformat(" ")
+    if isinstance(low, date):
+        return max(1, min(spec.partitions, (high - low).days + 1)), low.isoformat(), high.isoformat()
+    raise ConfigError(f"{spec.partition_where}: partition_column {spec.partition_column} must be an integer, date or timestamp column",
+                      hint="split on such a column, or read with partitions: 1")
+
+
 def source_query(spec: ReconcileSpec, types: dict[str, tuple[int, int | None, int | None]]) -> str:
     """The subquery each Spark partition runs (Spark adds the partition's range condition)."""
     select: list[str] = [quote_ident(c) for c in spec.group_by]
@@ -232,14 +252,10 @@ def compute_truth(
     reader = reader.option("sessionInitStatement", session_init_statement(snapshot))
     partitions = 1
     if spec.partition_column and bounds is not None and bounds[0] is not None and spec.partitions > 1:
-        low, high = bounds
-        if not isinstance(low, int) or isinstance(low, bool) or not isinstance(high, int):
-            raise ConfigError(f"{spec.where}: partition_column {spec.partition_column} must be an integer column",
-                              hint="split on an integer key, or read with partitions: 1")
-        partitions = max(1, min(spec.partitions, high - low + 1))
+        partitions, low, high = split(spec, *bounds)
         if partitions > 1:
             reader = (reader.option("partitionColumn", spec.partition_column).option("numPartitions", str(partitions))
-                      .option("lowerBound", str(low)).option("upperBound", str(high)))
+                      .option("lowerBound", low).option("upperBound", high))
     try:
         df = reader.load()  # connects once, for the schema
     except Exception as exc:

@@ -462,6 +462,27 @@ def test_a_query_source_and_min_max_count(env, spark):
     assert got.source_rows == sum(n for *_, n in want.values())
 
 
+@pytest.mark.parametrize("column", ["booked_on", "booked_at", "booked_local"])
+def test_a_read_splits_on_a_date_or_timestamp_and_reads_every_row_once(env, spark, column):
+    env.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, account int NOT NULL, amount numeric(12, 2) NOT NULL, "
+                "booked_on date, booked_at timestamptz, booked_local timestamp, ratio float8)")
+    env.execute("INSERT INTO ledger SELECT g, g % 5, g * 0.25, date '2026-01-01' + g % 300, "
+                "timestamptz '2026-01-01 00:00:00+05' + g * interval '17 minutes 3.5 seconds', "
+                "timestamp '2026-03-01' + g * interval '1 hour', g / 7.0 FROM generate_series(1, 4000) g")
+    env.execute(f"UPDATE ledger SET {column} = NULL WHERE id % 97 = 0")  # the first range takes the NULLs
+    text = (f"name: ledger\nsource: {{table: ledger, partition_column: {column}, partitions: 4}}\n"
+            "truth:\n  group_by: [account]\n  values: {total: sum(amount), n: count(*)}\n"
+            "consumers: [{name: x, entity: e, handler: 'm:f', state: {table: t}}]\n")
+    spec = parse_spec(load_yaml_documents(text, "ledger.yaml")[0], "ledger.yaml")
+    got = truth_now(env, spark, spec)
+    want = {(acct,): (total, n) for acct, total, n in env.execute(
+        "SELECT account, sum(amount), count(*) FROM ledger GROUP BY account")}
+    assert got.partitions == 4 and got.rows == want and got.source_rows == 4000
+    floats = parse_spec(load_yaml_documents(text.replace(column, "ratio"), "ledger.yaml")[0], "ledger.yaml")
+    with pytest.raises(ConfigError, match="ledger.yaml:2: partition_column ratio must be an integer, date or timestamp"):
+        truth_now(env, spark, floats)
+
+
 def test_numeric_values_stay_exact(env, spark):
     env.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, account int NOT NULL, amount numeric NOT NULL, "
                 "fee numeric(30, 12) NOT NULL)")

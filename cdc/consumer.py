@@ -28,7 +28,7 @@ import redis
 from redis.exceptions import ResponseError
 
 from . import keys
-from .entry import Entry, parse_entry
+from .entry import Entry, parse_entry, reply_text
 from .errors import CdcError
 from .lease import Lease
 
@@ -202,7 +202,7 @@ class Consumer:
             ids = [r["message_id"] for r in over]
             found = {e.id: e for e in self._parse([(stream, self.client.xrange(stream, ids[0], ids[-1]))]) if e.id.encode() in ids or e.id in ids}
             for row in over:
-                mid = row["message_id"].decode() if isinstance(row["message_id"], bytes) else row["message_id"]
+                mid = reply_text(row["message_id"])
                 self.dead_letter(stream, mid, found.get(mid), row["times_delivered"])
 
     def dead_letter(self, stream: str, entry_id: str, entry: Entry | None, deliveries: int) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["Entry", "next_stream_id", "parse_entry", "parse_stream_id"]
+__all__ = ["Entry", "next_stream_id", "parse_entry", "parse_stream_id", "reply_text"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +64,14 @@ def parse_entry(stream: str | bytes, entry_id: str | bytes, fields: dict) -> Ent
     )
 
 
+def reply_text(value: Any) -> str:
+    """A Redis reply value (bytes, or str with decode_responses) as text."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def parse_stream_id(entry_id: str | bytes) -> tuple[int, int]:
     """A stream entry ID ("ms-seq", as text or bytes) as a tuple that sorts like the IDs."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, _, seq = text.partition("-")
+    ms, _, seq = reply_text(entry_id).partition("-")
     return int(ms), int(seq or 0)
 
 

@@ -26,6 +26,7 @@ import redis
 from . import keys
 from .config import Settings
 from .errors import CdcError, ConfigError, TransientError
+from .entry import reply_text
 from .exported_snapshot import ExportedSnapshot, import_snapshot
 from .loader import load_callable
 from .lsn import Lsn
@@ -126,8 +127,7 @@ def _hold(client: redis.Redis, streams: list[str], holder: str, holds: dict[str,
     expires = int(time.time() * 1000) + HOLD_TTL_MS
     for stream in streams:
         try:
-            last = client.xinfo_stream(stream)["last-generated-id"]
-            last = last.decode() if isinstance(last, bytes) else last
+            last = reply_text(client.xinfo_stream(stream)["last-generated-id"])
         except redis.ResponseError:
             last = "0-0"  # no stream yet: every entry to come is after the snapshot
         client.hset(keys.holds_key(stream), holder, f"{last} {expires}")

@@ -41,7 +41,7 @@ from psycopg import sql
 from .checkpoint import Apply, lock_checkpoints
 from .drift import DriftReport, compare
 from .errors import CdcError
-from .entry import Entry, next_stream_id, parse_entry, parse_stream_id
+from .entry import Entry, next_stream_id, parse_entry, parse_stream_id, reply_text
 from .reconcile_spec import ConsumerTarget, ReconcileSpec
 
 __all__ = ["ResetOutcome", "StreamPlan", "plan_stream", "reset_consumer"]
@@ -106,8 +106,7 @@ def _group_view(client: redis.Redis, stream: str, group: str) -> tuple[tuple[int
     except redis.ResponseError:
         return None, set()
     for g in groups:
-        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-        if name != group:
+        if reply_text(g["name"]) != group:
             continue
         last = parse_stream_id(g["last-delivered-id"])
         pending: set[str] = set()
@@ -117,7 +116,7 @@ def _group_view(client: redis.Redis, stream: str, group: str) -> tuple[tuple[int
             if not page:
                 break
             for p in page:
-                pending.add(p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"])
+                pending.add(reply_text(p["message_id"]))
             start = next_stream_id(page[-1]["message_id"])
             if len(page) < 10_000:
                 break
@@ -147,7 +146,7 @@ def plan_stream(
         starts.append(hold_id)
         deleted = info.get("max-deleted-entry-id")
         if deleted is not None and parse_stream_id(deleted) > hold_id:
-            deleted = deleted.decode() if isinstance(deleted, bytes) else deleted
+            deleted = reply_text(deleted)
             plan.lost = (f"{stream}: entries after the snapshot were deleted (up to {deleted}), "
                          "so the entries the consumer applied after it cannot be re-read")
             return plan

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from . import keys
 from .admin import connect
 from .config import Settings
+from .entry import reply_text
 from .errors import TransientError
 from .lsn import Lsn
 from .mapping import Mapping
@@ -107,26 +108,22 @@ def _id_time(entry_id: bytes) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _groups(client: redis.Redis, stream: str) -> list[dict]:
     """The consumer view of one stream: per group, lag, pending, consumers, dead letters."""
     groups = []
     for g in client.xinfo_groups(stream):
-        name = _text(g["name"])
+        name = reply_text(g["name"])
         oldest_idle_ms = None
         if g["pending"]:
             first = client.xpending_range(stream, name, "-", "+", 1)
             oldest_idle_ms = first[0]["time_since_delivered"] if first else None
         consumers = [
-            {"name": _text(c["name"]), "pending": c["pending"], "idle_ms": c["idle"]}
+            {"name": reply_text(c["name"]), "pending": c["pending"], "idle_ms": c["idle"]}
             for c in client.xinfo_consumers(stream, name)
         ]
         groups.append({
             "group": name, "lag": g.get("lag"), "pending": g["pending"],
-            "oldest_pending_idle_ms": oldest_idle_ms, "last_delivered_id": _text(g["last-delivered-id"]),
+            "oldest_pending_idle_ms": oldest_idle_ms, "last_delivered_id": reply_text(g["last-delivered-id"]),
             "consumers": consumers, "dead_letters": client.xlen(keys.dead_letter_key(name)),
         })
     return groups

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import redis
 
 from . import keys
-from .entry import next_stream_id, parse_stream_id
+from .entry import next_stream_id, parse_stream_id, reply_text
 
 __all__ = ["TrimPolicy", "TrimResult", "active_holds", "safe_trim_point", "trim_stream"]
 
@@ -42,10 +42,6 @@ class TrimResult:
     groups: dict = field(default_factory=dict)
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]:
     """The smallest ID any group still needs (None: no group, so nothing is known to be consumed)."""
     groups = client.xinfo_groups(stream)
@@ -54,12 +50,12 @@ def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]
     needed: list[tuple[int, int]] = []
     info = {}
     for g in groups:
-        name = _text(g["name"])
-        first_undelivered = next_stream_id(_text(g["last-delivered-id"]))
+        name = reply_text(g["name"])
+        first_undelivered = next_stream_id(reply_text(g["last-delivered-id"]))
         candidates = [parse_stream_id(first_undelivered)]
         if g["pending"]:
             summary = client.xpending(stream, name)
-            candidates.append(parse_stream_id(_text(summary["min"])))
+            candidates.append(parse_stream_id(reply_text(summary["min"])))
         point = min(candidates)
         needed.append(point)
         info[name] = f"{point[0]}-{point[1]}"
@@ -75,10 +71,10 @@ def active_holds(client: redis.Redis, stream: str) -> dict[str, str]:
     now_ms = int(time.time() * 1000)
     holds = {}
     for holder, value in client.hgetall(keys.holds_key(stream)).items():
-        entry_id, _, expires = _text(value).partition(" ")
+        entry_id, _, expires = reply_text(value).partition(" ")
         if expires and int(expires) < now_ms:
             continue  # its holder died: the hash itself expires a day after the last hold
-        holds[_text(holder)] = entry_id
+        holds[reply_text(holder)] = entry_id
     return holds
 
 
@@ -96,7 +92,7 @@ def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolic
         # the ID of the first entry to keep under the length cap
         keep = client.xrevrange(stream, count=policy.max_len)
         if keep:
-            first_kept = _text(keep[-1][0])
+            first_kept = reply_text(keep[-1][0])
             if cap_id is None or parse_stream_id(first_kept) > parse_stream_id(cap_id):
                 cap_id = first_kept
     if cap_id is not None:

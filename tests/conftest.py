@@ -92,6 +92,18 @@ class Env:
         for name in names:
             shutil.copy(ROOT / "mappings" / name, self.mappings_dir / name)
 
+    def init_rides(self, *mappings: str, sql: tuple[str, ...] = ("10_rocket_rides.sql",), config: str | None = None,
+                   riders: int = 0) -> Env:
+        """The rocket-rides tables, `mappings` (from mappings/), `cdc init`, and `riders` riders 1..N."""
+        self.apply_sql(*sql)
+        self.copy_mappings(*mappings)
+        if config is not None:
+            self.write_config(config)
+        self.cdc("init", check=True)
+        if riders:
+            self.execute("INSERT INTO riders (id, name, email) SELECT g, 'r' || g, 'e' FROM generate_series(1, %s) g", (riders,))
+        return self
+
     def write_config(self, extra: str = "", dsn: str | None = None, *, redis_url: str | None = None,
                      postgres: str = "", redis: str = "") -> Path:
         """cdc.yaml for this test; `postgres`/`redis` add settings to those sections (", key: value").

@@ -12,9 +12,7 @@ pytestmark = pytest.mark.integration
 
 
 def setup_rides(env) -> None:
-    env.apply_sql("10_rocket_rides.sql")
-    env.copy_mappings("ride.yaml", "rider.yaml")
-    env.cdc("init", check=True)
+    env.init_rides("ride.yaml", "rider.yaml")
 
 
 def test_init_is_idempotent_and_reports(env):

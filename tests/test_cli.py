@@ -35,10 +35,7 @@ def test_schema_describes_each_entity_from_the_live_types(env):
 
 
 def test_status_shows_slot_and_streams(env):
-    env.apply_sql("10_rocket_rides.sql")
-    env.copy_mappings("ride.yaml")
-    env.cdc("init", check=True)
-    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")
+    env.init_rides("ride.yaml", riders=1)
     env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 2), (1, 3)")
     env.cdc("run", "--until-caught-up", check=True)
     status = orjson.loads(env.cdc("status", "--json", check=True).stdout)

@@ -21,12 +21,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def rides(env):
-    env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")
-    env.copy_mappings("ride.yaml")
-    env.write_config("trim: {interval_s: 0}\n")
-    env.cdc("init", check=True)
-    env.execute("INSERT INTO riders (id, name, email) SELECT g, 'r', 'e' FROM generate_series(1, 3) g")
-    return env
+    return env.init_rides("ride.yaml", sql=("10_rocket_rides.sql", "20_consumer_state.sql"), config="trim: {interval_s: 0}\n", riders=3)
 
 
 def publish(env, rows: list[tuple[int, str]]) -> None:

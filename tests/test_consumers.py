@@ -19,11 +19,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.slow
 def test_totals_are_exact_despite_double_sends_crashes_and_kills(env):
-    env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")
-    env.copy_mappings("ride.yaml")
-    env.write_config()
-    env.cdc("init", check=True)
-    env.execute("INSERT INTO riders (id, name, email) SELECT g, 'r' || g, 'e' FROM generate_series(1, 20) g")
+    env.init_rides("ride.yaml", sql=("10_rocket_rides.sql", "20_consumer_state.sql"), riders=20)
     bridge = env.start_bridge(env={"CDC_FAULT_DOUBLE_SEND": "0.1"})
     faults = {"CDC_FAULT_CRASH_BEFORE_COMMIT": "0.1"}
     groups = [Supervisor(env, "totals-a", 2, faults), Supervisor(env, "totals-b", 1, faults)]

@@ -106,9 +106,7 @@ def test_redis_restart_and_postgres_restart_are_retried_without_loss(env):
 def test_a_silently_dead_connection_is_detected_and_replaced(env):
     from proxy import FreezableProxy
 
-    env.apply_sql("10_rocket_rides.sql")
-    env.copy_mappings("ride.yaml")
-    env.cdc("init", check=True)
+    env.init_rides("ride.yaml")
     proxy = FreezableProxy(env.postgres.port)
     try:
         dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/{env.dbname}"

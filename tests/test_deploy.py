@@ -133,9 +133,7 @@ def test_nightly_reconciliation_schedules_run_real_commands_on_valid_specs():
 
 @pytest.mark.integration
 def test_mounted_configs_pass_cdc_check(env):
-    env.apply_sql("10_rocket_rides.sql")
-    env.copy_mappings("ride.yaml")
-    env.cdc("init", check=True)
+    env.init_rides("ride.yaml")
     overrides = {"CDC_POSTGRES_DSN": env.dsn, "CDC_REDIS_URL": env.redis_server.url, "CDC_POSTGRES_SLOT": env.slot}
     cmd = [sys.executable, "-m", "cdc", "check"]
     # the container's config with the repository's mappings

@@ -19,10 +19,7 @@ def one_error_line(result) -> str:
 
 @pytest.fixture
 def rides(env):
-    env.apply_sql("10_rocket_rides.sql")
-    env.copy_mappings("ride.yaml")
-    env.cdc("init", check=True)
-    return env
+    return env.init_rides("ride.yaml")
 
 
 def test_missing_slot_says_run_init(env):

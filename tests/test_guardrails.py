@@ -31,12 +31,7 @@ def metric(text: str, name: str) -> float:
 
 @pytest.fixture
 def rides(env):
-    env.apply_sql("10_rocket_rides.sql")
-    env.copy_mappings("ride.yaml")
-    env.write_config()
-    env.cdc("init", check=True)
-    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")
-    return env
+    return env.init_rides("ride.yaml", riders=1)
 
 
 def test_metrics_health_and_readiness(rides):

@@ -45,13 +45,10 @@ def spec_yaml(*consumers: str, partitions: int = 4) -> str:
 
 
 def setup(env, *consumers: str, riders: int = 20) -> None:
-    env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")
-    env.copy_mappings("ride.yaml")
     (env.tmp / "reconcile").mkdir()
     (env.tmp / "reconcile" / "totals.yaml").write_text(spec_yaml(*consumers))
-    env.write_config(f"reconcile: {{specs: reconcile/, jdbc_jar: {JAR}, wait_for_bridge_s: 60, lock_timeout_s: 30}}\n")
-    env.cdc("init", check=True)
-    env.execute("INSERT INTO riders (id, name, email) SELECT g, 'r' || g, 'e' FROM generate_series(1, %s) g", (riders,))
+    env.init_rides("ride.yaml", sql=("10_rocket_rides.sql", "20_consumer_state.sql"), riders=riders,
+                   config=f"reconcile: {{specs: reconcile/, jdbc_jar: {JAR}, wait_for_bridge_s: 60, lock_timeout_s: 30}}\n")
 
 
 def reconcile(env, spark, dry_run: bool = False, say=lambda line: None):

@@ -31,45 +31,14 @@ from .exported_snapshot import ExportedSnapshot, import_snapshot
 from .loader import load_callable
 from .lsn import Lsn
 from .mapping import load_mappings
-from .reconcile_spec import ReconcileSpec
+from .reconcile_spec import ConsumerTarget, ReconcileSpec
 from .redisconn import connect_redis
 from .replication import classify_pg_error
-from .reset import RESET_DDL, ResetOutcome, reset_consumer
+from .reset import ResetOutcome, reset_consumer
 
-__all__ = ["HISTORY_DDL", "SpecResult", "reconcile_spec"]
+__all__ = ["SpecResult", "reconcile_spec"]
 
 log = logging.getLogger("cdc.reconcile")
-
-HISTORY_DDL = """
-CREATE TABLE IF NOT EXISTS public.cdc_reconcile_runs (
-    id             bigserial   PRIMARY KEY,
-    spec           text        NOT NULL,
-    consumer       text        NOT NULL,
-    position       numeric(20) NOT NULL,   -- the snapshot's LSN: the truth holds every commit before it
-    snapshot       text        NOT NULL,
-    started_at     timestamptz NOT NULL,
-    finished_at    timestamptz NOT NULL DEFAULT now(),
-    dry_run        boolean     NOT NULL,
-    status         text        NOT NULL,   -- clean | repaired | drift | stale | failed
-    reason         text        NOT NULL DEFAULT '',
-    source_rows    bigint      NOT NULL,
-    truth_keys     bigint      NOT NULL,
-    keys_compared  bigint      NOT NULL,
-    keys_drifted   bigint      NOT NULL,
-    caught_up      bigint      NOT NULL,   -- entries before the position applied for a lagging consumer
-    replayed       bigint      NOT NULL,   -- entries after the position applied on top of the truth
-    report         jsonb       NOT NULL
-);
-CREATE TABLE IF NOT EXISTS public.cdc_drift (
-    run_id      bigint  NOT NULL REFERENCES public.cdc_reconcile_runs (id) ON DELETE CASCADE,
-    key         jsonb   NOT NULL,
-    value       text    NOT NULL,
-    expected    text,
-    actual      text,
-    difference  numeric
-);
-CREATE INDEX IF NOT EXISTS cdc_drift_run ON public.cdc_drift (run_id);
-"""
 
 HOLD_TTL_MS = 24 * 3600 * 1000
 
@@ -190,6 +159,27 @@ def _record(conn: psycopg.Connection, result: SpecResult, outcome: ResetOutcome,
                                     j["difference"]))
 
 
+JOB_TABLES = ("cdc_checkpoints", "cdc_reset_fences", "cdc_reconcile_runs", "cdc_drift")
+
+
+def _state_dsn(settings: Settings, target: ConsumerTarget) -> str:
+    return target.state_dsn or settings.reconcile.state_dsn or settings.postgres.dsn
+
+
+def _check_state_database(target: ConsumerTarget, state_dsn: str) -> None:
+    """Fail before the long read when a consumer's state database lacks a table the reset needs."""
+    wanted = (*JOB_TABLES, target.table)
+    try:
+        with psycopg.connect(state_dsn, autocommit=True, connect_timeout=10) as conn:
+            found = conn.execute("SELECT t, to_regclass(t) IS NOT NULL FROM unnest(%s::text[]) AS t", (list(wanted),)).fetchall()
+    except psycopg.Error as exc:
+        raise classify_pg_error(exc) from None
+    missing = [t for t, present in found if not present]
+    if missing:
+        raise ConfigError(f"{target.where}: consumer {target.name}'s state database has no table {', '.join(missing)}",
+                          hint="run sql/20_consumer_state.sql there (and create the consumer's state table)")
+
+
 def reconcile_spec(
     settings: Settings,
     spec: ReconcileSpec,
@@ -211,6 +201,7 @@ def reconcile_spec(
             raise ConfigError(f"{target.where}: no mapping for entity {target.entity!r}",
                               hint=f"entities: {', '.join(sorted(mappings))}")
         targets.append((target, mappings[target.entity].stream_keys(), load_callable(target.handler)))
+        _check_state_database(target, _state_dsn(settings, target))
     all_streams = sorted({s for _, streams, _ in targets for s in streams})
     dsn = settings.postgres.dsn
     client = connect_redis(settings.redis)
@@ -241,11 +232,8 @@ def reconcile_spec(
             say(f"{spec.name}: {truth.skipped_null_keys} source rows have a null key and belong to no state row")
         _wait_for_bridge(dsn, settings.postgres.slot, result.position, settings.reconcile.wait_for_bridge_s, say)
         for target, streams, apply in targets:
-            state_dsn = target.state_dsn or settings.reconcile.state_dsn or dsn
             try:
-                with psycopg.connect(state_dsn, autocommit=True, connect_timeout=10) as conn:
-                    conn.execute(RESET_DDL)
-                    conn.execute(HISTORY_DDL)
+                with psycopg.connect(_state_dsn(settings, target), autocommit=True, connect_timeout=10) as conn:
                     outcome = reset_consumer(
                         conn, client, spec, target, streams, int(result.position), holds, truth.rows, apply,
                         dry_run=dry_run, lock_timeout_s=settings.reconcile.lock_timeout_s,

@@ -48,14 +48,6 @@ __all__ = ["ResetOutcome", "StreamPlan", "plan_stream", "reset_consumer"]
 
 log = logging.getLogger("cdc.reset")
 
-RESET_DDL = """
-CREATE TABLE IF NOT EXISTS public.cdc_reset_fences (
-    consumer    text        PRIMARY KEY,
-    position    numeric(20) NOT NULL DEFAULT 0,   -- LSN of the newest reset applied
-    applied_at  timestamptz
-)
-"""
-
 _FENCE_ENSURE = "INSERT INTO cdc_reset_fences (consumer) VALUES (%s) ON CONFLICT DO NOTHING"
 _FENCE_LOCK = "SELECT position FROM cdc_reset_fences WHERE consumer = %s FOR UPDATE"
 _FENCE_SET = "UPDATE cdc_reset_fences SET position = %s, applied_at = now() WHERE consumer = %s"

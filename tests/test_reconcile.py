@@ -94,11 +94,10 @@ def exact_consumer(env, rides: int, seed: int):
 
 def reset_directly(env, streams: list[str], position: int, holds: dict[str, str], truth_at: dict):
     """The ride-totals consumer's reset against a hand-made truth, as the job runs it (no Spark)."""
-    from cdc.reset import RESET_DDL, reset_consumer
+    from cdc.reset import reset_consumer
 
     [spec] = load_specs(env.tmp / "reconcile")
     with env.connect() as conn:
-        conn.execute(RESET_DDL)
         return reset_consumer(conn, env.redis, spec, spec.consumers[0], streams, position, holds, truth_at, ride_totals)
 
 
@@ -578,6 +577,12 @@ def test_cdc_reconcile_explains_a_missing_driver_and_a_bad_spec(env):
     assert result.returncode == 2
     assert "libpostgresql-jdbc-java" in result.stderr and "Traceback" not in result.stderr
     spec = env.tmp / "reconcile" / "totals.yaml"
+    env.execute("DROP TABLE cdc_drift")
+    result = env.cdc("reconcile")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{spec}:8: consumer ride-totals's state database has no table cdc_drift" in result.stderr
+    assert "run sql/20_consumer_state.sql there" in result.stderr
+    env.apply_sql("20_consumer_state.sql")
     spec.write_text(spec.read_text().replace("sum(distance_m)", "median(distance_m)"))
     result = env.cdc("reconcile")
     assert result.returncode == 2 and "Traceback" not in result.stderr

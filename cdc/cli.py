@@ -339,7 +339,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     import dataclasses
 
     from .drift import render_table
-    from .reconcile import describe, reconcile_spec
+    from .reconcile import describe, preflight, reconcile_spec
     from .reconcile_spec import load_specs
     from .truth import start_spark
 
@@ -351,6 +351,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         specs = [s for s in specs if s.name in args.spec]
         if not specs:
             raise CdcError(f"no spec named {', '.join(args.spec)}")
+
+    for spec in specs:  # mistakes show before Spark starts
+        preflight(settings, spec)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ import psycopg
 import redis
 
 from . import keys
+from .checkpoint import Apply
 from .config import Settings
 from .errors import CdcError, ConfigError, TransientError
 from .entry import reply_text
@@ -36,7 +37,7 @@ from .redisconn import connect_redis
 from .replication import classify_pg_error
 from .reset import ResetOutcome, reset_consumer
 
-__all__ = ["SpecResult", "reconcile_spec"]
+__all__ = ["SpecResult", "preflight", "reconcile_spec"]
 
 log = logging.getLogger("cdc.reconcile")
 
@@ -180,6 +181,20 @@ def _check_state_database(target: ConsumerTarget, state_dsn: str) -> None:
                           hint="run sql/20_consumer_state.sql there (and create the consumer's state table)")
 
 
+def preflight(settings: Settings, spec: ReconcileSpec) -> list[tuple[ConsumerTarget, list[str], Apply]]:
+    """Check what can be checked before the long read: each consumer's mapping, apply function and
+    state database. Returns, per consumer, its streams and apply function."""
+    mappings = {m.entity: m for m in load_mappings(settings.mappings)}
+    targets = []
+    for target in spec.consumers:
+        if target.entity not in mappings:
+            raise ConfigError(f"{target.where}: no mapping for entity {target.entity!r}",
+                              hint=f"entities: {', '.join(sorted(mappings))}")
+        targets.append((target, mappings[target.entity].stream_keys(), load_callable(target.handler)))
+        _check_state_database(target, _state_dsn(settings, target))
+    return targets
+
+
 def reconcile_spec(
     settings: Settings,
     spec: ReconcileSpec,
@@ -194,14 +209,7 @@ def reconcile_spec(
 
     started_wall, started = time.time(), time.monotonic()
     result = SpecResult(spec)
-    mappings = {m.entity: m for m in load_mappings(settings.mappings)}
-    targets = []
-    for target in spec.consumers:
-        if target.entity not in mappings:
-            raise ConfigError(f"{target.where}: no mapping for entity {target.entity!r}",
-                              hint=f"entities: {', '.join(sorted(mappings))}")
-        targets.append((target, mappings[target.entity].stream_keys(), load_callable(target.handler)))
-        _check_state_database(target, _state_dsn(settings, target))
+    targets = preflight(settings, spec)
     all_streams = sorted({s for _, streams, _ in targets for s in streams})
     dsn = settings.postgres.dsn
     client = connect_redis(settings.redis)

@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import psycopg
@@ -150,6 +151,10 @@ def main() -> int:
             print(f"reconciling {args.rows:,} rides in {args.partitions} partition(s) ...", flush=True)
             first = run(settings, spark)
             second = run(settings, spark)
+            tracemalloc.start()  # a third, traced run: how much the job itself holds in Python
+            run(settings, spark)
+            heap_peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
             print("baseline: the same totals in one PostgreSQL query ...", flush=True)
             expected, pg_rows, pg_s, workers = baseline(pg.dsn)
             actual = state(pg.dsn)
@@ -187,6 +192,7 @@ def main() -> int:
         print(row("PostgreSQL, one query", pg_s, pg_s, pg_rate, len(expected), f"({workers} parallel worker(s) planned)"))
         print(f"{'Spark read / PostgreSQL':<26} {spark_rate / pg_rate:>8.2f}  (first run; "
               f"{second.source_rows / second.read_seconds / pg_rate:.2f} again)")
+        print(f"{'Python heap peak, a run':<26} {heap_peak / 2**20:>8.1f}  MiB (tracemalloc; {second.truth_keys:,} keys)")
         print(f"{'state equals PostgreSQL':<26} {'yes' if exact else 'NO':>8}  ({len(actual):,} state rows)")
         if not exact:
             wrong = sorted(k for k in expected.keys() | actual.keys() if expected.get(k) != actual.get(k))

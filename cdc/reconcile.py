@@ -231,32 +231,33 @@ def reconcile_spec(
             t0 = time.monotonic()
             truth = compute_truth(spark, spec, dsn, snap.name, reference, bounds, types, progress)
             result.read_seconds = time.monotonic() - t0
-        result.source_rows, result.truth_keys = truth.source_rows, len(truth.rows)
-        result.partitions, result.skipped_null_keys = truth.partitions, truth.skipped_null_keys
-        rate = result.source_rows / result.read_seconds if result.read_seconds else 0
-        say(f"{spec.name}: read {result.source_rows} rows in {truth.partitions} partition(s) in "
-            f"{result.read_seconds:.1f}s ({rate:,.0f} rows/s): {len(truth.rows)} keys")
-        if truth.skipped_null_keys:
-            say(f"{spec.name}: {truth.skipped_null_keys} source rows have a null key and belong to no state row")
-        _wait_for_bridge(dsn, settings.postgres.slot, result.position, settings.reconcile.wait_for_bridge_s, say)
-        for target, streams, apply in targets:
-            try:
-                with psycopg.connect(_state_dsn(settings, target), autocommit=True, connect_timeout=10) as conn:
-                    outcome = reset_consumer(
-                        conn, client, spec, target, streams, int(result.position), holds, truth.rows, apply,
-                        dry_run=dry_run, lock_timeout_s=settings.reconcile.lock_timeout_s,
-                    )
-                    _record(conn, result, outcome, started_wall, dry_run)
-            except psycopg.errors.UndefinedTable as exc:
-                raise ConfigError(f"{target.where}: {str(exc).splitlines()[0]}",
-                                  hint="create the consumer's tables (sql/20_consumer_state.sql) in its state database") from None
-            except psycopg.errors.LockNotAvailable:
-                raise TransientError(f"consumer {target.name}: its checkpoint rows stayed locked for "
-                                     f"{settings.reconcile.lock_timeout_s:.0f}s", hint="run the reconciliation again") from None
-            except psycopg.Error as exc:
-                raise classify_pg_error(exc) from None
-            result.outcomes.append(outcome)
-            say(f"{spec.name}: consumer {target.name}: {describe(outcome)}")
+        with truth:  # its rows spill to a temporary file: remove it when done
+            result.source_rows, result.truth_keys = truth.source_rows, len(truth)
+            result.partitions, result.skipped_null_keys = truth.partitions, truth.skipped_null_keys
+            rate = result.source_rows / result.read_seconds if result.read_seconds else 0
+            say(f"{spec.name}: read {result.source_rows} rows in {truth.partitions} partition(s) in "
+                f"{result.read_seconds:.1f}s ({rate:,.0f} rows/s): {len(truth)} keys")
+            if truth.skipped_null_keys:
+                say(f"{spec.name}: {truth.skipped_null_keys} source rows have a null key and belong to no state row")
+            _wait_for_bridge(dsn, settings.postgres.slot, result.position, settings.reconcile.wait_for_bridge_s, say)
+            for target, streams, apply in targets:
+                try:
+                    with psycopg.connect(_state_dsn(settings, target), autocommit=True, connect_timeout=10) as conn:
+                        outcome = reset_consumer(
+                            conn, client, spec, target, streams, int(result.position), holds, truth, apply,
+                            dry_run=dry_run, lock_timeout_s=settings.reconcile.lock_timeout_s,
+                        )
+                        _record(conn, result, outcome, started_wall, dry_run)
+                except psycopg.errors.UndefinedTable as exc:
+                    raise ConfigError(f"{target.where}: {str(exc).splitlines()[0]}",
+                                      hint="create the consumer's tables (sql/20_consumer_state.sql) in its state database") from None
+                except psycopg.errors.LockNotAvailable:
+                    raise TransientError(f"consumer {target.name}: its checkpoint rows stayed locked for "
+                                         f"{settings.reconcile.lock_timeout_s:.0f}s", hint="run the reconciliation again") from None
+                except psycopg.Error as exc:
+                    raise classify_pg_error(exc) from None
+                result.outcomes.append(outcome)
+                say(f"{spec.name}: consumer {target.name}: {describe(outcome)}")
     except redis.ConnectionError as exc:
         raise TransientError(f"redis unavailable: {exc}") from None
     except redis.RedisError as exc:

@@ -21,7 +21,8 @@ after it. Per stream, with the checkpoint at position C:
   instead of being inexact.
 
 The result (truth plus replay) is compared with the state (after catch-up): the
-difference is the drift. With drift and not a dry run, the result replaces the
+difference is the drift. The comparison runs in the database (the state is set
+aside in a temporary table first), and only the keys that differ come back. With drift and not a dry run, the result replaces the
 state and the checkpoints move, in that one transaction; otherwise the state is
 left exactly as it was. A fence per consumer (the position of the last reset)
 refuses a reset from an older snapshot once a newer one has been applied.
@@ -33,6 +34,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import psycopg
 import redis
@@ -54,6 +56,14 @@ _FENCE_SET = "UPDATE cdc_reset_fences SET position = %s, applied_at = now() WHER
 _SAVE = "UPDATE cdc_checkpoints SET entry_id = %s, lsn = %s, seq = %s, updated_at = now() WHERE consumer = %s AND stream = %s"
 
 Position = tuple[int, int]
+
+_ACTUAL = sql.Identifier("cdc_reset_actual")
+
+
+class TruthRows(Protocol):
+    """The truth per key: `cdc.truth.Truth`, or a dict of key tuple -> values tuple."""
+
+    def items(self) -> Iterable[tuple[tuple, tuple]]: ...
 
 
 @dataclass
@@ -182,14 +192,53 @@ def _in_scope(target: ConsumerTarget) -> sql.Composable:
     return sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("TRUE")
 
 
-def _rows(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str]) -> dict:
-    query = sql.SQL("SELECT {} FROM {} WHERE {}").format(_columns((*key_cols, *value_cols)), _table(target), _in_scope(target))
-    n = len(key_cols)
-    return {tuple(row[:n]): tuple(row[n:]) for row in conn.execute(query)}
+def _set_aside(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str]) -> None:
+    """Copy the consumer's state to a temporary table (dropped at commit or with the savepoint)."""
+    conn.execute(sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} WHERE {}").format(
+        _ACTUAL, _columns((*key_cols, *value_cols)), _table(target), _in_scope(target)))
+
+
+def _differences(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str],
+                 ) -> tuple[dict, dict, int]:
+    """The state now (expected) against the state set aside (actual), in the database.
+
+    Returns only the keys that may differ (missing on a side, or a value distinct),
+    as two dicts, and how many keys were compared in all: the driver holds the
+    drift, not every key.
+    """
+    keys, n = _columns(key_cols), len(key_cols)
+    differs = sql.SQL(" OR ").join(
+        sql.SQL("a.{c} IS DISTINCT FROM s.{c}").format(c=sql.Identifier(c)) for c in value_cols)
+    query = sql.SQL(
+        "SELECT {keys}, a.cdc_present, {a_values}, s.cdc_present, {s_values} "
+        "FROM ({actual}) a FULL JOIN ({state}) s USING ({keys}) "
+        "WHERE a.cdc_present IS NULL OR s.cdc_present IS NULL OR {differs}"
+    ).format(
+        keys=keys,
+        a_values=sql.SQL(", ").join(sql.SQL("a.{}").format(sql.Identifier(c)) for c in value_cols),
+        s_values=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(c)) for c in value_cols),
+        actual=sql.SQL("SELECT {}, {}, true AS cdc_present FROM {}").format(keys, _columns(value_cols), _ACTUAL),
+        state=sql.SQL("SELECT {}, {}, true AS cdc_present FROM {} WHERE {}").format(
+            keys, _columns(value_cols), _table(target), _in_scope(target)),
+        differs=differs,
+    )
+    expected: dict[tuple, tuple] = {}
+    actual: dict[tuple, tuple] = {}
+    m = len(value_cols)
+    for row in conn.execute(query):
+        key = tuple(row[:n])
+        if row[n]:
+            actual[key] = tuple(row[n + 1:n + 1 + m])
+        if row[n + 1 + m]:
+            expected[key] = tuple(row[n + 2 + m:])
+    union = sql.SQL("SELECT count(*) FROM (SELECT {keys} FROM {actual} UNION SELECT {keys} FROM {table} WHERE {scope}) u").format(
+        keys=keys, actual=_ACTUAL, table=_table(target), scope=_in_scope(target))
+    compared = int(conn.execute(union).fetchone()[0])
+    return expected, actual, compared
 
 
 def _write_truth(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str],
-                 truth: dict[tuple, tuple]) -> None:
+                 truth: TruthRows) -> None:
     conn.execute(sql.SQL("DELETE FROM {} WHERE {}").format(_table(target), _in_scope(target)))
     scope_vals = [v for _, v in target.scope]
     cols = _columns((*(c for c, _ in target.scope), *key_cols, *value_cols))
@@ -206,7 +255,7 @@ def reset_consumer(
     streams: Iterable[str],
     position: int,
     holds: dict[str, str],
-    truth: dict[tuple, tuple],
+    truth: TruthRows,
     apply: Apply,
     *,
     dry_run: bool = False,
@@ -234,7 +283,7 @@ def reset_consumer(
 
 def _reset_locked(
     conn: psycopg.Connection, client: redis.Redis, spec: ReconcileSpec, target: ConsumerTarget, streams: list[str],
-    position: int, holds: dict[str, str], truth: dict[tuple, tuple], apply: Apply, dry_run: bool,
+    position: int, holds: dict[str, str], truth: TruthRows, apply: Apply, dry_run: bool,
     outcome: ResetOutcome,
 ) -> None:
     """Under the fence's lock: lock the checkpoints, plan every stream, then compare and repair."""
@@ -261,7 +310,7 @@ def _reset_locked(
 
 def _compare_and_repair(
     conn: psycopg.Connection, spec: ReconcileSpec, target: ConsumerTarget, outcome: ResetOutcome, position: int,
-    truth: dict[tuple, tuple], apply: Apply, dry_run: bool,
+    truth: TruthRows, apply: Apply, dry_run: bool,
 ) -> None:
     """Inside a savepoint: catch up, measure, build truth + replay, compare; keep it only to repair."""
     key_cols = spec.key_columns
@@ -270,13 +319,14 @@ def _compare_and_repair(
         catch_up = [e for p in outcome.streams for e in p.catch_up]
         if catch_up:
             apply(conn, catch_up, target.name)
-        actual = _rows(conn, target, key_cols, value_cols)
+        _set_aside(conn, target, key_cols, value_cols)
         _write_truth(conn, target, key_cols, value_cols, truth)
         replay = [e for p in outcome.streams for e in p.replay]
         if replay:
             apply(conn, replay, target.name)
-        expected = _rows(conn, target, key_cols, value_cols)
+        expected, actual, compared = _differences(conn, target, key_cols, value_cols)
         outcome.drift = compare(expected, actual, spec.values)
+        outcome.drift.keys_compared = compared  # the keys left out above are identical
         if outcome.drift.clean or dry_run:
             outcome.status = "clean" if outcome.drift.clean else "drift"
             raise psycopg.Rollback()

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from datetime import date, datetime, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -69,14 +69,58 @@ def _bq(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-@dataclass
 class Truth:
-    """Per key (a tuple in the spec's key order): the aggregate values, in the spec's value order."""
+    """Per key (a tuple in the spec's key order): the aggregate values, in the spec's value order.
 
-    rows: dict[tuple, tuple] = field(default_factory=dict)
-    source_rows: int = 0
-    partitions: int = 0
-    skipped_null_keys: int = 0
+    The rows go to a temporary file as they arrive from Spark, in pickled chunks,
+    so the driver's memory does not grow with the number of keys; `items()` reads
+    them back, one chunk at a time.
+    """
+
+    CHUNK = 10_000
+
+    def __init__(self, partitions: int = 0) -> None:
+        self.partitions = partitions
+        self.source_rows = 0
+        self.skipped_null_keys = 0
+        self.keys = 0
+        self._file = tempfile.TemporaryFile(prefix="cdc-truth-")
+        self._chunk: list[tuple[tuple, tuple]] = []
+
+    def add(self, key: tuple, values: tuple) -> None:
+        self._chunk.append((key, values))
+        self.keys += 1
+        if len(self._chunk) >= self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._chunk:
+            self._file.seek(0, os.SEEK_END)
+            pickle.dump(self._chunk, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+            self._chunk = []
+
+    def items(self) -> Iterator[tuple[tuple, tuple]]:
+        """Every (key, values), in the order they arrived."""
+        self._flush()
+        self._file.seek(0)
+        while True:
+            try:
+                chunk = pickle.load(self._file)  # noqa: S301 (our own file, written above)
+            except EOFError:
+                return
+            yield from chunk
+
+    def __len__(self) -> int:
+        return self.keys
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> Truth:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
@@ -280,6 +324,18 @@ def compute_truth(
         sql = f"SELECT 1 AS __gid, {', '.join(aggs)} FROM {view}"
 
     truth = Truth(partitions=partitions)
+    try:
+        _collect(spark, spec, sql, rounded, reference_snapshot, truth, progress)
+    except BaseException:
+        truth.close()
+        raise
+    return truth
+
+
+def _collect(spark, spec: ReconcileSpec, sql: str, rounded: list[str], reference_snapshot: str, truth: Truth,
+             progress: Callable[[int, int], None] | None) -> None:
+    """Stream the aggregate's rows into `truth`, checking the snapshot and the rounding on the way."""
+    overall_key = tuple(v for _, v in spec.overall) if spec.overall is not None else None
     snapshots: set[str] = set()
     rounded_cols: set[str] = set()
     watcher = _TaskProgress(spark, progress) if progress else None
@@ -301,18 +357,21 @@ def compute_truth(
                 if any(k is None for k in key):
                     truth.skipped_null_keys += row["__rows"]
                     continue
-                truth.rows[key] = values
+                if key == overall_key:
+                    raise ConfigError(f"{spec.where}: the overall key {dict(spec.overall)} is also a key of the source's "
+                                      "own rows, so the two totals would share one state row",
+                                      hint="choose an overall key no source row has (for example 0 or -1)")
+                truth.add(key, values)
             else:
                 overall_rows = row["__rows"]
-                truth.rows[tuple(v for _, v in spec.overall)] = values
+                truth.add(overall_key, values)
     finally:
         if watcher:
             watcher.stopped.set()
             watcher.join()
     truth.source_rows = overall_rows if overall_rows is not None else grouped_rows
-    if spec.overall is not None:
-        key = tuple(v for _, v in spec.overall)
-        truth.rows.setdefault(key, tuple(_value(None, a.additive) for a in spec.values))
+    if overall_key is not None and overall_rows is None:  # no source rows: the overall row is all zeros
+        truth.add(overall_key, tuple(_value(None, a.additive) for a in spec.values))
     if rounded_cols:
         raise CdcError(f"{spec.where}: values of {', '.join(sorted(rounded_cols))} need a larger scale than declared",
                        hint="raise the scale in decimal: [precision, scale]")
@@ -321,7 +380,6 @@ def compute_truth(
             f"the Spark partitions did not all read snapshot {reference_snapshot}: they saw {sorted(snapshots)}",
             hint="the JDBC read must run with fetchsize > 0 so each partition imports the snapshot in a transaction",
         )
-    return truth
 
 
 def _rows(spark, sql: str):

@@ -139,6 +139,22 @@ def test_spec_errors_name_the_line():
         load(good.replace("overall: {rider_id: 0}", "overall: {rider: 0}"))
 
 
+def test_the_truth_spills_to_disk_and_reads_back_exactly():
+    from cdc.truth import Truth
+
+    rows = [((i, f"k{i}"), (Decimal(i) / 1000, i % 7 or None)) for i in range(Truth.CHUNK * 2 + 17)]
+    with Truth() as truth:
+        for key, values in rows[:-5]:
+            truth.add(key, values)
+        assert truth._chunk == rows[Truth.CHUNK * 2:-5]  # only the last partial chunk is in memory
+        assert list(truth.items()) == rows[:-5]
+        partial = truth.items()
+        next(partial)  # a reader stopped early does not disturb what is added next
+        for key, values in rows[-5:]:
+            truth.add(key, values)
+        assert list(truth.items()) == rows and len(truth) == len(rows)
+
+
 def test_unconstrained_numeric_needs_a_declared_scale():
     from cdc.truth import NUMERIC_OID, source_query
 
@@ -414,16 +430,16 @@ def test_every_partition_must_read_the_snapshot(env, spark, monkeypatch):
         bounds = cdc.truth.partition_bounds(ref, spec)
         ref.execute("COMMIT")
         env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 1)")  # after the snapshot
-        truth_at = cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types)
-        assert truth_at.partitions == 4
-        assert truth_at.source_rows == env.execute("SELECT count(*) FROM rides")[0][0] - 1
+        with cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types) as truth_at:
+            assert truth_at.partitions == 4
+            assert truth_at.source_rows == env.execute("SELECT count(*) FROM rides")[0][0] - 1
         monkeypatch.setattr(cdc.truth, "session_init_statement", lambda name: "SELECT 1")
         with pytest.raises(CdcError, match="did not all read snapshot"):
             cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, bounds, types)
 
 
 def truth_now(env, spark, spec):
-    """compute_truth over a fresh exported snapshot, as the job does."""
+    """compute_truth over a fresh exported snapshot, as the job does (close what it returns)."""
     import cdc.truth
 
     with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
@@ -451,11 +467,15 @@ def test_a_query_source_and_min_max_count(env, spark):
         consumers: [{name: x, entity: e, handler: 'm:f', state: {table: t}}]
     """)
     spec = parse_spec(load_yaml_documents(text, "sales.yaml")[0], "sales.yaml")
-    got = truth_now(env, spark, spec)
     want = {(acct,): (total, lo, hi, n) for acct, total, lo, hi, n in env.execute(
         "SELECT account, sum(amount), min(amount), max(amount), count(*) FROM ledger WHERE kind = 'sale' GROUP BY account")}
-    assert got.rows == want and got.partitions == 3
-    assert got.source_rows == sum(n for *_, n in want.values())
+    with truth_now(env, spark, spec) as got:
+        assert dict(got.items()) == want and got.partitions == 3
+        assert got.source_rows == sum(n for *_, n in want.values())
+    clash = parse_spec(load_yaml_documents(text.replace("group_by: [acct]", "group_by: [acct]\n  overall: {acct: 2}"),
+                                           "sales.yaml")[0], "sales.yaml")
+    with pytest.raises(ConfigError, match=r"sales.yaml:1: the overall key \{'acct': 2\} is also a key of the source"):
+        truth_now(env, spark, clash)
 
 
 @pytest.mark.parametrize("column", ["booked_on", "booked_at", "booked_local"])
@@ -470,10 +490,10 @@ def test_a_read_splits_on_a_date_or_timestamp_and_reads_every_row_once(env, spar
             "truth:\n  group_by: [account]\n  values: {total: sum(amount), n: count(*)}\n"
             "consumers: [{name: x, entity: e, handler: 'm:f', state: {table: t}}]\n")
     spec = parse_spec(load_yaml_documents(text, "ledger.yaml")[0], "ledger.yaml")
-    got = truth_now(env, spark, spec)
     want = {(acct,): (total, n) for acct, total, n in env.execute(
         "SELECT account, sum(amount), count(*) FROM ledger GROUP BY account")}
-    assert got.partitions == 4 and got.rows == want and got.source_rows == 4000
+    with truth_now(env, spark, spec) as got:
+        assert got.partitions == 4 and dict(got.items()) == want and got.source_rows == 4000
     floats = parse_spec(load_yaml_documents(text.replace(column, "ratio"), "ledger.yaml")[0], "ledger.yaml")
     with pytest.raises(ConfigError, match="ledger.yaml:2: partition_column ratio must be an integer, date or timestamp"):
         truth_now(env, spark, floats)
@@ -501,10 +521,11 @@ def test_numeric_values_stay_exact(env, spark):
             cdc.truth.compute_truth(spark, parse_spec(load_yaml_documents(text.replace(
                 "{of: sum(amount), decimal: [38, 6]}", "sum(amount)"), "ledger.yaml")[0], "ledger.yaml"),
                 env.dsn, snap.name, reference, (1, 3000), types)
-        got = cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, (1, 3000), types)
+        with cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, (1, 3000), types) as got:
+            got_rows = dict(got.items())
     want = {(acct,): (total, fees, biggest, n) for acct, total, fees, biggest, n in env.execute(
         "SELECT account, sum(amount), sum(fee), max(amount), count(*) FROM ledger GROUP BY account")}
-    assert got.rows == want
+    assert got_rows == want
     env.execute("UPDATE ledger SET amount = amount + 0.0000001 WHERE id = 17")  # needs a 7th decimal place
     with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
         reference = import_snapshot(ref, snap.name)

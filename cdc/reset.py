@@ -58,6 +58,7 @@ _SAVE = "UPDATE cdc_checkpoints SET entry_id = %s, lsn = %s, seq = %s, updated_a
 Position = tuple[int, int]
 
 _ACTUAL = sql.Identifier("cdc_reset_actual")
+_TRUTH = sql.Identifier("cdc_reset_truth")
 
 
 class TruthRows(Protocol):
@@ -237,14 +238,27 @@ def _differences(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Seq
     return expected, actual, compared
 
 
-def _write_truth(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str],
+def _stage_truth(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str],
                  truth: TruthRows) -> None:
-    conn.execute(sql.SQL("DELETE FROM {} WHERE {}").format(_table(target), _in_scope(target)))
-    scope_vals = [v for _, v in target.scope]
-    cols = _columns((*(c for c, _ in target.scope), *key_cols, *value_cols))
-    with conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN").format(_table(target), cols)) as copy:
+    """Load the truth into a temporary table before anything is locked: the consumer need not wait for it."""
+    cols = _columns((*key_cols, *value_cols))
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(_TRUTH))
+    conn.execute(sql.SQL("CREATE TEMP TABLE {} AS SELECT {} FROM {} WITH NO DATA").format(_TRUTH, cols, _table(target)))
+    with conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN").format(_TRUTH, cols)) as copy:
         for key, values in truth.items():
-            copy.write_row((*scope_vals, *key, *values))
+            copy.write_row((*key, *values))
+
+
+def _write_truth(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str]) -> None:
+    """The consumer's rows become the staged truth."""
+    conn.execute(sql.SQL("DELETE FROM {} WHERE {}").format(_table(target), _in_scope(target)))
+    cols = _columns((*key_cols, *value_cols))
+    conn.execute(sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {}").format(
+        _table(target),
+        _columns((*(c for c, _ in target.scope), *key_cols, *value_cols)),
+        sql.SQL(", ").join([*(sql.Literal(v) for _, v in target.scope), cols]),
+        _TRUTH,
+    ))
 
 
 def reset_consumer(
@@ -264,6 +278,7 @@ def reset_consumer(
     """Compare one consumer's state with truth(position) and, unless `dry_run`, make it exact."""
     outcome = ResetOutcome(target.name)
     locked_at = None
+    _stage_truth(conn, target, spec.key_columns, [a.name for a in spec.values], truth)
     try:
         with conn.transaction():
             conn.execute(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
@@ -274,16 +289,20 @@ def reset_consumer(
                 outcome.reason = f"a reset from a newer snapshot (position {fence}) was applied already"
                 return outcome
             locked_at = time.monotonic()
-            _reset_locked(conn, client, spec, target, sorted(streams), position, holds, truth, apply, dry_run, outcome)
+            _reset_locked(conn, client, spec, target, sorted(streams), position, holds, apply, dry_run, outcome)
     finally:
         if locked_at is not None:  # how long the consumer's batches had to wait
             outcome.locked_seconds = time.monotonic() - locked_at
+        try:
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(_TRUTH))
+        except psycopg.Error:
+            pass  # the connection is gone, and its temporary table with it
     return outcome
 
 
 def _reset_locked(
     conn: psycopg.Connection, client: redis.Redis, spec: ReconcileSpec, target: ConsumerTarget, streams: list[str],
-    position: int, holds: dict[str, str], truth: TruthRows, apply: Apply, dry_run: bool,
+    position: int, holds: dict[str, str], apply: Apply, dry_run: bool,
     outcome: ResetOutcome,
 ) -> None:
     """Under the fence's lock: lock the checkpoints, plan every stream, then compare and repair."""
@@ -297,7 +316,7 @@ def _reset_locked(
         outcome.reason = "; ".join(lost) + "; run the reconciliation again"
         return
     try:
-        _compare_and_repair(conn, spec, target, outcome, position, truth, apply, dry_run)
+        _compare_and_repair(conn, spec, target, outcome, position, apply, dry_run)
     except (psycopg.Error, CdcError):
         raise
     except Exception as exc:  # the consumer's apply function refused an entry: report, keep the state
@@ -310,7 +329,7 @@ def _reset_locked(
 
 def _compare_and_repair(
     conn: psycopg.Connection, spec: ReconcileSpec, target: ConsumerTarget, outcome: ResetOutcome, position: int,
-    truth: TruthRows, apply: Apply, dry_run: bool,
+    apply: Apply, dry_run: bool,
 ) -> None:
     """Inside a savepoint: catch up, measure, build truth + replay, compare; keep it only to repair."""
     key_cols = spec.key_columns
@@ -320,7 +339,7 @@ def _compare_and_repair(
         if catch_up:
             apply(conn, catch_up, target.name)
         _set_aside(conn, target, key_cols, value_cols)
-        _write_truth(conn, target, key_cols, value_cols, truth)
+        _write_truth(conn, target, key_cols, value_cols)
         replay = [e for p in outcome.streams for e in p.replay]
         if replay:
             apply(conn, replay, target.name)

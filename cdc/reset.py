@@ -208,20 +208,22 @@ def _differences(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Seq
     drift, not every key.
     """
     keys, n = _columns(key_cols), len(key_cols)
-    differs = sql.SQL(" OR ").join(
-        sql.SQL("a.{c} IS DISTINCT FROM s.{c}").format(c=sql.Identifier(c)) for c in value_cols)
+
+    def side(table: sql.Composable, where: sql.Composable) -> sql.Composable:
+        return sql.SQL("SELECT {}, {}, true AS cdc_present FROM {} WHERE {}").format(keys, _columns(value_cols), table, where)
+
+    def values_of(alias: str) -> sql.Composable:
+        return sql.SQL(", ").join(sql.Identifier(alias, c) for c in value_cols)
+
     query = sql.SQL(
         "SELECT {keys}, a.cdc_present, {a_values}, s.cdc_present, {s_values} "
         "FROM ({actual}) a FULL JOIN ({state}) s USING ({keys}) "
         "WHERE a.cdc_present IS NULL OR s.cdc_present IS NULL OR {differs}"
     ).format(
-        keys=keys,
-        a_values=sql.SQL(", ").join(sql.SQL("a.{}").format(sql.Identifier(c)) for c in value_cols),
-        s_values=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(c)) for c in value_cols),
-        actual=sql.SQL("SELECT {}, {}, true AS cdc_present FROM {}").format(keys, _columns(value_cols), _ACTUAL),
-        state=sql.SQL("SELECT {}, {}, true AS cdc_present FROM {} WHERE {}").format(
-            keys, _columns(value_cols), _table(target), _in_scope(target)),
-        differs=differs,
+        keys=keys, a_values=values_of("a"), s_values=values_of("s"),
+        actual=side(_ACTUAL, sql.SQL("TRUE")), state=side(_table(target), _in_scope(target)),
+        differs=sql.SQL(" OR ").join(
+            sql.SQL("{} IS DISTINCT FROM {}").format(sql.Identifier("a", c), sql.Identifier("s", c)) for c in value_cols),
     )
     expected: dict[tuple, tuple] = {}
     actual: dict[tuple, tuple] = {}

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from cdc.config import Settings  # noqa: E402
 from cdc.local import wait_for  # noqa: E402
-from cdc.reconcile import SpecResult, reconcile_spec  # noqa: E402
+from cdc.mapping import load_mappings  # noqa: E402
+from cdc.reconcile import SpecResult, preflight, reconcile_spec  # noqa: E402
 from cdc.reconcile_spec import load_specs  # noqa: E402
 from cdc.truth import start_spark  # noqa: E402
 from servers import bench_servers  # noqa: E402
@@ -121,7 +122,7 @@ def state(dsn: str) -> dict[int, object]:
 
 def run(settings: Settings, spark) -> SpecResult:
     [spec] = load_specs(Path(settings.reconcile.specs))
-    return reconcile_spec(settings, spec, spark)
+    return reconcile_spec(settings, spec, preflight(settings, load_mappings(settings.mappings), spec), spark)
 
 
 def main() -> int:

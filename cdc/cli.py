@@ -343,7 +343,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     from .reconcile_spec import load_specs
     from .truth import start_spark
 
-    settings, _ = _load(args)
+    settings, mappings = _load(args)
     if args.master:
         settings = dataclasses.replace(settings, reconcile=dataclasses.replace(settings.reconcile, master=args.master))
     specs = load_specs(Path(settings.reconcile.specs))
@@ -352,8 +352,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         if not specs:
             raise CdcError(f"no spec named {', '.join(args.spec)}")
 
-    for spec in specs:  # mistakes show before Spark starts
-        preflight(settings, spec)
+    targets = [preflight(settings, mappings, spec) for spec in specs]  # mistakes show before Spark starts
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -362,10 +361,10 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     spark = start_spark(settings.reconcile.master, settings.reconcile.jdbc_jar, settings.reconcile.driver_memory)
     results = []
     try:
-        for spec in specs:
+        for spec, spec_targets in zip(specs, targets):
             started = time.monotonic()
             results.append(reconcile_spec(
-                settings, spec, spark, dry_run=args.dry_run, say=say,
+                settings, spec, spec_targets, spark, dry_run=args.dry_run, say=say,
                 progress=lambda done, total, spec=spec, t=started: _progress(
                     f"{spec.name}: reading", done, total, time.monotonic() - t, unit="tasks"),
             ))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -31,7 +31,7 @@ from .entry import reply_text
 from .exported_snapshot import ExportedSnapshot, import_snapshot
 from .loader import load_callable
 from .lsn import Lsn
-from .mapping import load_mappings
+from .mapping import Mapping
 from .reconcile_spec import ConsumerTarget, ReconcileSpec
 from .redisconn import connect_redis
 from .replication import classify_pg_error
@@ -181,16 +181,19 @@ def _check_state_database(target: ConsumerTarget, state_dsn: str) -> None:
                           hint="run sql/20_consumer_state.sql there (and create the consumer's state table)")
 
 
-def preflight(settings: Settings, spec: ReconcileSpec) -> list[tuple[ConsumerTarget, list[str], Apply]]:
+Targets = list[tuple[ConsumerTarget, list[str], Apply]]
+
+
+def preflight(settings: Settings, mappings: Sequence[Mapping], spec: ReconcileSpec) -> Targets:
     """Check what can be checked before the long read: each consumer's mapping, apply function and
-    state database. Returns, per consumer, its streams and apply function."""
-    mappings = {m.entity: m for m in load_mappings(settings.mappings)}
+    state database. Returns, per consumer, its streams and apply function (what `reconcile_spec` runs)."""
+    by_entity = {m.entity: m for m in mappings}
     targets = []
     for target in spec.consumers:
-        if target.entity not in mappings:
+        if target.entity not in by_entity:
             raise ConfigError(f"{target.where}: no mapping for entity {target.entity!r}",
-                              hint=f"entities: {', '.join(sorted(mappings))}")
-        targets.append((target, mappings[target.entity].stream_keys(), load_callable(target.handler)))
+                              hint=f"entities: {', '.join(sorted(by_entity))}")
+        targets.append((target, by_entity[target.entity].stream_keys(), load_callable(target.handler)))
         _check_state_database(target, _state_dsn(settings, target))
     return targets
 
@@ -198,18 +201,19 @@ def preflight(settings: Settings, spec: ReconcileSpec) -> list[tuple[ConsumerTar
 def reconcile_spec(
     settings: Settings,
     spec: ReconcileSpec,
+    targets: Targets,
     spark,
     *,
     dry_run: bool = False,
     say: Callable[[str], None] = lambda line: None,
     progress: Callable[[int, int], None] | None = None,
 ) -> SpecResult:
-    """Run one spec end to end; the result says, per consumer, what was found and done."""
+    """Run one spec end to end, for the consumers `preflight` checked; the result says, per
+    consumer, what was found and done."""
     from .truth import compute_truth, describe_source, partition_bounds
 
     started_wall, started = time.time(), time.monotonic()
     result = SpecResult(spec)
-    targets = preflight(settings, spec)
     all_streams = sorted({s for _, streams, _ in targets for s in streams})
     dsn = settings.postgres.dsn
     client = connect_redis(settings.redis)

@@ -43,8 +43,9 @@ from psycopg import sql
 from .checkpoint import Apply, lock_checkpoints
 from .drift import DriftReport, compare
 from .errors import CdcError
-from .entry import Entry, next_stream_id, parse_entry, parse_stream_id, reply_text
+from .entry import Entry, next_stream_id, parse_stream_id, reply_text
 from .reconcile_spec import ConsumerTarget, ReconcileSpec
+from .replay import read_range
 
 __all__ = ["ResetOutcome", "StreamPlan", "plan_stream", "reset_consumer"]
 
@@ -138,44 +139,32 @@ def plan_stream(
         info = client.xinfo_stream(stream)
     except redis.ResponseError:
         return plan  # no stream yet: nothing was published, nothing to read
-    hold_id = parse_stream_id(hold)
-    starts: list[tuple[int, int]] = []
     delivered, pending = (None, set())
     if behind:
         delivered, pending = _group_view(client, stream, group)
-        if delivered is not None:
-            starts.append(min([delivered] + [parse_stream_id(p) for p in pending]))
+        if delivered is None:
+            return plan  # no group yet: it has consumed nothing, and will read everything itself
+        start = min([delivered] + [parse_stream_id(p) for p in pending])
     else:
-        starts.append(hold_id)
+        start = parse_stream_id(hold)
         deleted = info.get("max-deleted-entry-id")
-        if deleted is not None and parse_stream_id(deleted) > hold_id:
-            deleted = reply_text(deleted)
-            plan.lost = (f"{stream}: entries after the snapshot were deleted (up to {deleted}), "
+        if deleted is not None and parse_stream_id(deleted) > start:
+            plan.lost = (f"{stream}: entries after the snapshot were deleted (up to {reply_text(deleted)}), "
                          "so the entries the consumer applied after it cannot be re-read")
             return plan
-    if not starts:
-        return plan
-    start = min(starts)
-    cursor = f"{start[0]}-{start[1]}"
     running_catch = checkpoint
     running_replay = start_of_p
-    while True:
-        page = client.xrange(stream, min=cursor, max="+", count=10_000)
-        for raw_id, fields in page:
-            if b"replay_for" in fields:
-                continue  # a dead letter sent back: applied once by its consumer, outside of positions
-            e = parse_entry(stream, raw_id, fields)
-            pos = e.position
-            if e.lsn < position:
-                if behind and pos > running_catch and (e.id in pending or parse_stream_id(e.id) > delivered):
-                    plan.catch_up.append(e)
-                    running_catch = pos
-            elif pos <= checkpoint and pos > running_replay:
-                plan.replay.append(e)
-                running_replay = pos
-        if len(page) < 10_000:
-            break
-        cursor = next_stream_id(page[-1][0])
+    for e in read_range(client, stream, f"{start[0]}-{start[1]}", page=10_000):
+        if b"replay_for" in e.fields:
+            continue  # a dead letter sent back: applied once by its consumer, outside of positions
+        pos = e.position
+        if e.lsn < position:
+            if behind and pos > running_catch and (e.id in pending or parse_stream_id(e.id) > delivered):
+                plan.catch_up.append(e)
+                running_catch = pos
+        elif pos <= checkpoint and pos > running_replay:
+            plan.replay.append(e)
+            running_replay = pos
     return plan
 
 

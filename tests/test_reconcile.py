@@ -17,7 +17,8 @@ from cdc.errors import CdcError, ConfigError
 from cdc.exported_snapshot import ExportedSnapshot, import_snapshot
 from cdc.local import wait_for
 from cdc.lsn import Lsn
-from cdc.reconcile import reconcile_spec
+from cdc.mapping import load_mappings
+from cdc.reconcile import preflight, reconcile_spec
 from cdc.reconcile_spec import load_specs, parse_spec
 from cdc.rocketrides import ride_totals
 from cdc.yamlsrc import load_yaml_documents
@@ -54,7 +55,8 @@ def setup(env, *consumers: str, riders: int = 20) -> None:
 def reconcile(env, spark, dry_run: bool = False, say=lambda line: None):
     settings = Settings.from_file(env.config_path)
     [spec] = load_specs(Path(settings.reconcile.specs))
-    return reconcile_spec(settings, spec, spark, dry_run=dry_run, say=say)
+    targets = preflight(settings, load_mappings(settings.mappings), spec)
+    return reconcile_spec(settings, spec, targets, spark, dry_run=dry_run, say=say)
 
 
 def rows(env, table: str, order: str) -> list[tuple]:

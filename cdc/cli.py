@@ -182,7 +182,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 
 def cmd_trim(args: argparse.Namespace) -> int:
-    from .trim import TrimPolicy, trim_stream
+    from .trim import TrimPolicy, trim_mapped
 
     settings, mappings = _load(args)
     policy = TrimPolicy(
@@ -190,16 +190,10 @@ def cmd_trim(args: argparse.Namespace) -> int:
         max_age_s=settings.trim.max_age_s if args.max_age_s is None else args.max_age_s,
     )
     with _redis(settings) as client:
-        for m in mappings:
-            if args.entity and m.entity != args.entity:
-                continue
-            for stream in m.stream_keys():
-                if not client.exists(stream):
-                    continue
-                r = trim_stream(client, stream, policy)
-                note = f", {r.forced} UNCONSUMED entries dropped by the hard cap" if r.forced else ""
-                where = f"kept from {r.safe_point}" if r.safe_point else "no consumer group: kept"
-                print(f"{stream}: trimmed {r.trimmed} ({where}){note}")
+        for r in trim_mapped(client, mappings, policy, args.entity):
+            note = f", {r.forced} UNCONSUMED entries dropped by the hard cap" if r.forced else ""
+            where = f"kept from {r.safe_point}" if r.safe_point else "no consumer group: kept"
+            print(f"{r.stream}: trimmed {r.trimmed} ({where}){note}")
     return 0
 
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import redis
 
 from . import keys
 from .entry import next_stream_id, parse_stream_id, reply_text
+from .mapping import Mapping
 
-__all__ = ["TrimPolicy", "TrimResult", "active_holds", "safe_trim_point", "trim_stream"]
+__all__ = ["TrimPolicy", "TrimResult", "active_holds", "safe_trim_point", "trim_mapped", "trim_stream"]
 
 log = logging.getLogger("cdc.trim")
 
@@ -82,34 +84,34 @@ def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolic
     result = TrimResult(stream)
     point, result.groups = safe_trim_point(client, stream)
     result.safe_point = point
-    before = client.xlen(stream)
-    if point is not None:
-        client.xtrim(stream, minid=point, approximate=False)
-    cap_id = None
+    safe = client.xtrim(stream, minid=point, approximate=False) if point is not None else 0
+    dropped = 0  # by the hard cap: what is older than max_age_s, then what exceeds max_len
     if policy.max_age_s:
-        cap_id = f"{int((time.time() - policy.max_age_s) * 1000)}-0"
-    if policy.max_len and client.xlen(stream) > policy.max_len:
-        # the ID of the first entry to keep under the length cap
-        keep = client.xrevrange(stream, count=policy.max_len)
-        if keep:
-            first_kept = reply_text(keep[-1][0])
-            if cap_id is None or parse_stream_id(first_kept) > parse_stream_id(cap_id):
-                cap_id = first_kept
-    if cap_id is not None:
-        length = client.xlen(stream)
-        client.xtrim(stream, minid=cap_id, approximate=False)
-        dropped = length - client.xlen(stream)
-        if dropped and point is not None:
-            # everything before the safe point is gone already: what the cap drops, a group still needed
-            result.forced = dropped
-            log.error(
-                "hard cap on %s dropped %d entries a consumer group had not consumed (groups need from: %s)",
-                stream, dropped, result.groups,
-            )
-    result.trimmed = before - client.xlen(stream)
+        dropped += client.xtrim(stream, minid=f"{int((time.time() - policy.max_age_s) * 1000)}-0", approximate=False)
+    if policy.max_len:
+        dropped += client.xtrim(stream, maxlen=policy.max_len, approximate=False)
+    if dropped and point is not None:
+        # everything before the safe point is gone already: what the cap drops, a group still needed
+        result.forced = dropped
+        log.error(
+            "hard cap on %s dropped %d entries a consumer group had not consumed (groups need from: %s)",
+            stream, dropped, result.groups,
+        )
+    result.trimmed = safe + dropped
     if result.trimmed or result.forced:
         pipe = client.pipeline(transaction=False)
         pipe.hincrby(keys.TRIM_STATS, f"{stream}:trimmed", result.trimmed)
         pipe.hincrby(keys.TRIM_STATS, f"{stream}:forced", result.forced)
         pipe.execute()
     return result
+
+
+def trim_mapped(client: redis.Redis, mappings: Iterable[Mapping], policy: TrimPolicy, entity: str | None = None,
+                ) -> Iterator[TrimResult]:
+    """Trim every existing stream of the mapped entities (or of `entity` only)."""
+    for m in mappings:
+        if entity and m.entity != entity:
+            continue
+        for stream in m.stream_keys():
+            if client.exists(stream):
+                yield trim_stream(client, stream, policy)

@@ -32,7 +32,7 @@ from .catalog import load_types, table_shape
 from .config import Settings
 from . import keys
 from .errors import CdcError, MappingError, SourceError, TransientError
-from .guards import MemoryWatch, SlotWatch, check_redis_has_flushed
+from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
 from .metrics import Histogram, Registry, serve
 from .lsn import Lsn
 from .mapping import Mapping
@@ -255,10 +255,7 @@ class Bridge:
             except psycopg.Error as exc:
                 raise classify_pg_error(exc) from exc
             publisher.ping()
-            try:
-                health = self.slot_watch.check(catalog_conn)
-            except psycopg.Error as exc:
-                raise classify_pg_error(exc) from exc
+            health = self._check_slot(catalog_conn)
             try:
                 check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction)
@@ -359,9 +356,9 @@ class Bridge:
             self._sleep(min(0.5, status_interval))
         self.state = "streaming"
 
-    def _check_slot(self, catalog_conn: psycopg.Connection) -> None:
+    def _check_slot(self, catalog_conn: psycopg.Connection) -> SlotHealth:
         try:
-            self.slot_watch.check(catalog_conn)
+            return self.slot_watch.check(catalog_conn)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
 
@@ -378,17 +375,14 @@ class Bridge:
 
     def trim_streams(self) -> None:
         """Consumer-aware trim of every mapped stream (see `cdc.trim`); failures only logged."""
-        from .trim import TrimPolicy, trim_stream
+        from .trim import TrimPolicy, trim_mapped
 
         policy = TrimPolicy(max_len=self.settings.trim.max_len, max_age_s=self.settings.trim.max_age_s)
         client = connect_redis(self.settings.redis)
         try:
-            for m in self.mappings:
-                for stream in m.stream_keys():
-                    if client.exists(stream):
-                        result = trim_stream(client, stream, policy)
-                        self.entries_trimmed += result.trimmed
-                        self.entries_force_trimmed += result.forced
+            for result in trim_mapped(client, self.mappings, policy):
+                self.entries_trimmed += result.trimmed
+                self.entries_force_trimmed += result.forced
         except redis.RedisError as exc:
             log.warning("trimming skipped: %s", exc)
         finally:
@@ -477,8 +471,6 @@ class Bridge:
         pgs = self.settings.postgres
         windows = Windows()  # open backfill watermark windows
         self._snapshot_projectors = {}
-        relation_tables: dict[int, tuple[str, str]] = {}
-        key_positions: dict[int, list[int]] = {}  # relid -> positions of the mapped key columns
         backfill = BackfillDriver(pgs.slot, self.mappings, self.settings.batch.backfill_chunk_rows)
         next_check = 0.0
         next_slot_check = monotonic() + pgs.slot_check_interval_s
@@ -613,11 +605,12 @@ class Bridge:
                     tlist = targets.get(relid)
                     if tlist:
                         msg = decoder.decode(raw[_XLOG_HEADER:])
-                        if windows.tables and relation_tables.get(relid) in windows.tables:
-                            positions = key_positions[relid]
-                            for values in (msg.new if kind != _DELETE else None, msg.old if kind != _INSERT else None):
-                                if values is not None:
-                                    windows.changed(relation_tables[relid], tuple(values[i] for i in positions))
+                        if windows.tables:
+                            keyed = tlist[0].projector
+                            if keyed.table in windows.tables:
+                                for values in (msg.new if kind != _DELETE else None, msg.old if kind != _INSERT else None):
+                                    if values is not None:
+                                        windows.changed(keyed.table, keyed.key_values(values))
                         for t in tlist:
                             t.read[0] += 1
                             proj = t.projector
@@ -649,16 +642,14 @@ class Bridge:
                 elif kind == _RELATION:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
                     targets[msg.relid] = self._bind(msg, catalog_conn)
-                    relation_tables[msg.relid] = (msg.namespace, msg.name)
-                    if targets[msg.relid]:
-                        key_positions[msg.relid] = targets[msg.relid][0].projector.key_positions
                 elif kind == _TRUNCATE:
                     msg = decoder.decode(raw[_XLOG_HEADER:])
                     self.changes_read += 1
                     for relid in msg.relids:
-                        if relid in relation_tables:
-                            windows.truncated(relation_tables[relid])
-                        for t in targets.get(relid, ()):
+                        tlist = targets.get(relid, ())
+                        if tlist:  # only mapped tables have backfill windows
+                            windows.truncated(tlist[0].projector.table)
+                        for t in tlist:
                             for out in t.projector.truncate():
                                 queue(t.batches[out.partition], out.fields, lsn_s, seq, xid_s, ts_s, t.version, pos_prefix + f"{seq:010d}")
                     seq += 1

@@ -25,7 +25,6 @@ SELECT wal_status,
        pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
        pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
        confirmed_flush_lsn::text,
-       safe_wal_size,
        current_setting('max_slot_wal_keep_size')
 FROM pg_replication_slots WHERE slot_name = %s
 """
@@ -73,7 +72,7 @@ class SlotWatch:
         row = conn.execute(SLOT_QUERY, (self.slot,)).fetchone()
         if row is None:
             raise SlotError(f"replication slot {self.slot!r} does not exist", hint="run: cdc init --config <file>")
-        status, retained, lag, confirmed, _safe, keep = row
+        status, retained, lag, confirmed, keep = row
         if status == "lost":
             raise SlotError(
                 f"replication slot {self.slot!r} was invalidated (wal_status lost): the WAL it needed was removed, "

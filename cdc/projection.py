@@ -282,6 +282,11 @@ class Projector:
         key = {n: data[n] for n in self._key_order}
         return Projected(self._partition(key), [b"op", b"r", b"key", orjson.dumps(key), b"data", orjson.dumps(data)])
 
+    @property
+    def table(self) -> tuple[str, str]:
+        """(schema, name) of the table this projector is bound to."""
+        return self.shape.schema, self.shape.name
+
     def key_values(self, row: Sequence[Any]) -> tuple:
         """The key columns' raw text values, to compare with a snapshot chunk's rows."""
         return tuple(row[i] for i in self.key_positions)

@@ -72,9 +72,7 @@ APPEND_SHA = hashlib.sha1(APPEND_SCRIPT).hexdigest()
 
 _packb = msgpack.Packer(use_bin_type=False).pack  # the old spec: what Redis' cmsgpack reads
 
-TRANSIENT_REPLIES = (
-    "OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS", "MOVED", "ASK",
-)
+TRANSIENT_REPLIES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS")
 
 
 def position(lsn: int, seq: int) -> str:

@@ -39,7 +39,9 @@ from redis.exceptions import (
 )
 
 from . import keys
+from .config import RedisSettings
 from .errors import PublishError, TransientError
+from .redisconn import connect_redis
 
 __all__ = ["Publisher", "StreamBatch", "position", "split_position"]
 
@@ -215,19 +217,14 @@ class Publisher:
         self._cluster = None
         self._nodes: dict[str, _Node] = {}
         try:
-            if cluster:
-                from redis.cluster import RedisCluster
-
-                self._cluster = RedisCluster.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
-            else:
-                pool = redis.ConnectionPool.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=5.0)
-                self._nodes[""] = _Node("", pool)
-        except ValueError as exc:
-            from .errors import ConfigError
-
-            raise ConfigError(f"invalid redis url: {exc}", hint="use redis://host:port/db or rediss:// for TLS") from None
-        except redis.RedisError as exc:
+            client = connect_redis(RedisSettings(url=url, cluster=cluster), socket_timeout=socket_timeout,
+                                   socket_connect_timeout=5.0)
+        except redis.RedisError as exc:  # a cluster is asked for its nodes right away
             raise _classify(exc) from exc
+        if cluster:
+            self._cluster = client
+        else:
+            self._nodes[""] = _Node("", client.connection_pool)
         self._inflight: tuple[list[_Sent], int | None] | None = None
         self.entries_written = 0
         self.entries_skipped = 0

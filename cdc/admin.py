@@ -87,10 +87,15 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
             else:
                 done.append(f"publication {pgs.publication} already publishes all tables")
             conn.execute(BACKFILL_DDL)
-            slot = conn.execute("SELECT plugin FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
+            slot = conn.execute(
+                "SELECT plugin, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)
+            ).fetchone()
             if slot is None:
-                lsn = conn.execute("SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (pgs.slot,)).fetchone()[0]
-                done.append(f"created logical slot {pgs.slot} (pgoutput) at {lsn}")
+                # what the function returns is the new slot's confirmed position
+                confirmed = conn.execute(
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (pgs.slot,)
+                ).fetchone()[0]
+                done.append(f"created logical slot {pgs.slot} (pgoutput) at {confirmed}")
                 for m in mappings:
                     if m.snapshot == "initial":
                         backfill_id = enqueue(conn, pgs.slot, m)
@@ -99,9 +104,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                 raise SourceError(f"slot {pgs.slot} exists with plugin {slot[0]!r}, not pgoutput", hint="drop it or choose another postgres.slot")
             else:
                 done.append(f"slot {pgs.slot} already exists")
-            confirmed = conn.execute(
-                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)
-            ).fetchone()[0]
+                confirmed = slot[1]
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication) from exc
     done.append(_register_redis(settings, Lsn.parse(confirmed)))
@@ -115,6 +118,7 @@ def _register_redis(settings: Settings, confirmed: Lsn) -> str:
     a new (or deliberately emptied) Redis is registered here.
     """
     key = keys.flushed_key(settings.postgres.slot)
+    client = None
     try:
         client = connect_redis(settings.redis)
         if client.set(key, str(int(confirmed)), nx=True):
@@ -127,7 +131,7 @@ def _register_redis(settings: Settings, confirmed: Lsn) -> str:
     except redis.RedisError as exc:
         raise TransientError(f"redis unavailable: {exc}") from exc
     finally:
-        if "client" in locals():
+        if client is not None:
             client.close()
 
 

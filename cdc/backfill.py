@@ -186,7 +186,7 @@ class BackfillDriver:
                  "done" if done else "running", backfill_id),
             )
             high = {"kind": "high", "chunk": chunk_id, "schema": schema, "table": table, "entity": entity,
-                    "columns": names, "key": key_columns, "rows": rows, "last": done}
+                    "columns": names, "rows": rows, "last": done}
             cur.execute("SELECT pg_logical_emit_message(true, %s, %s)", (WATERMARK_PREFIX, orjson.dumps(high).decode()))
         self.waiting_for = chunk_id
         if done:

@@ -76,40 +76,35 @@ class TransactionalHandler(StateConnection):
         return f"<TransactionalHandler {self.consumer} applied={self.applied} skipped={self.skipped}>"
 
     def __call__(self, entries: Sequence[Entry]) -> None:
-        conn = self.connection()
         streams = sorted({e.stream for e in entries})
-        try:
-            with conn.transaction():
-                marks = {}
-                for stream, (_, mark, epoch) in lock_checkpoints(conn, self.consumer, streams).items():
-                    mine = self.epoch_of(stream)
-                    if epoch > mine:
-                        raise Fenced(f"{self.consumer} on {stream}: state written by epoch {epoch}, this consumer holds {mine}")
-                    marks[stream] = mark
-                fresh: list[Entry] = []
-                last: dict[str, Entry] = {}
-                for e in entries:
-                    replay_for = e.fields.get(b"replay_for")
-                    if replay_for is not None:
-                        # a dead letter sent back: for its group only, applied once
-                        if replay_for.decode() == self.group and conn.execute(
-                            _REPLAYED, (self.consumer, e.fields[b"replay_of"].decode())
-                        ).rowcount:
-                            fresh.append(e)
-                        continue
-                    if e.position > marks[e.stream]:
+        with self.transaction() as conn:
+            marks = {}
+            for stream, (_, mark, epoch) in lock_checkpoints(conn, self.consumer, streams).items():
+                mine = self.epoch_of(stream)
+                if epoch > mine:
+                    raise Fenced(f"{self.consumer} on {stream}: state written by epoch {epoch}, this consumer holds {mine}")
+                marks[stream] = mark
+            fresh: list[Entry] = []
+            last: dict[str, Entry] = {}
+            for e in entries:
+                replay_for = e.fields.get(b"replay_for")
+                if replay_for is not None:
+                    # a dead letter sent back: for its group only, applied once
+                    if replay_for.decode() == self.group and conn.execute(
+                        _REPLAYED, (self.consumer, e.fields[b"replay_of"].decode())
+                    ).rowcount:
                         fresh.append(e)
-                        marks[e.stream] = e.position
-                        last[e.stream] = e
-                if fresh:
-                    self.apply(conn, fresh, self.consumer)
-                for stream, e in last.items():
-                    conn.execute(_SAVE, (e.id, e.lsn, e.seq, self.epoch_of(stream), self.consumer, stream))
-                if self.crash_before_commit and random.random() < self.crash_before_commit:
-                    log.warning("fault injection: crashing before commit")
-                    os._exit(86)
-        except psycopg.OperationalError:
-            self.forget()
-            raise
+                    continue
+                if e.position > marks[e.stream]:
+                    fresh.append(e)
+                    marks[e.stream] = e.position
+                    last[e.stream] = e
+            if fresh:
+                self.apply(conn, fresh, self.consumer)
+            for stream, e in last.items():
+                conn.execute(_SAVE, (e.id, e.lsn, e.seq, self.epoch_of(stream), self.consumer, stream))
+            if self.crash_before_commit and random.random() < self.crash_before_commit:
+                log.warning("fault injection: crashing before commit")
+                os._exit(86)
         self.applied += len(fresh)
         self.skipped += len(entries) - len(fresh)

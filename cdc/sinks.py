@@ -52,25 +52,20 @@ class TableSink(StateConnection):
         conn.execute(sql.SQL(_SCHEMA).format(table=self.table))
 
     def __call__(self, entries: Sequence[Entry]) -> None:
-        conn = self.connection()
         upsert = sql.SQL(_UPSERT).format(table=self.table)
         truncate = sql.SQL(_TRUNCATE).format(table=self.table)
-        try:
-            with conn.transaction(), conn.cursor() as cur:
-                rows = []
-                for e in entries:
-                    if e.op == "t":
-                        if rows:
-                            cur.executemany(upsert, rows)
-                            rows = []
-                        cur.execute(truncate, (e.lsn, e.seq, e.lsn, e.seq))
-                    elif e.op in ("c", "u", "r", "d"):
-                        deleted = e.op == "d"
-                        data = None if deleted else orjson.dumps(e.data).decode()
-                        rows.append((orjson.dumps(e.key, option=orjson.OPT_SORT_KEYS).decode(), data, e.lsn, e.seq, deleted, bool(e.unchanged)))
-                if rows:
-                    cur.executemany(upsert, rows)
-        except psycopg.OperationalError:
-            self.forget()
-            raise
+        with self.transaction() as conn, conn.cursor() as cur:
+            rows = []
+            for e in entries:
+                if e.op == "t":
+                    if rows:
+                        cur.executemany(upsert, rows)
+                        rows = []
+                    cur.execute(truncate, (e.lsn, e.seq, e.lsn, e.seq))
+                elif e.op in ("c", "u", "r", "d"):
+                    deleted = e.op == "d"
+                    data = None if deleted else orjson.dumps(e.data).decode()
+                    rows.append((orjson.dumps(e.key, option=orjson.OPT_SORT_KEYS).decode(), data, e.lsn, e.seq, deleted, bool(e.unchanged)))
+            if rows:
+                cur.executemany(upsert, rows)
         self.applied += len(entries)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import psycopg
 
 __all__ = ["StateConnection"]
@@ -23,6 +26,17 @@ class StateConnection:
             self.on_connect(self.conn)
         return self.conn
 
+    @contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection]:
+        """One transaction on the state connection; a connection that broke in it is dropped."""
+        conn = self.connection()
+        try:
+            with conn.transaction():
+                yield conn
+        except psycopg.OperationalError:
+            self.forget()
+            raise
+
     def forget(self) -> None:
         """Drop a broken connection; the next batch reconnects (its entries are still pending)."""
         if self.conn is not None:
@@ -30,5 +44,4 @@ class StateConnection:
         self.conn = None
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
+        self.forget()

@@ -32,7 +32,7 @@ from .entry import Entry, parse_entry, reply_text
 from .errors import CdcError
 from .lease import Lease
 
-__all__ = ["Consumer", "Fenced", "default_name", "stream_id_for"]
+__all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
 
 log = logging.getLogger("cdc.consumer")
 
@@ -61,6 +61,17 @@ def stream_id_for(start: str | datetime | int) -> str:
     if moment.tzinfo is None:
         raise ValueError(f"{start!r} has no time zone; add Z or an offset")
     return f"{int(moment.timestamp() * 1000)}-0"
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str, sid: str) -> bool:
+    """Create `group` on `stream` at `sid` (the stream too, if missing); False when the group exists."""
+    try:
+        client.xgroup_create(stream, group, id=sid, mkstream=True)
+        return True
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+        return False
 
 
 class Consumer:
@@ -118,11 +129,7 @@ class Consumer:
         """Create the group on every stream (idempotent; the stream is created if missing)."""
         sid = stream_id_for(start)
         for stream in self.streams:
-            try:
-                self.client.xgroup_create(stream, self.group, id=sid, mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            ensure_group(self.client, stream, self.group, sid)
 
     def epoch(self, stream: str) -> int:
         """The lease epoch this consumer holds on `stream` (0 when not exclusive)."""

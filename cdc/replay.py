@@ -12,10 +12,9 @@ from datetime import datetime
 
 import orjson
 import redis
-from redis.exceptions import ResponseError
 
 from . import keys
-from .consumer import stream_id_for
+from .consumer import ensure_group, stream_id_for
 from .entry import Entry, parse_entry
 
 __all__ = ["dead_letters", "read_range", "replay_dead_letters", "replay_group", "range_bound"]
@@ -38,12 +37,9 @@ def replay_group(client: redis.Redis, streams: Sequence[str], group: str, start:
     sid = stream_id_for(start)
     done = []
     for stream in streams:
-        try:
-            client.xgroup_create(stream, group, id=sid, mkstream=True)
+        if ensure_group(client, stream, group, sid):
             done.append(f"group {group} on {stream}: created at {sid}")
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        else:
             client.xgroup_setid(stream, group, id=sid)
             done.append(f"group {group} on {stream}: reset to {sid}")
     return done

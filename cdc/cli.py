@@ -224,8 +224,8 @@ def cmd_read(args: argparse.Namespace) -> int:
             for e in read_range(client, stream, start, end):
                 row = {"stream": e.stream, "id": e.id, **{k.decode(): v.decode() for k, v in e.fields.items()}}
                 for name in ("key", "data", "before", "unchanged"):
-                    if name in row:
-                        row[name] = orjson.loads(row[name])
+                    if name in row:  # parsed already by read_range
+                        row[name] = getattr(e, name)
                 sys.stdout.write(orjson.dumps(row).decode() + "\n")
                 shown += 1
                 if args.limit and shown >= args.limit:
@@ -286,8 +286,6 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 
 def _follow(conn, backfill_id: int) -> None:
     """Draw one backfill's progress until every chunk is read."""
-    import time
-
     started = time.monotonic()
     first = None
     while True:

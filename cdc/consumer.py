@@ -207,7 +207,7 @@ class Consumer:
             if not over:
                 continue
             ids = [r["message_id"] for r in over]
-            found = {e.id: e for e in self._parse([(stream, self.client.xrange(stream, ids[0], ids[-1]))]) if e.id.encode() in ids or e.id in ids}
+            found = {e.id: e for e in self._parse([(stream, self.client.xrange(stream, ids[0], ids[-1]))])}
             for row in over:
                 mid = reply_text(row["message_id"])
                 self.dead_letter(stream, mid, found.get(mid), row["times_delivered"])

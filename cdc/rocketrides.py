@@ -94,16 +94,6 @@ def ride_totals(conn: psycopg.Connection, entries: list, consumer: str) -> None:
         deltas[rider] = deltas.get(rider, Decimal(0)) + amount
         deltas[0] = deltas.get(0, Decimal(0)) + amount
 
-    def flush() -> None:
-        if deltas:
-            conn.cursor().executemany(
-                "INSERT INTO consumer_states (consumer, rider_id, total_distance) VALUES (%s, %s, %s) "
-                "ON CONFLICT (consumer, rider_id) DO UPDATE "
-                "SET total_distance = consumer_states.total_distance + EXCLUDED.total_distance",
-                [(consumer, rider, amount) for rider, amount in sorted(deltas.items())],
-            )
-            deltas.clear()
-
     for e in entries:
         if e.op in ("c", "r"):
             add(int(e.data["rider"]), Decimal(e.data["distance"]))
@@ -116,4 +106,10 @@ def ride_totals(conn: psycopg.Connection, entries: list, consumer: str) -> None:
         elif e.op == "t":
             deltas.clear()
             conn.execute("DELETE FROM consumer_states WHERE consumer = %s", (consumer,))
-    flush()
+    if deltas:
+        conn.cursor().executemany(
+            "INSERT INTO consumer_states (consumer, rider_id, total_distance) VALUES (%s, %s, %s) "
+            "ON CONFLICT (consumer, rider_id) DO UPDATE "
+            "SET total_distance = consumer_states.total_distance + EXCLUDED.total_distance",
+            [(consumer, rider, amount) for rider, amount in sorted(deltas.items())],
+        )

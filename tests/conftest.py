@@ -128,10 +128,19 @@ class Env:
         return result
 
     def start_bridge(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        return self._start("bridge", "run", *args, env=env)
+
+    def start_consumer(self, group: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        """`cdc consume` of the ride totals (cdc.rocketrides) as `group`, from the stream's start."""
+        return self._start(f"consumer-{group}", "consume", "--entity", "ride", "--group", group, "--start", "0",
+                           "--handler", "cdc.rocketrides:ride_totals", *args, env=env)
+
+    def _start(self, name: str, command: str, *args: str, env: dict | None) -> subprocess.Popen:
+        """A cdc command in the background, its output in `proc.log_path`; killed at the test's end."""
         if not self.config_path.exists():
             self.write_config()
-        cmd = [sys.executable, "-m", "cdc", "--log-format", "text", "run", "--config", str(self.config_path), *args]
-        log_path = self.tmp / f"bridge-{len(self.procs)}.log"
+        cmd = [sys.executable, "-m", "cdc", "--log-format", "text", command, "--config", str(self.config_path), *args]
+        log_path = self.tmp / f"{name}-{len(self.procs)}.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         proc.log_path = log_path  # type: ignore[attr-defined]

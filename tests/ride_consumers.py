@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
-import time
 from decimal import Decimal
-
-CONSUME = [sys.executable, "-m", "cdc", "--log-format", "text", "consume"]
-
 
 class Supervisor(threading.Thread):
     """Keeps `n` consumer processes of a group running; counts how they ended."""
@@ -27,14 +21,8 @@ class Supervisor(threading.Thread):
         self.lock = threading.Lock()
 
     def spawn(self) -> subprocess.Popen:
-        log = open(self.env.tmp / f"{self.group}-{len(self.exits)}-{time.monotonic_ns()}.log", "w")
-        with log:
-            return subprocess.Popen(
-                [*CONSUME, "--config", str(self.env.config_path), "--entity", "ride", "--group", self.group,
-                 "--start", "0", "--handler", "cdc.rocketrides:ride_totals", "--count", "50",
-                 "--max-deliveries", "1000", "--lease-ttl-ms", "1500"],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env},
-            )
+        return self.env.start_consumer(self.group, "--count", "50", "--max-deliveries", "1000", "--lease-ttl-ms", "1500",
+                                       env=self.extra_env)
 
     def run(self) -> None:
         with self.lock:

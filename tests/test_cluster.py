@@ -7,7 +7,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -92,17 +91,11 @@ def test_bridge_publishes_exactly_once_across_a_three_node_cluster(env, cluster)
 
     # a consumer of every partition, on the cluster, totals the rides exactly
     env.apply_sql("20_consumer_state.sql")
-    log_path = env.tmp / "consumer.log"
-    with open(log_path, "w") as log:
-        consumer = subprocess.Popen(
-            [sys.executable, "-m", "cdc", "--log-format", "text", "consume", "--config", str(env.config_path),
-             "--entity", "ride", "--group", "totals", "--start", "0", "--handler", "cdc.rocketrides:ride_totals"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
+    consumer = env.start_consumer("totals")
     try:
         wait_for(lambda: env.execute("SELECT total_distance FROM consumer_states WHERE rider_id = 0") == [(4501500,)],
                  60, "the consumer to total every ride")
     finally:
         consumer.terminate()
-        assert consumer.wait(30) == 0, log_path.read_text()
+        assert consumer.wait(30) == 0, consumer.log_path.read_text()
     client.close()

@@ -211,15 +211,8 @@ def test_the_running_bridge_trims_what_every_group_consumed(rides):
 
 
 def test_cdc_consume_rides_out_a_redis_restart(rides):
-    import subprocess
-    import sys
-
     publish(rides, [(1, "1"), (2, "2")])
-    cmd = [sys.executable, "-m", "cdc", "--log-format", "text", "consume", "--config", str(rides.config_path),
-           "--entity", "ride", "--group", "totals", "--start", "0", "--handler", "cdc.rocketrides:ride_totals"]
-    log_path = rides.tmp / "consumer.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = rides.start_consumer("totals")
     try:
         wait_for(lambda: totals(rides, "totals").get(0) == Decimal("3.000"), 30, "the first total")
         rides.redis_server.restart()
@@ -227,5 +220,5 @@ def test_cdc_consume_rides_out_a_redis_restart(rides):
         wait_for(lambda: totals(rides, "totals").get(0) == Decimal("7.000"), 60, "the total after redis restarted")
     finally:
         proc.terminate()
-        assert proc.wait(30) == 0, log_path.read_text()
-    assert "transient failure, retrying" in log_path.read_text()
+        assert proc.wait(30) == 0, proc.log_path.read_text()
+    assert "transient failure, retrying" in proc.log_path.read_text()

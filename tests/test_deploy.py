@@ -191,9 +191,7 @@ def test_redis_conf_acl_user_can_run_the_bridge_and_nothing_else(env, servers_ro
         env.cdc("run", "--until-caught-up", check=True)
         client = redis.Redis.from_url(url)
         assert client.xlen("cdc:ride") == 10
-        consume = [sys.executable, "-m", "cdc", "consume", "--config", str(env.config_path), "--entity", "ride",
-                   "--group", "g", "--start", "0", "--handler", "cdc.rocketrides:ride_totals"]
-        consumer = subprocess.Popen(consume, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        consumer = env.start_consumer("g")
         try:
             wait_for(lambda: env.execute("SELECT total_distance FROM consumer_states WHERE rider_id = 0") == [(55,)],
                      30, "the consumer, under the ACL user, to total the rides")

@@ -513,27 +513,18 @@ def test_numeric_values_stay_exact(env, spark):
     )
     [doc] = load_yaml_documents(text, "ledger.yaml")
     spec = parse_spec(doc, "ledger.yaml")
-    import cdc.truth
-
-    with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
-        reference = import_snapshot(ref, snap.name)
-        types = cdc.truth.describe_source(ref, spec)
-        ref.execute("COMMIT")
-        with pytest.raises(ConfigError, match=r"ledger.yaml:6: amount is numeric without a precision"):
-            cdc.truth.compute_truth(spark, parse_spec(load_yaml_documents(text.replace(
-                "{of: sum(amount), decimal: [38, 6]}", "sum(amount)"), "ledger.yaml")[0], "ledger.yaml"),
-                env.dsn, snap.name, reference, (1, 3000), types)
-        with cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, (1, 3000), types) as got:
-            got_rows = dict(got.items())
+    undeclared = parse_spec(load_yaml_documents(text.replace("{of: sum(amount), decimal: [38, 6]}", "sum(amount)"),
+                                                "ledger.yaml")[0], "ledger.yaml")
+    with pytest.raises(ConfigError, match=r"ledger.yaml:6: amount is numeric without a precision"):
+        truth_now(env, spark, undeclared)
+    with truth_now(env, spark, spec) as got:
+        got_rows = dict(got.items())
     want = {(acct,): (total, fees, biggest, n) for acct, total, fees, biggest, n in env.execute(
         "SELECT account, sum(amount), sum(fee), max(amount), count(*) FROM ledger GROUP BY account")}
     assert got_rows == want
     env.execute("UPDATE ledger SET amount = amount + 0.0000001 WHERE id = 17")  # needs a 7th decimal place
-    with ExportedSnapshot(env.dsn) as snap, env.connect() as ref:
-        reference = import_snapshot(ref, snap.name)
-        ref.execute("COMMIT")
-        with pytest.raises(CdcError, match="values of amount need a larger scale"):
-            cdc.truth.compute_truth(spark, spec, env.dsn, snap.name, reference, (1, 3000), types)
+    with pytest.raises(CdcError, match="values of amount need a larger scale"):
+        truth_now(env, spark, spec)
 
 
 def test_an_unreachable_source_is_one_clear_error(env, spark):

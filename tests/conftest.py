@@ -154,9 +154,12 @@ class Env:
     def current_wal(self) -> int:
         return int(self.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")[0][0])
 
+    def slot_active(self) -> bool:
+        """A bridge is attached to the slot."""
+        return self.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (self.slot,))[0][0]
+
     def wait_slot_inactive(self, timeout: float = 30) -> None:
-        wait_for(lambda: not self.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (self.slot,))[0][0],
-                 timeout, "the slot to become inactive")
+        wait_for(lambda: not self.slot_active(), timeout, "the slot to become inactive")
 
     def close(self) -> None:
         for proc in self.procs:

@@ -112,8 +112,7 @@ def test_backfill_resumes_after_kill_9_without_duplicates(env):
     progress = []
     for _ in range(4):
         proc = env.start_bridge()
-        wait_for(lambda: env.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (env.slot,))[0][0],
-                 30, "the bridge to attach")
+        wait_for(env.slot_active, 30, "the bridge to attach")
         time.sleep(rng.uniform(0.2, 0.5))  # a random crash instant during the backfill
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -121,8 +120,7 @@ def test_backfill_resumes_after_kill_9_without_duplicates(env):
         progress.append(env.execute("SELECT rows_done FROM cdc_backfills")[0][0])
     assert 0 < progress[0] < 40000, f"the first kill must interrupt the backfill: {progress}"
     proc = env.start_bridge()
-    wait_for(lambda: env.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (env.slot,))[0][0],
-             30, "the last bridge to attach")
+    wait_for(env.slot_active, 30, "the last bridge to attach")
     wait_for(lambda: backfill_done(env), 60, "the backfill to finish")
     target = env.current_wal()
     wait_for(lambda: env.confirmed_flush() >= target, 60, "the bridge to catch up")

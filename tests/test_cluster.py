@@ -58,12 +58,10 @@ def cluster(servers_root):
 
 
 def test_bridge_publishes_exactly_once_across_a_three_node_cluster(env, cluster):
-    env.apply_sql("10_rocket_rides.sql")
     env.write_mapping("ride.yaml", "entity: ride\ntable: public.rides\nkey: [id]\npartitions: {count: 6}\n"
                                    "fields: {id: id, distance: distance_m, rider: rider_id}\n")
     env.write_config(redis_url=f"redis://127.0.0.1:{cluster[0].port}/0", redis=", cluster: true")
-    env.cdc("init", check=True)
-    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")
+    env.init_rides(riders=1)
     env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 3000) g")
     proc = env.start_bridge()
     time.sleep(0.3)  # a crash instant during the first batches, not a wait for a condition

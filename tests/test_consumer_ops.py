@@ -8,7 +8,6 @@ from decimal import Decimal
 
 import orjson
 import pytest
-import redis
 
 from cdc.checkpoint import TransactionalHandler
 from cdc.consumer import Consumer
@@ -46,7 +45,7 @@ def totals(env, consumer: str) -> dict:
 
 def test_poison_entry_goes_to_dead_letters_and_replays_exactly_once(rides):
     publish(rides, [(1, "1.5"), (2, "2.5"), (1, "4")])
-    client = redis.Redis.from_url(rides.redis_server.url)
+    client = rides.redis
     consumer = Consumer(client, ["cdc:ride"], "audit", "c1", max_deliveries=3, lease_ttl_ms=2000)
     consumer.create_group("0")
     poison = {"on": True}
@@ -104,7 +103,7 @@ def test_replay_from_a_time_and_read_a_time_range(rides):
     iso = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(middle / 1000)) + f".{middle % 1000:03d}Z"
     out = rides.cdc("replay", "--entity", "ride", "--group", "late", "--from", iso, check=True).stdout
     assert f"group late on cdc:ride: created at {middle}-0" in out
-    client = redis.Redis.from_url(rides.redis_server.url)
+    client = rides.redis
     got = client.xreadgroup("late", "x", {"cdc:ride": ">"})[0][1]
     assert [orjson.loads(f[b"data"])["rider"] for _, f in got] == [2, 3]
     assert "reset to 0" in rides.cdc("replay", "--entity", "ride", "--group", "late", "--from", "0", check=True).stdout
@@ -118,7 +117,7 @@ def test_replay_from_a_time_and_read_a_time_range(rides):
 
 
 def test_leases_give_each_partition_to_one_consumer_and_fail_over(env):
-    client = redis.Redis.from_url(env.redis_server.url)
+    client = env.redis
     streams = [f"p{i}" for i in range(4)]
     for s in streams:
         client.xadd(s, {"op": "c", "key": "{}", "lsn": "1", "seq": "0"})
@@ -158,7 +157,7 @@ def test_idempotent_sink_is_safe_to_reapply_in_any_order(rides):
     rides.execute("UPDATE rides SET distance_m = 10 WHERE id = 1")
     rides.execute("DELETE FROM rides WHERE id = 2")
     rides.cdc("run", "--until-caught-up", check=True)
-    client = redis.Redis.from_url(rides.redis_server.url)
+    client = rides.redis
     from cdc.replay import read_range
 
     entries = list(read_range(client, "cdc:ride"))
@@ -175,7 +174,7 @@ def test_idempotent_sink_is_safe_to_reapply_in_any_order(rides):
 
 def test_status_shows_the_consumer_view(rides):
     publish(rides, [(1, "1"), (2, "2"), (3, "3")])
-    client = redis.Redis.from_url(rides.redis_server.url)
+    client = rides.redis
     client.xgroup_create("cdc:ride", "slow", id="0")
     client.xreadgroup("slow", "s1", {"cdc:ride": ">"}, count=1)
     status = orjson.loads(rides.cdc("status", "--json", check=True).stdout)
@@ -195,7 +194,7 @@ def test_status_shows_the_consumer_view(rides):
 
 def test_the_running_bridge_trims_what_every_group_consumed(rides):
     rides.write_config("trim: {interval_s: 0.3}\n")
-    client = redis.Redis.from_url(rides.redis_server.url)
+    client = rides.redis
     client.xgroup_create("cdc:ride", "g", id="0", mkstream=True)
     proc = rides.start_bridge()
     with rides.connect() as conn:

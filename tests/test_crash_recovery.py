@@ -48,8 +48,7 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(env):
         before = env.redis.xlen("cdc:ride")
         proc = env.start_bridge()
         # let it start streaming, then kill it at a random moment
-        wait_for(lambda: env.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (env.slot,))[0][0]
-                 or proc.poll() is not None, 30, "the bridge to attach to the slot")
+        wait_for(lambda: env.slot_active() or proc.poll() is not None, 30, "the bridge to attach to the slot")
         time.sleep(rng.uniform(0.05, 0.6))  # a random crash instant, not a wait for a condition
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)

@@ -182,11 +182,8 @@ def test_redis_conf_acl_user_can_run_the_bridge_and_nothing_else(env, servers_ro
     try:
         url = f"redis://cdc-bridge:change-me-bridge@127.0.0.1:{port}/0"
         wait_for(lambda: redis.Redis.from_url(url).ping(), 30, "redis with the deploy config")
-        env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")
-        env.copy_mappings("ride.yaml")
         env.write_config(redis_url=url)
-        env.cdc("init", check=True)
-        env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")
+        env.init_rides("ride.yaml", sql=("10_rocket_rides.sql", "20_consumer_state.sql"), riders=1)
         env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 10) g")
         env.cdc("run", "--until-caught-up", check=True)
         client = redis.Redis.from_url(url)

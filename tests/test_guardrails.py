@@ -88,7 +88,7 @@ def test_redis_that_lost_data_is_detected_with_the_missing_range(rides, servers_
 
 
 def test_backpressure_pauses_when_redis_memory_is_full_and_loses_nothing(rides):
-    client = redis.Redis.from_url(rides.redis_server.url)
+    client = rides.redis
     used = int(client.info("memory")["used_memory"])
     client.config_set("maxmemory", used + 5_000_000)
     client.config_set("maxmemory-policy", "noeviction")
@@ -152,7 +152,7 @@ def test_wait_for_replicas_before_acknowledging(rides, servers_root):
     replica = LocalRedis(servers_root / "replica", extra=["--replicaof", "127.0.0.1", str(rides.redis_server.port)])
     replica.start()
     try:
-        wait_for(lambda: redis.Redis.from_url(rides.redis_server.url).info("replication")["connected_slaves"] == 1,
+        wait_for(lambda: rides.redis.info("replication")["connected_slaves"] == 1,
                  30, "the replica to attach")
         rides.write_config(redis=", wait_replicas: 1, wait_timeout_ms: 500")
         rides.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 1)")

@@ -28,10 +28,7 @@ def node_example():
 
 
 def test_node_consumer_total_matches_the_database_across_a_kill(env, node_example):
-    env.apply_sql("10_rocket_rides.sql")
-    env.copy_mappings("ride.yaml")
-    env.cdc("init", check=True)
-    env.execute("INSERT INTO riders (id, name, email) SELECT g, 'r', 'e' FROM generate_series(1, 5) g")
+    env.init_rides("ride.yaml", riders=5)
     env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 5, g * 1.125 FROM generate_series(1, 20000) g")
     env.execute("UPDATE rides SET distance_m = distance_m + 0.001 WHERE id % 7 = 0")
     env.execute("DELETE FROM rides WHERE id % 11 = 0")

@@ -16,10 +16,9 @@ PASSWORD = "s3cret-Bridge-pw-7781"
 
 
 def test_bridge_runs_least_privileged_with_password_from_a_file(env, tmp_path):
-    env.apply_sql("00_roles.sql", "10_rocket_rides.sql", "30_grants.sql")
+    # the tables' owner creates publication and slot
+    env.init_rides("ride.yaml", "rider.yaml", sql=("00_roles.sql", "10_rocket_rides.sql", "30_grants.sql"), riders=1)
     env.execute(f"ALTER ROLE cdc_bridge PASSWORD '{PASSWORD}'")
-    env.copy_mappings("ride.yaml", "rider.yaml")
-    env.cdc("init", check=True)  # the tables' owner creates publication and slot
     role = env.execute("SELECT rolsuper, rolreplication, rolcreaterole, rolcreatedb FROM pg_roles WHERE rolname = 'cdc_bridge'")
     assert role == [(False, True, False, False)]
 
@@ -28,7 +27,6 @@ def test_bridge_runs_least_privileged_with_password_from_a_file(env, tmp_path):
     port = free_port()
     env.write_config(f"http: {{host: 127.0.0.1, port: {port}}}\n", dsn="postgresql://unused@127.0.0.1:1/none")
     secret_env = {"CDC_POSTGRES_DSN_FILE": str(secret)}
-    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")
     env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 5)")
 
     proc = env.start_bridge(env=secret_env)

@@ -33,7 +33,7 @@ from cdc.mapping import load_mappings  # noqa: E402
 from cdc.reconcile import SpecResult, preflight, reconcile_spec  # noqa: E402
 from cdc.reconcile_spec import load_specs  # noqa: E402
 from cdc.truth import start_spark  # noqa: E402
-from servers import bench_servers  # noqa: E402
+from servers import bench_servers, cdc_command  # noqa: E402
 
 JAR = "/usr/share/java/postgresql.jar"
 CONSUMER = "ride-totals"
@@ -135,9 +135,8 @@ def main() -> int:
         # the rides exist before the slot does: the bridge starts at the end of the load
         load(pg.dsn, args.rows, args.riders)
         config = write_config(root, pg.dsn, rd.url, args.partitions)
-        cdc = [sys.executable, "-m", "cdc", "--log-level", "warning"]
-        subprocess.run([*cdc, "init", "--config", str(config)], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
-        bridge = subprocess.Popen([*cdc, "run", "--config", str(config)], cwd=ROOT)
+        subprocess.run(cdc_command("init", config), check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+        bridge = subprocess.Popen(cdc_command("run", config), cwd=ROOT)
         spark = None
         try:
             settings = Settings.from_file(config)

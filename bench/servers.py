@@ -16,6 +16,11 @@ sys.path.insert(0, str(ROOT))
 from cdc.local import LocalPostgres, LocalRedis  # noqa: E402
 
 
+def cdc_command(command: str, config: Path, *args: str) -> list[str]:
+    """The command line of `cdc <command>` on `config`, logging warnings only (run it with cwd=ROOT)."""
+    return [sys.executable, "-m", "cdc", "--log-level", "warning", command, "--config", str(config), *args]
+
+
 @contextlib.contextmanager
 def bench_servers(prefix: str, pg_settings: dict[str, str] | None = None) -> Iterator[tuple[Path, LocalPostgres, LocalRedis]]:
     """(work folder, PostgreSQL, Redis without persistence), started; stopped and deleted on exit."""

@@ -19,7 +19,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from servers import bench_servers  # noqa: E402
+from servers import bench_servers, cdc_command  # noqa: E402
 
 
 def main() -> int:
@@ -44,10 +44,9 @@ def main() -> int:
             f"postgres: {{dsn: '{pg.dsn}', slot: cdc, publication: cdc}}\nredis: {{url: '{rd.url}'}}\n"
             f"mappings: mappings/\nhttp: {{port: 0}}\nbatch: {{backfill_chunk_rows: {args.chunk}}}\n"
         )
-        cdc = [sys.executable, "-m", "cdc", "--log-level", "warning"]
-        subprocess.run([*cdc, "init", "--config", str(config)], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+        subprocess.run(cdc_command("init", config), check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
         t0 = time.monotonic()
-        subprocess.run([*cdc, "run", "--config", str(config), "--until-caught-up"], check=True, cwd=ROOT)
+        subprocess.run(cdc_command("run", config, "--until-caught-up"), check=True, cwd=ROOT)
         elapsed = time.monotonic() - t0
         entries = redis.Redis.from_url(rd.url).xlen("cdc:ride")
         assert entries == args.rows, f"{entries} entries for {args.rows} rows"

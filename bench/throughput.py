@@ -28,7 +28,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from servers import bench_servers  # noqa: E402
+from servers import bench_servers, cdc_command  # noqa: E402
 from cdc.local import PG_BIN, wait_for  # noqa: E402
 
 SCHEMA = """
@@ -77,12 +77,11 @@ def id_ms(entry_id: bytes) -> int:
 
 def register(config: Path) -> None:
     """`cdc init`: the slot exists already; this records in Redis that it holds the slot's changes."""
-    subprocess.run([sys.executable, "-m", "cdc", "--log-level", "warning", "init", "--config", str(config)],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cdc_command("init", config), cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
 def run_bridge(config: Path, args: list[str]) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, "-m", "cdc", "--log-level", "warning", "run", "--config", str(config), *args], cwd=ROOT)
+    proc = subprocess.Popen(cdc_command("run", config, *args), cwd=ROOT)
     peak = [0]
 
     def sample() -> None:

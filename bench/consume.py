@@ -20,12 +20,12 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cdc.checkpoint import TransactionalHandler  # noqa: E402
-from cdc.consumer import Consumer  # noqa: E402
+from cdc.consume.checkpoint import TransactionalHandler  # noqa: E402
+from cdc.consume.consumer import Consumer  # noqa: E402
 from servers import bench_servers  # noqa: E402
-from cdc.publisher import Publisher, StreamBatch, position  # noqa: E402
-from cdc.rocketrides import ride_totals  # noqa: E402
-from cdc.sinks import TableSink  # noqa: E402
+from cdc.sink.publisher import Publisher, StreamBatch, position  # noqa: E402
+from cdc.demo.rocketrides import ride_totals  # noqa: E402
+from cdc.consume.table_sink import TableSink  # noqa: E402
 
 STREAM = "cdc:ride"
 

@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cdc.config import Settings  # noqa: E402
-from cdc.local import wait_for  # noqa: E402
-from cdc.mapping import load_mappings  # noqa: E402
-from cdc.reconcile import SpecResult, preflight, reconcile_spec  # noqa: E402
-from cdc.reconcile_spec import load_specs  # noqa: E402
-from cdc.truth import start_spark  # noqa: E402
+from cdc.demo.local import wait_for  # noqa: E402
+from cdc.mapping.model import load_mappings  # noqa: E402
+from cdc.reconcile.job import SpecResult, preflight, reconcile_spec  # noqa: E402
+from cdc.reconcile.spec import load_specs  # noqa: E402
+from cdc.reconcile.truth import start_spark  # noqa: E402
 from servers import bench_servers, cdc_command  # noqa: E402
 
 JAR = "/usr/share/java/postgresql.jar"
@@ -46,7 +46,7 @@ truth:
 consumers:
   - name: ride-totals
     entity: ride
-    handler: cdc.rocketrides:ride_totals
+    handler: cdc.demo.rocketrides:ride_totals
     state: {{table: consumer_states, scope: {{consumer: ride-totals}}}}
 """
 # the same totals as the spec: per rider, and over all rides under rider_id 0

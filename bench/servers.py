@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cdc.local import LocalPostgres, LocalRedis  # noqa: E402
+from cdc.demo.local import LocalPostgres, LocalRedis  # noqa: E402
 
 
 def cdc_command(command: str, config: Path, *args: str) -> list[str]:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from servers import bench_servers, cdc_command  # noqa: E402
-from cdc.local import PG_BIN, wait_for  # noqa: E402
+from cdc.demo.local import PG_BIN, wait_for  # noqa: E402
 
 SCHEMA = """
 CREATE TABLE riders (id bigint PRIMARY KEY, name text NOT NULL, email text NOT NULL);

@@ -20,7 +20,7 @@ import orjson
 
 from .errors import CdcError, TransientError
 from .loader import load_callable
-from .redisconn import connect_redis
+from .sink.redisconn import connect_redis
 
 __all__ = ["main"]
 
@@ -52,14 +52,14 @@ def _setup_logging(level: str, fmt: str) -> None:
 
 def _load(args: argparse.Namespace):
     from .config import Settings
-    from .mapping import load_mappings
+    from .mapping.model import load_mappings
 
     settings = Settings.from_file(args.config)
     return settings, load_mappings(settings.mappings)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from .admin import init
+    from .ops.admin import init
 
     settings, mappings = _load(args)
     for line in init(settings, mappings):
@@ -68,7 +68,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .admin import check
+    from .ops.admin import check
 
     settings, mappings = _load(args)
     report = check(settings, mappings)
@@ -84,11 +84,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .bridge import Bridge
+    from .bridge.loop import Bridge
 
     settings, mappings = _load(args)
     bridge = Bridge(settings, mappings, until_caught_up=args.until_caught_up)
-    log = logging.getLogger("cdc.bridge")
+    log = logging.getLogger("cdc.bridge.loop")
 
     def on_signal(signum, frame):  # noqa: ARG001
         log.info("received %s, finishing the batch", signal.Signals(signum).name)
@@ -135,7 +135,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     import psycopg
     import redis
 
-    from .consumer import Consumer
+    from .consume.consumer import Consumer
 
     settings, mappings = _load(args)
     mapping = _entity(mappings, args.entity)
@@ -144,7 +144,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     if args.shared and args.handler:
         raise CdcError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
     state_dsn = args.state_dsn or settings.postgres.dsn
-    log = logging.getLogger("cdc.consumer")
+    log = logging.getLogger("cdc.consume.consumer")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -154,14 +154,14 @@ def cmd_consume(args: argparse.Namespace) -> int:
             claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries, lease_ttl_ms=args.lease_ttl_ms,
         )
         if args.handler:
-            from .checkpoint import TransactionalHandler
+            from .consume.checkpoint import TransactionalHandler
 
             handler = TransactionalHandler(
                 state_dsn, args.group, load_callable(args.handler), epoch_of=consumer.epoch,
                 crash_before_commit=float(os.environ.get("CDC_FAULT_CRASH_BEFORE_COMMIT", 0)),
             )
         else:
-            from .sinks import TableSink
+            from .consume.table_sink import TableSink
 
             handler = TableSink(state_dsn, args.sink)
         delay = 0.2
@@ -182,7 +182,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 
 def cmd_trim(args: argparse.Namespace) -> int:
-    from .trim import TrimPolicy, trim_mapped
+    from .sink.trim import TrimPolicy, trim_mapped
 
     settings, mappings = _load(args)
     policy = TrimPolicy(
@@ -198,7 +198,7 @@ def cmd_trim(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .replay import replay_group
+    from .consume.replay import replay_group
 
     settings, mappings = _load(args)
     with _redis(settings) as client:
@@ -211,7 +211,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_read(args: argparse.Namespace) -> int:
-    from .replay import range_bound, read_range
+    from .consume.replay import range_bound, read_range
 
     settings, mappings = _load(args)
     try:
@@ -234,7 +234,7 @@ def cmd_read(args: argparse.Namespace) -> int:
 
 
 def cmd_dlq(args: argparse.Namespace) -> int:
-    from .replay import dead_letters, replay_dead_letters
+    from .consume.replay import dead_letters, replay_dead_letters
 
     settings, _ = _load(args)
     with _redis(settings) as client:
@@ -258,8 +258,8 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    from .admin import connect
-    from .backfill import BACKFILL_DDL, enqueue
+    from .ops.admin import connect
+    from .bridge.backfill import BACKFILL_DDL, enqueue
 
     settings, mappings = _load(args)
     with connect(settings) as conn:
@@ -315,7 +315,7 @@ def _progress(what: str, done: int, total: int, elapsed: float, since_start: int
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from .admin import json_schemas
+    from .ops.admin import json_schemas
 
     settings, mappings = _load(args)
     schemas = json_schemas(settings, mappings)
@@ -330,10 +330,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_reconcile(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from .drift import render_table
-    from .reconcile import describe, preflight, reconcile_spec
-    from .reconcile_spec import load_specs
-    from .truth import start_spark
+    from .reconcile.drift import render_table
+    from .reconcile.job import describe, preflight, reconcile_spec
+    from .reconcile.spec import load_specs
+    from .reconcile.truth import start_spark
 
     settings, mappings = _load(args)
     if args.master:
@@ -383,7 +383,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import collect, render
+    from .ops.status import collect, render
 
     settings, mappings = _load(args)
     status = collect(settings, mappings)

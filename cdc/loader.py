@@ -12,7 +12,7 @@ __all__ = ["load_callable"]
 def load_callable(spec: str):
     module_name, _, attr = spec.partition(":")
     if not attr:
-        raise CdcError(f"handler {spec!r} must be module:function", hint="for example cdc.rocketrides:ride_totals")
+        raise CdcError(f"handler {spec!r} must be module:function", hint="for example cdc.demo.rocketrides:ride_totals")
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

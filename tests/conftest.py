@@ -16,7 +16,7 @@ import psycopg
 import pytest
 import redis
 
-from cdc.local import LocalPostgres, LocalRedis, wait_for
+from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SQL = ROOT / "sql"
@@ -131,9 +131,9 @@ class Env:
         return self._start("bridge", "run", *args, env=env)
 
     def start_consumer(self, group: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-        """`cdc consume` of the ride totals (cdc.rocketrides) as `group`, from the stream's start."""
+        """`cdc consume` of the ride totals (cdc.demo.rocketrides) as `group`, from the stream's start."""
         return self._start(f"consumer-{group}", "consume", "--entity", "ride", "--group", group, "--start", "0",
-                           "--handler", "cdc.rocketrides:ride_totals", *args, env=env)
+                           "--handler", "cdc.demo.rocketrides:ride_totals", *args, env=env)
 
     def _start(self, name: str, command: str, *args: str, env: dict | None) -> subprocess.Popen:
         """A cdc command in the background, its output in `proc.log_path`; killed at the test's end."""

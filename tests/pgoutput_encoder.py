@@ -1,4 +1,4 @@
-"""Encode `cdc.pgoutput` messages back to pgoutput wire bytes, for tests.
+"""Encode `cdc.source.pgoutput` messages back to pgoutput wire bytes, for tests.
 
 Written independently of the decoder, field by field from the protocol
 description, so that round trips exercise the decoder's offsets. A change
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 
-from cdc import pgoutput as po
+from cdc.source import pgoutput as po
 
 
 def _u8(v: int) -> bytes:

@@ -1,0 +1,157 @@
+"""Guardrails around the bridge: the slot's health and WAL retention, heartbeats,
+Redis memory (backpressure) and Redis data loss. Each check is small and I/O at
+the edge; the bridge calls them on a schedule."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psycopg
+import redis
+
+from .. import keys
+from ..errors import DataLossError, SlotError
+from ..source.lsn import Lsn
+
+__all__ = ["MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed"]
+
+log = logging.getLogger("cdc.guard")
+
+LEVELS = ("ok", "warning", "critical")
+
+SLOT_QUERY = """
+SELECT wal_status,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
+       confirmed_flush_lsn::text,
+       current_setting('max_slot_wal_keep_size')
+FROM pg_replication_slots WHERE slot_name = %s
+"""
+
+
+def _size(setting: str) -> int:
+    """max_slot_wal_keep_size as bytes (-1: unlimited)."""
+    text = setting.strip()
+    if text == "-1":
+        return -1
+    units = {"kB": 1024, "MB": 1024**2, "GB": 1024**3, "TB": 1024**4}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text) * 1024**2
+
+
+@dataclass
+class SlotHealth:
+    wal_status: str = "unknown"
+    retained_bytes: int = 0
+    lag_bytes: int = 0
+    confirmed_lsn: Lsn = Lsn(0)
+    max_keep_bytes: int = -1
+    level: str = "ok"
+
+
+class SlotWatch:
+    """Watches the slot: retained WAL against alarm levels, and invalidation."""
+
+    def __init__(self, slot: str, warn_bytes: int = 0, critical_bytes: int = 0) -> None:
+        self.slot = slot
+        self.warn_bytes = warn_bytes
+        self.critical_bytes = critical_bytes
+        self.health = SlotHealth()
+
+    def thresholds(self, max_keep: int) -> tuple[int, int]:
+        if self.warn_bytes or self.critical_bytes:
+            return self.warn_bytes or self.critical_bytes, self.critical_bytes or self.warn_bytes
+        if max_keep > 0:
+            return max_keep // 2, max_keep * 4 // 5
+        return 1024**3, 10 * 1024**3
+
+    def check(self, conn: psycopg.Connection) -> SlotHealth:
+        row = conn.execute(SLOT_QUERY, (self.slot,)).fetchone()
+        if row is None:
+            raise SlotError(f"replication slot {self.slot!r} does not exist", hint="run: cdc init --config <file>")
+        status, retained, lag, confirmed, keep = row
+        if status == "lost":
+            raise SlotError(
+                f"replication slot {self.slot!r} was invalidated (wal_status lost): the WAL it needed was removed, "
+                "so changes were lost to it",
+                hint=f"recover: SELECT pg_drop_replication_slot('{self.slot}'); then cdc init, and re-snapshot "
+                "the mapped tables into the streams; raise max_slot_wal_keep_size to avoid it",
+            )
+        health = SlotHealth(status, int(retained or 0), int(lag or 0), Lsn.parse(confirmed) if confirmed else Lsn(0), _size(keep))
+        warn, critical = self.thresholds(health.max_keep_bytes)
+        if status == "unreserved" or health.retained_bytes >= critical:
+            health.level = "critical"
+        elif health.retained_bytes >= warn:
+            health.level = "warning"
+        if health.level != self.health.level:
+            report = log.error if health.level == "critical" else log.warning if health.level == "warning" else log.info
+            report(
+                "retained WAL alarm %s: slot %s retains %d bytes (warning at %d, critical at %d, wal_status %s)",
+                health.level, self.slot, health.retained_bytes, warn, critical, status,
+            )
+        self.health = health
+        return health
+
+    @staticmethod
+    def heartbeat(conn: psycopg.Connection) -> None:
+        """Write a little WAL in this database so a quiet slot keeps advancing."""
+        conn.execute("SELECT pg_logical_emit_message(false, 'cdc.heartbeat', now()::text)")
+
+
+class MemoryWatch:
+    """Backpressure: pause reading while Redis memory is above a fraction of maxmemory."""
+
+    def __init__(self, client: redis.Redis, pause_at: float, resume_at: float) -> None:
+        self.client = client
+        self.pause_at = pause_at
+        self.resume_at = resume_at
+        self.paused = False
+        self.ratio: float | None = None
+
+    @staticmethod
+    def _fullest(info: dict) -> dict:
+        """INFO of one server, or of a cluster's fullest node (a dict of INFO per node)."""
+        nodes = [v for v in info.values() if isinstance(v, dict)] if "used_memory" not in info else []
+        if not nodes:
+            return info
+        return max(nodes, key=lambda i: int(i["used_memory"]) / int(i["maxmemory"]) if int(i.get("maxmemory", 0)) else 0)
+
+    def check(self) -> bool:
+        """True while reading should stay paused."""
+        info = self._fullest(self.client.info("memory"))
+        limit = int(info.get("maxmemory", 0))
+        if not limit or not self.pause_at:
+            if self.paused:
+                log.info("redis has no memory limit now: resuming")
+            self.ratio, self.paused = None, False
+            return False
+        self.ratio = int(info["used_memory"]) / limit
+        if not self.paused and self.ratio >= self.pause_at:
+            self.paused = True
+            log.warning("redis memory at %.0f%% of maxmemory: pausing reading (nothing is acknowledged or lost)", self.ratio * 100)
+        elif self.paused and self.ratio < self.resume_at:
+            self.paused = False
+            log.info("redis memory at %.0f%% of maxmemory: resuming", self.ratio * 100)
+        return self.paused
+
+
+def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> None:
+    """Stop if Redis holds less than the slot was told it holds (lost writes)."""
+    raw = client.get(keys.flushed_key(slot))
+    if raw is None:
+        raise DataLossError(
+            f"redis has no record of slot {slot!r}: it may have lost its data (changes up to {confirmed} "
+            "were acknowledged to postgres)",
+            hint="if this Redis is new or was emptied on purpose, run cdc init to register it; "
+            "otherwise restore Redis or re-snapshot the mapped tables",
+        )
+    flushed = Lsn(int(raw))
+    if flushed < confirmed:
+        raise DataLossError(
+            f"redis lost entries: it holds changes up to {flushed}, but slot {slot!r} was acknowledged up to {confirmed}; "
+            f"entries of transactions committed in ({flushed}, {confirmed}] are missing from the streams",
+            hint="restore Redis from a backup holding them, or re-snapshot the mapped tables; run cdc init to accept the loss",
+        )

@@ -1,0 +1,361 @@
+"""Reading the per-entity streams with consumer groups: the consumer library.
+
+A `Consumer` reads a group's entries in batches, re-reading its own pending
+entries first after a restart, acknowledges only what its handler finished, moves
+entries that keep failing to a dead-letter stream, and (non-exclusive mode)
+claims entries left pending by dead consumers.
+
+Exclusive mode (the default) gives each stream to one consumer of the group at a
+time through a lease (`cdc.consume.lease`): per-key order then survives any number of
+consumers, one per partition stream. A consumer that acquires a stream first
+claims every entry the group still has pending there, so nothing a dead holder
+left behind is overtaken by newer entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+
+import orjson
+import redis
+from redis.exceptions import ResponseError
+
+from .. import keys
+from ..sink.entry import Entry, parse_entry, reply_text
+from ..errors import CdcError
+from .lease import Lease
+
+__all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
+
+log = logging.getLogger("cdc.consumer")
+
+
+class Fenced(CdcError):
+    """A newer lease holder has written this stream's state: this consumer must stop using it."""
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def stream_id_for(start: str | datetime | int) -> str:
+    """A stream ID from '$', '0', an entry ID, epoch milliseconds, or an ISO-8601 time."""
+    if isinstance(start, datetime):
+        return f"{int(start.timestamp() * 1000)}-0"
+    if isinstance(start, int):
+        return f"{start}-0"
+    text = str(start).strip()
+    if text in ("$", "0", "0-0") or text.replace("-", "").isdigit():
+        return text
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"{start!r} is not '$', '0', a stream ID or an ISO-8601 time") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"{start!r} has no time zone; add Z or an offset")
+    return f"{int(moment.timestamp() * 1000)}-0"
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str, sid: str) -> bool:
+    """Create `group` on `stream` at `sid` (the stream too, if missing); False when the group exists."""
+    try:
+        client.xgroup_create(stream, group, id=sid, mkstream=True)
+        return True
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+        return False
+
+
+class Consumer:
+    """One member of a consumer group over one or more streams."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        streams: Sequence[str],
+        group: str,
+        name: str | None = None,
+        *,
+        exclusive: bool = True,
+        count: int = 100,
+        block_ms: int = 1000,
+        claim_idle_ms: int = 30_000,
+        max_deliveries: int = 5,
+        lease_ttl_ms: int = 10_000,
+    ) -> None:
+        self.client = client
+        self._cluster = not hasattr(client, "connection_pool")  # a RedisCluster has one pool per node
+        self._raw_clients: dict[str, redis.Redis] = {}
+        self.streams = list(streams)
+        self.group = group
+        self.name = name or default_name()
+        self.exclusive = exclusive
+        self.count = count
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+        self.dead_letter_stream = keys.dead_letter_key(group)
+        owner = f"{self.name}-{uuid.uuid4().hex[:8]}"
+        self.leases = {s: Lease(client, s, group, owner, lease_ttl_ms) for s in self.streams} if exclusive else {}
+        self._lease_check_every = lease_ttl_ms / 3000
+        self._next_lease_check = 0.0
+        self._next_reap = 0.0
+        self._pending_phase: set[str] = set(self.streams)  # re-read own pending entries first
+        self._errors: dict[str, str] = {}
+        self._retry_one: set[str] = set()  # streams whose first pending entry failed: retry it alone
+        self.delivered = 0
+        self.acked = 0
+        self.failed = 0
+        self.dead_lettered = 0
+        self.claimed = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<Consumer {self.group}/{self.name} delivered={self.delivered} acked={self.acked} "
+            f"failed={self.failed} dead_lettered={self.dead_lettered} claimed={self.claimed}>"
+        )
+
+    # -- groups -----------------------------------------------------------------------
+
+    def create_group(self, start: str | datetime | int = "$") -> None:
+        """Create the group on every stream (idempotent; the stream is created if missing)."""
+        sid = stream_id_for(start)
+        for stream in self.streams:
+            ensure_group(self.client, stream, self.group, sid)
+
+    def epoch(self, stream: str) -> int:
+        """The lease epoch this consumer holds on `stream` (0 when not exclusive)."""
+        lease = self.leases.get(stream)
+        return lease.epoch if lease is not None else 0
+
+    @property
+    def active_streams(self) -> list[str]:
+        if not self.exclusive:
+            return self.streams
+        return [s for s in self.streams if self.leases[s].held]
+
+    # -- leases and reaping ----------------------------------------------------------------
+
+    def _refresh_leases(self) -> None:
+        for stream, lease in self.leases.items():
+            if lease.epoch:
+                if not lease.renew():
+                    self._pending_phase.discard(stream)
+            elif lease.try_acquire():
+                self.claimed += self._claim(stream, 0)
+                self._pending_phase.add(stream)
+
+    def _raw(self, stream: str) -> redis.Redis:
+        """A client on the same connections as `client` (the node's, on a cluster) that keeps
+        the reply of XAUTOCLAIM ... JUSTID whole: redis-py drops its cursor otherwise."""
+        if self._cluster:
+            node = self.client.get_node_from_key(stream)
+            name, pool = node.name, self.client.get_redis_connection(node).connection_pool
+        else:
+            name, pool = "", self.client.connection_pool
+        raw = self._raw_clients.get(name)
+        if raw is None:
+            raw = self._raw_clients[name] = redis.Redis(connection_pool=pool)
+            raw.set_response_callback("XAUTOCLAIM", lambda response, **options: response)
+        return raw
+
+    def _claim(self, stream: str, min_idle_ms: int) -> int:
+        """Take over the group's pending entries on `stream` idle at least `min_idle_ms`."""
+        cursor, total = "0-0", 0
+        while True:
+            cursor, ids = self._raw(stream).execute_command(
+                "XAUTOCLAIM", stream, self.group, self.name, min_idle_ms, cursor, "COUNT", 500, "JUSTID"
+            )[:2]
+            total += len(ids)
+            if cursor in (b"0-0", "0-0"):
+                return total
+
+    def reap(self) -> int:
+        """Claim entries left pending by dead consumers (idle longer than `claim_idle_ms`)."""
+        claimed = 0
+        for stream in self.active_streams:
+            n = self._claim(stream, self.claim_idle_ms)
+            if n:
+                log.info("claimed %d idle entries of %s for %s", n, stream, self.name)
+                self._pending_phase.add(stream)
+                claimed += n
+        self.claimed += claimed
+        return claimed
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _parse(self, reply) -> list[Entry]:
+        entries = []
+        for stream, items in reply or []:
+            for entry_id, fields in items:
+                if fields:  # an entry deleted (trimmed) while pending comes back empty
+                    entries.append(parse_entry(stream, entry_id, fields))
+        return entries
+
+    def _dead_letter_exhausted(self, streams: Iterable[str]) -> None:
+        for stream in streams:
+            rows = self.client.xpending_range(stream, self.group, "-", "+", self.count, consumername=self.name)
+            over = [r for r in rows if r["times_delivered"] >= self.max_deliveries]
+            if not over:
+                continue
+            ids = [r["message_id"] for r in over]
+            found = {e.id: e for e in self._parse([(stream, self.client.xrange(stream, ids[0], ids[-1]))])}
+            for row in over:
+                mid = reply_text(row["message_id"])
+                self.dead_letter(stream, mid, found.get(mid), row["times_delivered"])
+
+    def dead_letter(self, stream: str, entry_id: str, entry: Entry | None, deliveries: int) -> None:
+        """Move one entry to the group's dead-letter stream with its error, then acknowledge it."""
+        error = self._errors.pop(entry_id, f"not acknowledged after {deliveries} deliveries")
+        fields: dict = {
+            "source_stream": stream, "source_id": entry_id, "group": self.group, "consumer": self.name,
+            "deliveries": deliveries, "error": error[:2000],
+        }
+        if entry is not None:
+            fields["entry"] = orjson.dumps({k.decode(): v.decode() for k, v in entry.fields.items()})
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.dead_letter_stream, fields)
+        pipe.xack(stream, self.group, entry_id)
+        pipe.execute()
+        self._retry_one.discard(stream)
+        self.dead_lettered += 1
+        log.warning("dead-lettered %s %s after %d deliveries: %s", stream, entry_id, deliveries, error)
+
+    def _xreadgroup(self, ids: dict[str, str], count: int, block: int | None = None):
+        """XREADGROUP over several streams; on a cluster, one call per stream (slots differ)."""
+        if not self._cluster or len(ids) == 1:
+            return self.client.xreadgroup(self.group, self.name, ids, count=count, block=block)
+        reply = []
+        for stream, sid in ids.items():
+            reply += self.client.xreadgroup(self.group, self.name, {stream: sid}, count=count) or []
+        if not reply and block:
+            time.sleep(min(block, 100) / 1000)  # nothing anywhere: a short pause instead of a blocking read
+        return reply
+
+    def read(self) -> list[Entry]:
+        """The next batch: own pending entries first (after a restart or a failure), then new ones."""
+        now = time.monotonic()
+        if self.exclusive and now >= self._next_lease_check:
+            self._refresh_leases()
+            self._next_lease_check = now + self._lease_check_every
+        elif not self.exclusive and now >= self._next_reap:
+            self.reap()
+            self._next_reap = now + self.claim_idle_ms / 2000
+        active = self.active_streams
+        if not active:
+            time.sleep(min(self.block_ms / 1000, self._lease_check_every))
+            return []
+        pending = [s for s in active if s in self._pending_phase]
+        if pending:
+            self._dead_letter_exhausted(pending)
+            single = [s for s in pending if s in self._retry_one]
+            several = [s for s in pending if s not in self._retry_one]
+            entries = []
+            if single:
+                entries += self._parse(self._xreadgroup({s: "0" for s in single}, 1))
+            if several:
+                entries += self._parse(self._xreadgroup({s: "0" for s in several}, self.count))
+            got = {e.stream for e in entries}
+            for stream in pending:
+                if stream not in got:
+                    self._pending_phase.discard(stream)
+            if entries:
+                self.delivered += len(entries)
+                return entries
+        block = self.block_ms
+        if self.exclusive:  # wake up in time to renew the leases
+            block = max(1, min(block, int(max(0.0, self._next_lease_check - time.monotonic()) * 1000)))
+        reply = self._xreadgroup({s: ">" for s in active}, self.count, block)
+        entries = self._parse(reply)
+        self.delivered += len(entries)
+        return entries
+
+    def ack(self, entries: Sequence[Entry]) -> None:
+        by_stream: dict[str, list[str]] = {}
+        for e in entries:
+            by_stream.setdefault(e.stream, []).append(e.id)
+        if not by_stream:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, self.group, *ids)
+        pipe.execute()
+        self._retry_one.difference_update(by_stream)
+        self.acked += len(entries)
+
+    def fail(self, entry: Entry, error: BaseException | str) -> None:
+        """Record a handler failure: the entry stays pending and is delivered again."""
+        self._errors[entry.id] = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self._pending_phase.add(entry.stream)
+        self._retry_one.add(entry.stream)
+        self.failed += 1
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self, handle: Callable[[list[Entry]], None], stop: threading.Event | None = None) -> None:
+        """Read, handle, acknowledge until `stop` is set; a failing batch is retried entry by entry.
+
+        On stop the batch in hand is finished and acknowledged before returning.
+        """
+        stop = stop or threading.Event()
+        log.info("consumer %s of group %s on %s", self.name, self.group, ", ".join(self.streams))
+        try:
+            while not stop.is_set():
+                entries = self.read()
+                if entries:
+                    self.process(entries, handle)
+        finally:
+            for lease in self.leases.values():
+                lease.release()
+
+    def process(self, entries: list[Entry], handle: Callable[[list[Entry]], None]) -> None:
+        """Handle and acknowledge a batch; on failure, go entry by entry.
+
+        In exclusive mode a stream stops at its first failing entry, which is
+        retried alone until it succeeds or is dead-lettered: later entries never
+        overtake it, so ordered state and checkpoints stay exact.
+        """
+        try:
+            handle(entries)
+        except Fenced as exc:
+            self._fenced(entries, exc)
+            return
+        except Exception as exc:
+            if len(entries) == 1:
+                self.fail(entries[0], exc)
+                log.warning("handler failed on %s %s: %s", entries[0].stream, entries[0].id, exc)
+                return
+        else:
+            self.ack(entries)
+            return
+        blocked: set[str] = set()
+        for e in entries:
+            if e.stream in blocked:
+                continue
+            try:
+                handle([e])
+            except Fenced as exc:
+                self._fenced([e], exc)
+                blocked.add(e.stream)
+            except Exception as exc:
+                self.fail(e, exc)
+                log.warning("handler failed on %s %s: %s", e.stream, e.id, exc)
+                if self.exclusive:
+                    blocked.add(e.stream)
+            else:
+                self.ack([e])
+
+    def _fenced(self, entries: Sequence[Entry], exc: Fenced) -> None:
+        log.warning("fenced off: %s", exc)
+        for e in entries:
+            lease = self.leases.get(e.stream)
+            if lease is not None:
+                lease.epoch = 0

@@ -1,0 +1,319 @@
+"""Applying a mapping to decoded rows: the allowlist projection, casts, filter, key.
+
+A `Projector` is a mapping bound to one shape of its table (the columns of the
+latest Relation message, or of the live catalog for `cdc check`): column names
+are resolved to positions and converters chosen once, so projecting a row is a
+loop over the mapped fields only. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal, InvalidOperation
+from typing import Any, NamedTuple
+
+import orjson
+
+from ..errors import MappingError
+from .model import REDACTED, Condition, FieldSpec, Mapping
+from ..source.pgoutput import UNCHANGED_TOAST
+from ..source.shapes import ColumnShape, TableShape
+from ..source.values import TypeCatalog, converter_for, type_name
+
+__all__ = ["Projected", "Projector", "message_entry"]
+
+INTEGER_OIDS = frozenset({20, 21, 23, 26})
+NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
+TIME_OIDS = frozenset({1082, 1114, 1184})
+BOOL_OID = 16
+EMPTY_KEY = b"{}"
+_MICRO = timedelta(microseconds=1)
+
+
+class Projected(NamedTuple):
+    """One change ready for its stream: partition number and the entry's leading fields.
+
+    A named tuple rather than a dataclass: one is built per change, and tuples build fastest.
+    """
+
+    partition: int
+    fields: list
+
+
+def _base_oid(oid: int, catalog: TypeCatalog) -> int:
+    seen = 0
+    while seen < 32:
+        info = catalog.get(oid)
+        if info is None or info.kind != "d" or not info.base_oid:
+            return oid
+        oid, seen = info.base_oid, seen + 1
+    return oid
+
+
+def _special_float(text: str) -> Any:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        return text
+    return value
+
+
+def _epoch(text: str, scale: int) -> Any:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return text  # infinity, BC dates: keep PostgreSQL's text
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    micros = (moment - datetime(1970, 1, 1, tzinfo=timezone.utc)) // _MICRO
+    return micros * scale // 1_000_000
+
+
+def _integer(text: str) -> Any:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return int(Decimal(text))
+        except (InvalidOperation, ValueError, OverflowError):
+            return text  # NaN / Infinity have no integer form
+
+
+def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, mapping: Mapping) -> Callable[[str], Any]:
+    base = _base_oid(col.type_oid, catalog)
+    if spec.hash == "sha256":
+        salt = spec.salt
+        return lambda text: hashlib.sha256(salt + text.encode()).hexdigest()
+    if spec.redact:
+        return lambda text: REDACTED
+    cast = spec.cast
+    if cast is None:
+        return converter_for(col.type_oid, catalog)
+    if cast == "string":
+        return str
+    allowed = NUMBER_OIDS if cast in ("float", "integer") else TIME_OIDS
+    if base not in allowed:
+        raise MappingError(
+            f"{spec.where}: entity {mapping.entity!r}: cast {cast!r} does not apply to column "
+            f"{col.name!r} of type {type_name(col.type_oid, catalog)}",
+            hint="use cast: string, or remove the cast",
+        )
+    if cast == "float":
+        return _special_float
+    if cast == "integer":
+        return _integer
+    if cast == "epoch_ms":
+        return lambda text: _epoch(text, 1000)
+    if cast == "epoch_s":
+        return lambda text: _epoch(text, 1)
+    return lambda text: text[:10] if text[:1].isdigit() else text  # date
+
+
+def _comparable(base: int) -> Callable[[Any], Any]:
+    if base in NUMBER_OIDS:
+        return lambda v: Decimal(str(v))
+    if base == BOOL_OID:
+        return lambda v: v in (True, "t", "true")
+    return str
+
+
+def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]], bool]:
+    """A predicate on a row; a value the row does not carry passes (it cannot be judged)."""
+    if cond.op == "is_null":
+        want = cond.value
+        return lambda row: row[idx] is UNCHANGED_TOAST or (row[idx] is None) == want
+    comp = _comparable(base)
+    if cond.op in ("in", "not_in"):
+        options = {comp(v) for v in cond.value}
+        positive = cond.op == "in"
+        test: Callable[[Any], bool] = lambda v: (v in options) == positive  # noqa: E731
+    else:
+        target = comp(cond.value)
+        ops: dict[str, Callable[[Any], bool]] = {
+            "eq": lambda v: v == target,
+            "ne": lambda v: v != target,
+            "gt": lambda v: v > target,
+            "gte": lambda v: v >= target,
+            "lt": lambda v: v < target,
+            "lte": lambda v: v <= target,
+        }
+        test = ops[cond.op]
+
+    def check(row: Sequence[Any]) -> bool:
+        value = row[idx]
+        if value is UNCHANGED_TOAST:
+            return True
+        if value is None:
+            return cond.op == "ne" or cond.op == "not_in"
+        try:
+            return test(comp(value))
+        except (InvalidOperation, TypeError):
+            return False
+
+    return check
+
+
+class Projector:
+    """A mapping bound to one shape of its table."""
+
+    def __init__(self, mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
+        self.mapping = mapping
+        self.shape = shape
+        positions = {c.name: i for i, c in enumerate(shape.columns)}
+        missing = [c for c in mapping.columns if c not in positions]
+        if missing:
+            spec = next((f for f in mapping.fields if f.column == missing[0]), None)
+            place = spec.where if spec else mapping.where
+            raise MappingError(
+                f"{place}: entity {mapping.entity!r}: column {missing[0]!r} is not in table "
+                f"{shape.schema}.{shape.name} (columns: {', '.join(c.name for c in shape.columns)})",
+                hint="it was dropped or renamed: map an existing column or remove the field",
+            )
+        self._plan: list[tuple[str, int, Callable[[str], Any]]] = []
+        self._consts: dict[str, Any] = {}
+        for spec in mapping.fields:
+            if spec.column is None:
+                self._consts[spec.name] = spec.const
+                continue
+            idx = positions[spec.column]
+            self._plan.append((spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog, mapping)))
+        self._key_plan = [(n, i, c) for (n, i, c) in self._plan if n in mapping.key]
+        by_name = {n: i for n, i, _ in self._plan}
+        #: positions of the key columns in the table's rows, in key order
+        self.key_positions = [by_name[n] for n in mapping.key]
+        self._key_order = mapping.key
+        if "d" in mapping.ops and shape.replica_identity != "f":
+            for name, idx, _ in self._key_plan:
+                col = shape.columns[idx]
+                if not col.key:
+                    raise MappingError(
+                        f"{mapping.where}: entity {mapping.entity!r}: key field {name!r} (column {col.name!r}) "
+                        f"is not in the replica identity of {shape.schema}.{shape.name}, so deletes would carry no key",
+                        hint=f"key on the primary key columns, or run ALTER TABLE {shape.schema}.{shape.name} REPLICA IDENTITY FULL",
+                    )
+        self._filter = [
+            _condition(c, positions[c.column], _base_oid(shape.columns[positions[c.column]].type_oid, catalog))
+            for c in mapping.filter
+        ]
+        self._version = mapping.version
+        self._partitions = mapping.partitions
+        self._partition_by = mapping.partition_by
+        self._ops = mapping.ops
+        self._before = mapping.before
+
+    # -- rows ----------------------------------------------------------------------
+
+    def _row(self, values: Sequence[Any], fallback: Sequence[Any] | None) -> tuple[dict, list | None]:
+        data: dict[str, Any] = {}
+        unchanged = None
+        for name, idx, conv in self._plan:
+            value = values[idx]
+            if value is None:
+                data[name] = None
+            elif value is UNCHANGED_TOAST:
+                old = fallback[idx] if fallback is not None else UNCHANGED_TOAST
+                if old is UNCHANGED_TOAST:
+                    if unchanged is None:
+                        unchanged = []
+                    unchanged.append(name)
+                else:
+                    data[name] = None if old is None else conv(old)
+            else:
+                data[name] = conv(value)
+        if self._consts:
+            data.update(self._consts)
+        return data, unchanged
+
+    def _key(self, values: Sequence[Any]) -> dict:
+        key = {}
+        for name, idx, conv in self._key_plan:
+            value = values[idx]
+            key[name] = None if value is None or value is UNCHANGED_TOAST else conv(value)
+        return key
+
+    def _partition(self, key: dict) -> int:
+        if self._partitions == 1:
+            return 0
+        return zlib.crc32(orjson.dumps([key[n] for n in self._partition_by])) % self._partitions
+
+    def _passes(self, row: Sequence[Any]) -> bool:
+        for check in self._filter:
+            if not check(row):
+                return False
+        return True
+
+    # -- changes ----------------------------------------------------------------------
+
+    def insert(self, new: Sequence[Any]) -> Projected | None:
+        if "c" not in self._ops or (self._filter and not self._passes(new)):
+            return None
+        data, unchanged = self._row(new, None)
+        key = {n: data[n] for n in self._key_order}
+        fields = [b"op", b"c", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
+        if unchanged:
+            fields += [b"unchanged", orjson.dumps(unchanged)]
+        return Projected(self._partition(key), fields)
+
+    def snapshot(self, row: Sequence[Any]) -> Projected | None:
+        """A row read by a snapshot or backfill (op r)."""
+        if "r" not in self._ops or (self._filter and not self._passes(row)):
+            return None
+        data, _ = self._row(row, None)
+        key = {n: data[n] for n in self._key_order}
+        return Projected(self._partition(key), [b"op", b"r", b"key", orjson.dumps(key), b"data", orjson.dumps(data)])
+
+    @property
+    def table(self) -> tuple[str, str]:
+        """(schema, name) of the table this projector is bound to."""
+        return self.shape.schema, self.shape.name
+
+    def key_values(self, row: Sequence[Any]) -> tuple:
+        """The key columns' raw text values, to compare with a snapshot chunk's rows."""
+        return tuple(row[i] for i in self.key_positions)
+
+    def update(self, new: Sequence[Any], old: Sequence[Any] | None, old_full: bool) -> Projected | None:
+        if "u" not in self._ops:
+            return None
+        if self._filter and not self._passes(new if not old_full or old is None else _merge(new, old)):
+            return None
+        data, unchanged = self._row(new, old if old_full else None)
+        key = {n: data[n] for n in self._key_order}
+        fields = [b"op", b"u", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
+        if self._before and old is not None:
+            before = self._row(old, None)[0] if old_full else self._key(old)
+            fields += [b"before", orjson.dumps(before)]
+        if unchanged:
+            fields += [b"unchanged", orjson.dumps(unchanged)]
+        return Projected(self._partition(key), fields)
+
+    def delete(self, old: Sequence[Any], old_full: bool) -> Projected | None:
+        if "d" not in self._ops or (self._filter and not self._passes(old)):
+            return None
+        key = self._key(old)
+        fields = [b"op", b"d", b"key", orjson.dumps(key)]
+        if self._before and old_full:
+            fields += [b"before", orjson.dumps(self._row(old, None)[0])]
+        return Projected(self._partition(key), fields)
+
+    def truncate(self) -> list[Projected]:
+        if "t" not in self._ops:
+            return []
+        return [Projected(p, [b"op", b"t", b"key", EMPTY_KEY]) for p in range(self._partitions)]
+
+
+def _merge(new: Sequence[Any], old: Sequence[Any]) -> list[Any]:
+    """`new` with its unchanged-TOAST holes filled from `old`, for filtering."""
+    return [o if n is UNCHANGED_TOAST else n for n, o in zip(new, old)]
+
+
+def message_entry(prefix: str, content: bytes) -> list:
+    """Entry fields for a logical decoding message: JSON content embedded, other text as a string."""
+    try:
+        orjson.loads(content)
+        body: Any = orjson.Fragment(content)
+    except orjson.JSONDecodeError:
+        body = content.decode("utf-8", errors="replace")
+    return [b"op", b"m", b"key", EMPTY_KEY, b"data", orjson.dumps({"prefix": prefix, "content": body})]

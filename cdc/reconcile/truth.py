@@ -1,0 +1,412 @@
+"""The truth, computed by Spark: a reconciliation spec's aggregates over the source as of one snapshot.
+
+Spark reads the source over JDBC in parallel (``partitionColumn``/``numPartitions``,
+``fetchsize`` > 0 so that the PostgreSQL dialect turns autocommit off), and every
+partition's connection imports the one exported snapshot in its
+``sessionInitStatement``. Each partition's query also returns
+``pg_current_snapshot()``; the job refuses the result unless every partition
+reports exactly the snapshot a reference session got by importing it, so a
+partition that silently read "now" instead is caught.
+
+Only the columns the spec names are read. Numeric values stay exact: a
+``numeric(p, s)`` column arrives as Decimal(p, s), and an unconstrained
+``numeric`` must be given ``decimal: [p, s]``; it is cast on the server, and a
+value that would be rounded by that cast fails the job instead. This is the only
+module that imports pyspark.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from datetime import date, datetime, timezone
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote as url_quote
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from ..errors import CdcError, ConfigError
+from .exported_snapshot import session_init_statement
+from .spec import ReconcileSpec
+from ..source.replication import quote_ident
+
+__all__ = ["Truth", "compute_truth", "describe_source", "jdbc_url", "partition_bounds", "source_from", "source_query", "start_spark"]
+
+log = logging.getLogger("cdc.truth")
+
+NUMERIC_OID = 1700
+SNAPSHOT_COLUMN = "__cdc_snapshot"
+#: the shells' loggers: given a level of their own, Spark does not announce its default level on start
+_SHELL_LOGGERS = ("org.apache.spark.repl.Main", "org.apache.spark.api.python.PythonGatewayServer",
+                  "org.apache.spark.deploy.SparkSubmit", "org.apache.spark.SparkContext")
+
+
+def _log4j_properties() -> str:
+    """Spark's own log lines: errors only, on stderr, prefixed so they read as Spark's."""
+    lines = [
+        "rootLogger.level = error",
+        "rootLogger.appenderRef.stderr.ref = console",
+        "appender.console.type = Console",
+        "appender.console.name = console",
+        "appender.console.target = SYSTEM_ERR",
+        "appender.console.layout.type = PatternLayout",
+        "appender.console.layout.pattern = spark: %p %c{1}: %m%n",
+    ]
+    for n, name in enumerate(_SHELL_LOGGERS):
+        lines += [f"logger.shell{n}.name = {name}", f"logger.shell{n}.level = error"]
+    return "\n".join(lines) + "\n"
+
+
+def _bq(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+class Truth:
+    """Per key (a tuple in the spec's key order): the aggregate values, in the spec's value order.
+
+    The rows go to a temporary file as they arrive from Spark, in pickled chunks,
+    so the driver's memory does not grow with the number of keys; `items()` reads
+    them back, one chunk at a time.
+    """
+
+    CHUNK = 10_000
+
+    def __init__(self, partitions: int = 0) -> None:
+        self.partitions = partitions
+        self.source_rows = 0
+        self.skipped_null_keys = 0
+        self.keys = 0
+        self._file = tempfile.TemporaryFile(prefix="cdc-truth-")
+        self._chunk: list[tuple[tuple, tuple]] = []
+
+    def add(self, key: tuple, values: tuple) -> None:
+        self._chunk.append((key, values))
+        self.keys += 1
+        if len(self._chunk) >= self.CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._chunk:
+            self._file.seek(0, os.SEEK_END)
+            pickle.dump(self._chunk, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+            self._chunk = []
+
+    def items(self) -> Iterator[tuple[tuple, tuple]]:
+        """Every (key, values), in the order they arrived."""
+        self._flush()
+        self._file.seek(0)
+        while True:
+            try:
+                chunk = pickle.load(self._file)  # noqa: S301 (our own file, written above)
+            except EOFError:
+                return
+            yield from chunk
+
+    def __len__(self) -> int:
+        return self.keys
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> Truth:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def jdbc_url(dsn: str) -> tuple[str, dict[str, str]]:
+    """A JDBC URL and connection properties for a libpq connection string or URI."""
+    params = conninfo_to_dict(dsn)
+    host = params.pop("host", None) or "localhost"
+    if host.startswith("/"):
+        raise ConfigError("the JDBC driver cannot use a Unix socket: give postgres.dsn a TCP host",
+                          hint="for example host=localhost port=5432")
+    port = params.pop("port", None) or "5432"
+    dbname = params.pop("dbname", None) or params.get("user") or os.environ.get("USER", "postgres")
+    props = {"driver": "org.postgresql.Driver", "ApplicationName": "cdc-reconcile"}
+    for libpq, jdbc in (("user", "user"), ("password", "password"), ("sslmode", "sslmode"),
+                        ("sslrootcert", "sslrootcert"), ("sslcert", "sslcert"), ("sslkey", "sslkey"),
+                        ("connect_timeout", "connectTimeout")):
+        if params.get(libpq):
+            props[jdbc] = str(params[libpq])
+    if "password" not in props and os.environ.get("PGPASSWORD"):
+        props["password"] = os.environ["PGPASSWORD"]
+    return f"jdbc:postgresql://{host}:{port}/{url_quote(dbname)}", props
+
+
+def source_from(spec: ReconcileSpec) -> str:
+    if spec.table:
+        return ".".join(quote_ident(part) for part in spec.table.split("."))
+    return f"({spec.query}) AS cdc_query"
+
+
+def describe_source(conn: psycopg.Connection, spec: ReconcileSpec) -> dict[str, tuple[int, int | None, int | None]]:
+    """(type oid, precision, scale) of each source column the spec reads; errors name the spec's line."""
+    cols = ", ".join(quote_ident(c) for c in spec.source_columns)
+    try:
+        cur = conn.execute(f"SELECT {cols} FROM {source_from(spec)} LIMIT 0")
+    except psycopg.errors.UndefinedColumn as exc:
+        raise ConfigError(f"{spec.where}: {str(exc).splitlines()[0]}", hint="fix the column names in the spec") from None
+    except psycopg.errors.UndefinedTable as exc:
+        raise ConfigError(f"{spec.where}: {str(exc).splitlines()[0]}", hint="fix source.table or source.query") from None
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise ConfigError(f"{spec.where}: {str(exc).splitlines()[0]}",
+                          hint="grant SELECT on the source to the reconciliation's role") from None
+    except psycopg.errors.SyntaxError as exc:
+        raise ConfigError(f"{spec.where}: source.query: {str(exc).splitlines()[0]}") from None
+    return {d.name: (d.type_code, d.precision, d.scale) for d in cur.description}
+
+
+def partition_bounds(conn: psycopg.Connection, spec: ReconcileSpec) -> tuple[Any, Any] | None:
+    """(min, max) of the partition column, read in `conn`'s transaction (the imported snapshot)."""
+    if not spec.partition_column:
+        return None
+    col = quote_ident(spec.partition_column)
+    return conn.execute(f"SELECT min({col}), max({col}) FROM {source_from(spec)}").fetchone()
+
+
+def split(spec: ReconcileSpec, low: Any, high: Any) -> tuple[int, str, str]:
+    """How many ranges the read is split into, and Spark's bounds as text.
+
+    The bounds only set the stride: Spark's first range also takes everything
+    below (and NULL), its last everything above, so every row is read exactly
+    once whatever the bounds. An integer, date or timestamp column can split a read.
+    """
+    if isinstance(low, int) and not isinstance(low, bool):
+        return max(1, min(spec.partitions, high - low + 1)), str(low), str(high)
+    if isinstance(low, datetime):  # before date: a datetime is a date
+        if low.tzinfo is not None:  # Spark reads these in its session time zone: UTC
+            low, high = (v.astimezone(timezone.utc).replace(tzinfo=None) for v in (low, high))
+        return (1 if low == high else spec.partitions), low.isoformat(" "), high.isoformat(" ")
+    if isinstance(low, date):
+        return max(1, min(spec.partitions, (high - low).days + 1)), low.isoformat(), high.isoformat()
+    raise ConfigError(f"{spec.partition_where}: partition_column {spec.partition_column} must be an integer, date or timestamp column",
+                      hint="split on such a column, or read with partitions: 1")
+
+
+def source_query(spec: ReconcileSpec, types: dict[str, tuple[int, int | None, int | None]]) -> str:
+    """The subquery each Spark partition runs (Spark adds the partition's range condition)."""
+    select: list[str] = [quote_ident(c) for c in spec.group_by]
+    done = set(spec.group_by)
+    for a in spec.values:
+        if a.column is None or a.column in done:
+            continue
+        done.add(a.column)
+        oid, precision, _ = types[a.column]
+        if oid == NUMERIC_OID and a.function != "count" and (precision is None or precision > 38):
+            if a.decimal is None:
+                raise ConfigError(
+                    f"{a.where}: {a.column} is numeric without a precision Spark can hold exactly",
+                    hint="declare it: {of: " + f"{a.function}({a.column})" + ", decimal: [38, 6]} with a scale at least "
+                         "as large as the data needs (a value that would be rounded fails the job)",
+                )
+        if a.decimal is not None:
+            cast = f"{quote_ident(a.column)}::numeric({a.decimal[0]},{a.decimal[1]})"
+            select.append(f"{cast} AS {quote_ident(a.column)}")
+            select.append(f"({quote_ident(a.column)} IS DISTINCT FROM {cast}) AS {quote_ident('__cdc_rounded_' + a.column)}")
+        else:
+            select.append(quote_ident(a.column))
+    if spec.partition_column and spec.partition_column not in done:
+        select.append(quote_ident(spec.partition_column))
+    select.append(f"(SELECT pg_current_snapshot()::text) AS {SNAPSHOT_COLUMN}")
+    return f"(SELECT {', '.join(select)} FROM {source_from(spec)}) AS cdc_source"
+
+
+def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g"):
+    """A SparkSession with the PostgreSQL JDBC driver; missing pieces become one clear error."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise ConfigError("pyspark is not installed", hint="run: pip install -e '.[reconcile]' (make install does)") from None
+    if not os.environ.get("JAVA_HOME") and not shutil.which("java"):
+        raise ConfigError("java is not installed: Spark needs a Java 17 runtime",
+                          hint="run: apt-get install default-jre-headless")
+    if not Path(jdbc_jar).is_file():
+        raise ConfigError(f"the PostgreSQL JDBC driver {jdbc_jar} does not exist",
+                          hint="run: apt-get install libpostgresql-jdbc-java, or set spark.jdbc_jar")
+    if not os.environ.get("SPARK_CONF_DIR"):
+        # unless the operator brings a Spark configuration, Spark logs errors only
+        conf_dir = Path(tempfile.mkdtemp(prefix="cdc-spark-conf-"))
+        (conf_dir / "log4j2.properties").write_text(_log4j_properties())
+        os.environ["SPARK_CONF_DIR"] = str(conf_dir)
+    spark = (
+        SparkSession.builder.master(master)
+        .appName("cdc-reconcile")
+        .config("spark.jars", jdbc_jar)
+        .config("spark.driver.memory", driver_memory)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+class _TaskProgress(threading.Thread):
+    """Reports finished/total tasks of the running Spark stages until stopped."""
+
+    def __init__(self, spark, report: Callable[[int, int], None]) -> None:
+        super().__init__(name="spark-progress", daemon=True)
+        self.tracker = spark.sparkContext.statusTracker()
+        self.report = report
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        stages: dict[int, tuple[int, int]] = {}  # every stage seen: (finished, total) tasks
+        last = None
+        while not self.stopped.wait(0.5):
+            active = set(self.tracker.getActiveStageIds())
+            for stage_id, (_, total) in stages.items():
+                if stage_id not in active:
+                    stages[stage_id] = (total, total)  # finished
+            for stage_id in active:
+                info = self.tracker.getStageInfo(stage_id)
+                if info is not None:
+                    stages[stage_id] = (info.numCompletedTasks, info.numTasks)
+            now = (sum(d for d, _ in stages.values()), sum(t for _, t in stages.values()))
+            if now[1] and now != last:
+                self.report(*now)
+                last = now
+
+
+def compute_truth(
+    spark,
+    spec: ReconcileSpec,
+    dsn: str,
+    snapshot: str,
+    reference_snapshot: str,
+    bounds: tuple[Any, Any] | None,
+    types: dict[str, tuple[int, int | None, int | None]],
+    progress: Callable[[int, int], None] | None = None,
+) -> Truth:
+    """Read the source under `snapshot` in parallel and aggregate it per key."""
+    url, props = jdbc_url(dsn)
+    reader = spark.read.format("jdbc").option("url", url).options(**props)
+    reader = reader.option("dbtable", source_query(spec, types)).option("fetchsize", str(spec.fetch_size))
+    reader = reader.option("sessionInitStatement", session_init_statement(snapshot))
+    partitions = 1
+    if spec.partition_column and bounds is not None and bounds[0] is not None and spec.partitions > 1:
+        partitions, low, high = split(spec, *bounds)
+        if partitions > 1:
+            reader = (reader.option("partitionColumn", spec.partition_column).option("numPartitions", str(partitions))
+                      .option("lowerBound", low).option("upperBound", high))
+    try:
+        df = reader.load()  # connects once, for the schema
+    except Exception as exc:
+        raise spark_error(exc) from None
+    view = f"cdc_source_{spec.name.replace('-', '_').replace('.', '_')}"
+    df.createOrReplaceTempView(view)
+
+    group = [_bq(c) for c in spec.group_by]
+    aggs = []
+    for a in spec.values:
+        arg = "1" if a.column is None else _bq(a.column)
+        aggs.append(f"{a.function}({arg}) AS {_bq(a.name)}")
+    rounded = [c for c in spec.source_columns if any(a.column == c and a.decimal for a in spec.values)]
+    aggs += [f"max({_bq('__cdc_rounded_' + c)}) AS {_bq('__rounded_' + c)}" for c in rounded]
+    aggs += ["count(1) AS __rows", f"min({SNAPSHOT_COLUMN}) AS __snap_min", f"max({SNAPSHOT_COLUMN}) AS __snap_max"]
+    if spec.group_by and spec.overall is not None:
+        sql = (f"SELECT {', '.join(group)}, grouping_id() AS __gid, {', '.join(aggs)} FROM {view} "
+               f"GROUP BY GROUPING SETS (({', '.join(group)}), ())")
+    elif spec.group_by:
+        sql = f"SELECT {', '.join(group)}, 0 AS __gid, {', '.join(aggs)} FROM {view} GROUP BY {', '.join(group)}"
+    else:
+        sql = f"SELECT 1 AS __gid, {', '.join(aggs)} FROM {view}"
+
+    truth = Truth(partitions=partitions)
+    try:
+        _collect(spark, spec, sql, rounded, reference_snapshot, truth, progress)
+    except BaseException:
+        truth.close()
+        raise
+    return truth
+
+
+def _collect(spark, spec: ReconcileSpec, sql: str, rounded: list[str], reference_snapshot: str, truth: Truth,
+             progress: Callable[[int, int], None] | None) -> None:
+    """Stream the aggregate's rows into `truth`, checking the snapshot and the rounding on the way."""
+    overall_key = tuple(v for _, v in spec.overall) if spec.overall is not None else None
+    snapshots: set[str] = set()
+    rounded_cols: set[str] = set()
+    watcher = _TaskProgress(spark, progress) if progress else None
+    if watcher:
+        watcher.start()
+    try:
+        grouped_rows = 0
+        overall_rows = None
+        n_keys = len(spec.group_by)
+        for row in _rows(spark, sql):
+            if row["__rows"] == 0:
+                continue
+            snapshots.update(s for s in (row["__snap_min"], row["__snap_max"]) if s is not None)
+            rounded_cols.update(c for c in rounded if row["__rounded_" + c])
+            values = tuple(_value(row[a.name], a.additive) for a in spec.values)
+            if row["__gid"] == 0 and n_keys:
+                key = tuple(row[c] for c in spec.group_by)
+                grouped_rows += row["__rows"]
+                if any(k is None for k in key):
+                    truth.skipped_null_keys += row["__rows"]
+                    continue
+                if key == overall_key:
+                    raise ConfigError(f"{spec.where}: the overall key {dict(spec.overall)} is also a key of the source's "
+                                      "own rows, so the two totals would share one state row",
+                                      hint="choose an overall key no source row has (for example 0 or -1)")
+                truth.add(key, values)
+            else:
+                overall_rows = row["__rows"]
+                truth.add(overall_key, values)
+    finally:
+        if watcher:
+            watcher.stopped.set()
+            watcher.join()
+    truth.source_rows = overall_rows if overall_rows is not None else grouped_rows
+    if overall_key is not None and overall_rows is None:  # no source rows: the overall row is all zeros
+        truth.add(overall_key, tuple(_value(None, a.additive) for a in spec.values))
+    if rounded_cols:
+        raise CdcError(f"{spec.where}: values of {', '.join(sorted(rounded_cols))} need a larger scale than declared",
+                       hint="raise the scale in decimal: [precision, scale]")
+    if truth.source_rows and snapshots != {reference_snapshot}:
+        raise CdcError(
+            f"the Spark partitions did not all read snapshot {reference_snapshot}: they saw {sorted(snapshots)}",
+            hint="the JDBC read must run with fetchsize > 0 so each partition imports the snapshot in a transaction",
+        )
+
+
+def _rows(spark, sql: str):
+    """The aggregate's rows, streamed to the driver; Spark's failures become one clear error."""
+    try:
+        yield from spark.sql(sql).toLocalIterator()
+    except Exception as exc:  # py4j/pyspark errors carry the Java stack; keep its cause line
+        raise spark_error(exc) from None
+
+
+def spark_error(exc: BaseException) -> CdcError:
+    """The most telling line of a Spark/JDBC failure (the innermost "Caused by", else the first)."""
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    causes = [ln[len("Caused by: "):] for ln in lines if ln.startswith("Caused by: ")]
+    message = causes[-1] if causes else (lines[0] if lines else type(exc).__name__)
+    hint = None
+    if "connect" in message.lower() or "UnknownHost" in message:
+        hint = "check the host and port in postgres.dsn; Spark's executors must reach PostgreSQL too"
+    elif "password authentication failed" in message:
+        hint = "check the user and password in postgres.dsn"
+    elif "permission denied" in message:
+        hint = "grant SELECT on the source to the reconciliation's role"
+    return CdcError(f"the Spark read failed: {message[:500]}", hint=hint)
+
+
+def _value(value: Any, additive: bool) -> Any:
+    if value is None:
+        return Decimal(0) if additive else None
+    return value

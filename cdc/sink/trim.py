@@ -1,0 +1,117 @@
+"""Trimming streams without losing what a consumer group still needs.
+
+A stream is trimmed up to the oldest entry any group still needs: its oldest
+pending entry, or the first entry after its last-delivered ID. Entries before
+that point have been delivered to and acknowledged by every group; a hold (set by
+`cdc reconcile` while it runs, see `keys.holds_key`) keeps everything after it as
+well. A stream with no group is left alone. An optional hard cap (length or age) bounds a stream
+whose group died; when the cap would drop entries some group still needs, that
+is logged loudly and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import redis
+
+from .. import keys
+from .entry import next_stream_id, parse_stream_id, reply_text
+from ..mapping.model import Mapping
+
+__all__ = ["TrimPolicy", "TrimResult", "active_holds", "safe_trim_point", "trim_mapped", "trim_stream"]
+
+log = logging.getLogger("cdc.trim")
+
+
+@dataclass(frozen=True)
+class TrimPolicy:
+    #: keep at most this many entries even if unconsumed (0: no cap)
+    max_len: int = 0
+    #: drop entries older than this many seconds even if unconsumed (0: no cap)
+    max_age_s: float = 0
+
+
+@dataclass
+class TrimResult:
+    stream: str
+    trimmed: int = 0
+    forced: int = 0  # unconsumed entries dropped by the hard cap
+    safe_point: str | None = None
+    groups: dict = field(default_factory=dict)
+
+
+def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]:
+    """The smallest ID any group still needs (None: no group, so nothing is known to be consumed)."""
+    groups = client.xinfo_groups(stream)
+    if not groups:
+        return None, {}
+    needed: list[tuple[int, int]] = []
+    info = {}
+    for g in groups:
+        name = reply_text(g["name"])
+        first_undelivered = next_stream_id(reply_text(g["last-delivered-id"]))
+        candidates = [parse_stream_id(first_undelivered)]
+        if g["pending"]:
+            summary = client.xpending(stream, name)
+            candidates.append(parse_stream_id(reply_text(summary["min"])))
+        point = min(candidates)
+        needed.append(point)
+        info[name] = f"{point[0]}-{point[1]}"
+    for holder, held in active_holds(client, stream).items():
+        needed.append(parse_stream_id(next_stream_id(held)))
+        info[f"hold:{holder}"] = held
+    low = min(needed)
+    return f"{low[0]}-{low[1]}", info
+
+
+def active_holds(client: redis.Redis, stream: str) -> dict[str, str]:
+    """Unexpired holds on `stream`: holder -> the last entry ID it lets go (it keeps every later one)."""
+    now_ms = int(time.time() * 1000)
+    holds = {}
+    for holder, value in client.hgetall(keys.holds_key(stream)).items():
+        entry_id, _, expires = reply_text(value).partition(" ")
+        if expires and int(expires) < now_ms:
+            continue  # its holder died: the hash itself expires a day after the last hold
+        holds[reply_text(holder)] = entry_id
+    return holds
+
+
+def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolicy()) -> TrimResult:
+    result = TrimResult(stream)
+    point, result.groups = safe_trim_point(client, stream)
+    result.safe_point = point
+    safe = client.xtrim(stream, minid=point, approximate=False) if point is not None else 0
+    dropped = 0  # by the hard cap: what is older than max_age_s, then what exceeds max_len
+    if policy.max_age_s:
+        dropped += client.xtrim(stream, minid=f"{int((time.time() - policy.max_age_s) * 1000)}-0", approximate=False)
+    if policy.max_len:
+        dropped += client.xtrim(stream, maxlen=policy.max_len, approximate=False)
+    if dropped and point is not None:
+        # everything before the safe point is gone already: what the cap drops, a group still needed
+        result.forced = dropped
+        log.error(
+            "hard cap on %s dropped %d entries a consumer group had not consumed (groups need from: %s)",
+            stream, dropped, result.groups,
+        )
+    result.trimmed = safe + dropped
+    if result.trimmed or result.forced:
+        pipe = client.pipeline(transaction=False)
+        pipe.hincrby(keys.TRIM_STATS, f"{stream}:trimmed", result.trimmed)
+        pipe.hincrby(keys.TRIM_STATS, f"{stream}:forced", result.forced)
+        pipe.execute()
+    return result
+
+
+def trim_mapped(client: redis.Redis, mappings: Iterable[Mapping], policy: TrimPolicy, entity: str | None = None,
+                ) -> Iterator[TrimResult]:
+    """Trim every existing stream of the mapped entities (or of `entity` only)."""
+    for m in mappings:
+        if entity and m.entity != entity:
+            continue
+        for stream in m.stream_keys():
+            if client.exists(stream):
+                yield trim_stream(client, stream, policy)

@@ -1,0 +1,55 @@
+"""Reading PostgreSQL's catalog on an ordinary connection: types and table shapes.
+
+Used when a Relation message names types the converter does not know (enums,
+domains, their arrays) and by `cdc check` / `cdc schema` to bind mappings to the
+live schema with the same code the stream uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import psycopg
+
+from .shapes import ColumnShape, TableShape
+from .values import TYPE_QUERY, TypeCatalog, type_info_from_row
+
+__all__ = ["load_types", "table_shape"]
+
+TABLE_QUERY = """
+SELECT c.relreplident::text, a.attname, a.atttypid::int,
+       COALESCE(a.attnum = ANY(i.indkey::int2[]), false) AS is_key
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+LEFT JOIN LATERAL (
+    SELECT x.indkey FROM pg_index x
+    WHERE x.indrelid = c.oid
+      AND ((c.relreplident = 'd' AND x.indisprimary) OR (c.relreplident = 'i' AND x.indisreplident))
+    LIMIT 1
+) i ON true
+WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')
+ORDER BY a.attnum
+"""
+
+
+def load_types(conn: psycopg.Connection, catalog: TypeCatalog, oids: Iterable[int]) -> None:
+    """Add to `catalog` every type among `oids` it does not know, with what they point to."""
+    missing = catalog.missing(oids)
+    if not missing:
+        return
+    for row in conn.execute(TYPE_QUERY, (sorted(missing),)).fetchall():
+        catalog.add(type_info_from_row(row))
+
+
+def table_shape(conn: psycopg.Connection, schema: str, name: str) -> TableShape | None:
+    """The table's columns and replica identity as pgoutput would describe them; None if absent."""
+    rows = conn.execute(TABLE_QUERY, (schema, name)).fetchall()
+    if not rows:
+        return None
+    identity = rows[0][0]
+    columns = tuple(
+        ColumnShape(name=attname, type_oid=typid, key=(identity == "f" or bool(is_key)))
+        for _, attname, typid, is_key in rows
+    )
+    return TableShape(schema=schema, name=name, columns=columns, replica_identity=identity)

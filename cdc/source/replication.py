@@ -1,0 +1,195 @@
+"""The replication transport: the one place that touches the replication connection.
+
+Opens a ``replication=database`` connection with psycopg, starts pgoutput on the
+slot, hands raw CopyData payloads to the caller and sends standby status updates.
+Decoding lives in `cdc.source.framing` and `cdc.source.pgoutput`; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+
+import psycopg
+from psycopg import errors as pgerrors
+
+from ..errors import CdcError, ConfigError, PrivilegeError, SlotError, SourceError, TransientError
+from .framing import standby_status_update
+
+__all__ = ["SESSION_OPTIONS", "ReplicationStream", "classify_pg_error", "quote_ident", "quote_literal", "proto_version_for"]
+
+log = logging.getLogger("cdc.replication")
+
+#: Session settings that fix the text form of values pgoutput sends (see cdc.source.values).
+SESSION_OPTIONS = (
+    "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 "
+    "-c extra_float_digits=3 -c bytea_output=hex -c client_encoding=UTF8"
+)
+
+
+def quote_ident(name: str) -> str:
+    """Quote an identifier: the replication connection accepts no parameters."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def proto_version_for(server_version: int) -> int:
+    """Highest pgoutput protocol the server speaks (PG 14: 2, 15: 3, 16+: 4)."""
+    if server_version >= 160000:
+        return 4
+    if server_version >= 150000:
+        return 3
+    if server_version >= 140000:
+        return 2
+    return 1
+
+
+_PERMANENT_CONNECT = (
+    ("password authentication failed", PrivilegeError, "check the user and password in postgres.dsn"),
+    ("no pg_hba.conf entry", PrivilegeError, "allow replication connections for this user in pg_hba.conf"),
+    ("does not exist", ConfigError, "check the database and user names in postgres.dsn"),
+    ("must be superuser or replication role", PrivilegeError, "run: ALTER ROLE <user> REPLICATION"),
+    ("permission denied to start WAL sender", PrivilegeError, "run: ALTER ROLE <user> REPLICATION"),
+    ("invalid connection option", ConfigError, "fix postgres.dsn"),
+    ("invalid dsn", ConfigError, "fix postgres.dsn"),
+    ("missing \"=\" after", ConfigError, "fix postgres.dsn"),
+)
+
+
+def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = "") -> CdcError:
+    """Turn a psycopg error into what the operator must do: retry it, or fix something."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, CdcError):
+        return exc
+    if "wal_level" in text and "logical" in text:
+        return SourceError(
+            f"postgres is not configured for logical decoding: {text}",
+            hint="set wal_level = logical in postgresql.conf and restart PostgreSQL",
+        )
+    if isinstance(exc, pgerrors.UndefinedObject) or ("replication slot" in text and "does not exist" in text):
+        if "publication" in text:
+            return SlotError(f"publication {publication!r} does not exist", hint="run: cdc init --config <file>")
+        return SlotError(f"replication slot {slot!r} does not exist", hint="run: cdc init --config <file>")
+    if "publication" in text and "does not exist" in text:
+        return SlotError(f"publication {publication!r} does not exist", hint="run: cdc init --config <file>")
+    if isinstance(exc, pgerrors.InsufficientPrivilege):
+        return PrivilegeError(f"postgres refused: {text}", hint="grant the bridge's role REPLICATION and SELECT on mapped tables (see sql/)")
+    if isinstance(exc, pgerrors.ObjectInUse):
+        return TransientError(f"{text} (another bridge may be running on this slot)")
+    if isinstance(exc, (pgerrors.AdminShutdown, pgerrors.CannotConnectNow, pgerrors.CrashShutdown)):
+        return TransientError(f"postgres restarting: {text}")
+    if isinstance(exc, psycopg.OperationalError):
+        for needle, kind, hint in _PERMANENT_CONNECT:
+            if needle in text:
+                return kind(f"cannot connect to postgres: {text}", hint=hint)
+        return TransientError(f"postgres unavailable: {text}")
+    if isinstance(exc, psycopg.Error):
+        return SourceError(f"postgres error: {text}")
+    if isinstance(exc, OSError):
+        return TransientError(f"postgres connection lost: {exc}")
+    return SourceError(f"unexpected postgres failure: {text}")
+
+
+class ReplicationStream:
+    """A started pgoutput stream: `read()` CopyData payloads, `send_status()` feedback."""
+
+    def __init__(self, dsn: str, slot: str, publication: str) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self.publication = publication
+        self.conn: psycopg.Connection | None = None
+        self.proto_version = 0
+        self.server_version = 0
+        self.backend_pid = 0
+
+    def _fail(self, exc: BaseException) -> CdcError:
+        return classify_pg_error(exc, slot=self.slot, publication=self.publication)
+
+    def start(self, start_lsn: int = 0, *, messages: bool = True) -> None:
+        try:
+            self.conn = psycopg.connect(
+                self.dsn, replication="database", autocommit=True, options=SESSION_OPTIONS, connect_timeout=10
+            )
+            self.server_version = self.conn.info.server_version
+            self.backend_pid = self.conn.info.backend_pid
+            self.proto_version = proto_version_for(self.server_version)
+            options = [
+                f"proto_version '{self.proto_version}'",
+                f"publication_names {quote_literal(quote_ident(self.publication))}",
+            ]
+            if messages:
+                options.append("messages 'true'")
+            lsn = f"{start_lsn >> 32:X}/{start_lsn & 0xFFFFFFFF:X}"
+            self.conn.execute(
+                f"START_REPLICATION SLOT {quote_ident(self.slot)} LOGICAL {lsn} ({', '.join(options)})"
+            )
+            self.conn.pgconn.nonblocking = 1
+        except Exception as exc:
+            self.close()
+            raise self._fail(exc) from exc
+        log.info("replication started slot=%s publication=%s proto=%d", self.slot, self.publication, self.proto_version)
+
+    def read(self, timeout: float) -> bytes | None:
+        """The next CopyData payload, or None when nothing arrived within `timeout` seconds."""
+        pgconn = self.conn.pgconn
+        waited = False
+        while True:
+            try:
+                n, data = pgconn.get_copy_data(1)
+            except psycopg.Error as exc:
+                raise self._fail(exc) from exc
+            if n > 0:
+                return bytes(data)
+            if n == -1:
+                raise self._ended()
+            if n < -1:
+                raise self._fail(psycopg.OperationalError(pgconn.get_error_message()))
+            if waited and timeout <= 0:
+                return None
+            try:
+                ready, _, _ = select.select([pgconn.socket], [], [], max(timeout, 0))
+            except (OSError, ValueError) as exc:
+                raise TransientError(f"postgres connection lost: {exc}") from exc
+            if not ready:
+                return None
+            try:
+                pgconn.consume_input()
+            except psycopg.Error as exc:
+                raise self._fail(exc) from exc
+            waited = True
+            timeout = 0
+
+    def _ended(self) -> CdcError:
+        """The server ended COPY: find out why from its final result."""
+        pgconn = self.conn.pgconn
+        message = ""
+        res = pgconn.get_result()
+        while res is not None:
+            if res.error_message:
+                message = res.error_message.decode(errors="replace").strip()
+                sqlstate = res.error_field(psycopg.pq.DiagnosticField.SQLSTATE)
+                if sqlstate:
+                    cls = pgerrors.lookup(sqlstate.decode())
+                    return self._fail(cls(message))
+            res = pgconn.get_result()
+        return TransientError(f"postgres ended replication: {message or 'stream closed'}")
+
+    def send_status(self, write: int, flush: int, apply: int, reply: bool = False) -> None:
+        pgconn = self.conn.pgconn
+        try:
+            pgconn.put_copy_data(standby_status_update(write, flush, apply, reply_requested=reply))
+            while pgconn.flush() == 1:
+                select.select([], [pgconn.socket], [], 1.0)
+        except psycopg.Error as exc:
+            raise self._fail(exc) from exc
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except Exception:  # closing a broken connection: nothing left to save
+                pass
+            self.conn = None

@@ -1,0 +1,172 @@
+"""Sidecar guardrails: metrics and probes, data loss, backpressure, slot health, heartbeats, replicas."""
+
+from __future__ import annotations
+
+import signal
+import urllib.error
+import urllib.request
+
+import pytest
+import redis
+
+from cdc.demo.local import LocalPostgres, LocalRedis, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+@pytest.fixture
+def rides(env):
+    return env.init_rides("ride.yaml", riders=1)
+
+
+def test_metrics_health_and_readiness(rides):
+    port = free_port()
+    rides.write_config(f"http: {{host: 127.0.0.1, port: {port}}}\n")
+    proc = rides.start_bridge()
+    base = f"http://127.0.0.1:{port}"
+    wait_for(lambda: get(base + "/readyz")[0] == 200, 30, "the bridge to be ready")
+    assert get(base + "/healthz") == (200, "ok\n")
+    rides.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 25) g")
+    wait_for(lambda: rides.redis.xlen("cdc:ride") == 25, 30, "the rides")
+    text = wait_for(lambda: (t := get(base + "/metrics")[1]) and 'cdc_entries_published_total{stream="cdc:ride"} 25' in t and t,
+                    30, "the published counter")
+    assert 'cdc_changes_read_total{entity="ride"} 25' in text
+    assert metric(text, "cdc_batch_entries_count") >= 1
+    assert metric(text, "cdc_commit_to_publish_seconds_count") >= 1
+    assert metric(text, "cdc_retained_wal_bytes") > 0
+    assert metric(text, "cdc_confirmed_flush_lsn") > 0
+    assert metric(text, "cdc_up") == 1
+    # Redis goes away: not ready, retries counted, and back
+    rides.redis_server.stop()
+    wait_for(lambda: get(base + "/readyz")[0] == 503, 30, "readiness to drop while redis is down")
+    assert get(base + "/healthz")[0] == 200
+    rides.redis_server.start()
+    wait_for(lambda: get(base + "/readyz")[0] == 200, 60, "readiness to come back")
+    assert metric(get(base + "/metrics")[1], 'cdc_transient_failures_total{side="redis"}') >= 1
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+def test_redis_that_lost_data_is_detected_with_the_missing_range(rides, servers_root):
+    volatile = LocalRedis(servers_root / "volatile-redis", appendonly=False)
+    volatile.start()
+    try:
+        rides.write_config(redis_url=volatile.url)
+        rides.cdc("init", check=True)
+        rides.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 1), (1, 2)")
+        rides.cdc("run", "--until-caught-up", check=True)
+        acked = rides.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (rides.slot,))[0][0]
+        volatile.restart()  # no persistence: everything is gone
+        result = rides.cdc("run", "--until-caught-up")
+        assert result.returncode == 6
+        assert f"redis has no record of slot '{rides.slot}'" in result.stderr and acked in result.stderr
+        # a Redis that kept an older state (a lagging replica, a restore) names the exact range
+        client = redis.Redis.from_url(volatile.url)
+        client.set(f"cdc:bridge:{rides.slot}:flushed", 100)
+        result = rides.cdc("run", "--until-caught-up")
+        assert result.returncode == 6
+        assert f"redis lost entries: it holds changes up to 0/64, but slot '{rides.slot}' was acknowledged up to {acked}" in result.stderr
+        assert f"committed in (0/64, {acked}]" in result.stderr
+        client.close()
+    finally:
+        volatile.stop()
+
+
+def test_backpressure_pauses_when_redis_memory_is_full_and_loses_nothing(rides):
+    client = rides.redis
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", used + 5_000_000)
+    client.config_set("maxmemory-policy", "noeviction")
+    try:
+        rides.write_config(redis=", pause_at_memory_fraction: 0.8, resume_at_memory_fraction: 0.7")
+        proc = rides.start_bridge()
+        rides.execute("INSERT INTO rides (rider_id, distance_m, status) SELECT 1, g, 'done' FROM generate_series(1, 150000) g")
+        wait_for(lambda: "pausing reading" in proc.log_path.read_text(), 60, "the bridge to pause")
+        paused_at = client.xlen("cdc:ride")
+        assert paused_at < 150000
+        client.config_set("maxmemory", 0)  # room again
+        wait_for(lambda: client.xlen("cdc:ride") == 150000, 90, "every ride after resuming")
+        log = proc.log_path.read_text()
+        assert "resuming" in log
+        # it paused before Redis had to refuse a write (no retry, no reconnect)
+        assert "refused the write" not in log and log.count("replication started") == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        client.config_set("maxmemory", 0)
+
+
+def test_heartbeats_keep_a_quiet_slot_advancing(rides):
+    rides.write_config(postgres=", heartbeat_interval_s: 0.5")
+    proc = rides.start_bridge()
+    start = rides.current_wal()
+    # nobody writes: the heartbeats do, and the slot follows them
+    wait_for(lambda: rides.current_wal() > start and rides.confirmed_flush() > start, 30, "heartbeat WAL to be confirmed")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+def test_lost_slot_stops_with_the_way_to_recover(servers_root, env):
+    server = LocalPostgres(servers_root / "small-wal", settings={"max_slot_wal_keep_size": "1MB", "max_wal_size": "32MB", "min_wal_size": "32MB"})
+    server.start()
+    try:
+        import psycopg
+
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY)")
+        env.write_mapping("t.yaml", "entity: t\ntable: public.t\nkey: [id]\nfields: {id: id}\n")
+        env.write_config(dsn=server.dsn)
+        env.cdc("init", check=True)
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            for _ in range(4):  # push the slot's WAL past max_slot_wal_keep_size
+                conn.execute("INSERT INTO t SELECT g FROM generate_series(1, 30000) g ON CONFLICT DO NOTHING")
+                conn.execute("DELETE FROM t")
+                conn.execute("SELECT pg_switch_wal()")
+            conn.execute("CHECKPOINT")
+            wait_for(lambda: conn.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (env.slot,)).fetchone()[0] == "lost",
+                     30, "the slot to be invalidated")
+        result = env.cdc("run", "--until-caught-up")
+        assert result.returncode == 4
+        assert "was invalidated (wal_status lost)" in result.stderr
+        assert f"pg_drop_replication_slot('{env.slot}')" in result.stderr and "re-snapshot" in result.stderr
+    finally:
+        server.stop("immediate")
+
+
+def test_wait_for_replicas_before_acknowledging(rides, servers_root):
+    replica = LocalRedis(servers_root / "replica", extra=["--replicaof", "127.0.0.1", str(rides.redis_server.port)])
+    replica.start()
+    try:
+        wait_for(lambda: rides.redis.info("replication")["connected_slaves"] == 1,
+                 30, "the replica to attach")
+        rides.write_config(redis=", wait_replicas: 1, wait_timeout_ms: 500")
+        rides.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 1)")
+        rides.cdc("run", "--until-caught-up", check=True)
+        assert redis.Redis.from_url(replica.url).xlen("cdc:ride") == 1
+        replica.stop()
+        rides.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 2)")
+        written = rides.current_wal()
+        proc = rides.start_bridge()
+        wait_for(lambda: "only 0 of 1 redis replicas acknowledged" in proc.log_path.read_text(), 30, "the missing replica to be noticed")
+        assert rides.confirmed_flush() < written, "the slot must wait for the replica"
+        replica.start()
+        wait_for(lambda: rides.confirmed_flush() >= written, 60, "the slot to move once the replica is back")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        replica.stop()

@@ -1,0 +1,201 @@
+"""Mapping loading and validation, and projection of rows (pure: no server)."""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+
+import orjson
+import pytest
+
+from cdc import keys
+from cdc.config import Settings
+from cdc.errors import ConfigError, MappingError
+from cdc.mapping.model import load_mappings, parse_mapping
+from cdc.source.pgoutput import UNCHANGED_TOAST
+from cdc.mapping.projector import Projector
+from cdc.source.shapes import ColumnShape, TableShape
+from cdc.source.values import TypeCatalog
+from cdc.yamlsrc import load_yaml_documents
+
+RIDES = TableShape("public", "rides", (
+    ColumnShape("id", 20, key=True), ColumnShape("rider_id", 20), ColumnShape("distance_m", 1700),
+    ColumnShape("status", 25), ColumnShape("created_at", 1184), ColumnShape("note", 25),
+))
+
+
+def mapping(text: str, env=None):
+    return parse_mapping(load_yaml_documents(text, "m.yaml")[0], env or {})
+
+
+def fields_dict(projected) -> dict:
+    it = iter(projected.fields)
+    return {k.decode(): v for k, v in zip(it, it)}
+
+
+MINIMAL = """\
+entity: ride
+table: public.rides
+key: [id]
+fields:
+  id: id
+  distance: distance_m
+  rider: rider_id
+"""
+
+
+def test_minimal_mapping_projects_only_named_fields():
+    m = mapping(MINIMAL)
+    assert m.stream_keys() == ["cdc:ride"] and m.version == 1 and m.ops == {"c", "u", "d", "t", "r"}
+    p = Projector(m, RIDES, TypeCatalog())
+    out = fields_dict(p.insert(("7", "3", "12.500", "done", "2026-01-01 00:00:00+00", "secret")))
+    assert out["op"] == b"c"
+    assert orjson.loads(out["key"]) == {"id": 7}
+    assert orjson.loads(out["data"]) == {"id": 7, "distance": "12.500", "rider": 3}
+    assert b"secret" not in b"".join(v for v in projected_values(out))
+
+
+def projected_values(out: dict):
+    return [v for v in out.values() if isinstance(v, bytes)]
+
+
+@pytest.mark.parametrize("text, message, line", [
+    ("entity: ride\ntable: public.rides\nkey: [idx]\nfields: {id: id}\n", "key field 'idx' is not one of the mapping's fields", 3),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields:\n  id: id\n  d: {column: distance_m, cast: sideways}\n", "unknown cast 'sideways'", 6),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id}\nopz: [c]\n", "unknown mapping key 'opz'", 5),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id}\nops: [c, x]\n", "unknown operation 'x'", 5),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id}\nfilter: {status: {like: x}}\n", "unknown filter operator 'like'", 5),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id, r: rider_id}\npartitions: {count: 2, by: [r]}\n", "partitions.by field 'r' is not a key field", 5),
+    ("entity: ride\ntable: public.rides\nfields: {id: id}\n", "has no 'key'", 1),
+    ("entity: ride\ntable: a.b.c\nkey: [id]\nfields: {id: id}\n", "is not 'schema.table'", 2),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields:\n  id: id\n  e: {column: email, hash: sha256, salt_env: NOPE}\n", "'NOPE' (the hash salt) is not set", 6),
+])
+def test_invalid_mappings_name_file_line_and_fix(text, message, line):
+    with pytest.raises(MappingError) as info:
+        mapping(text)
+    assert message in str(info.value)
+    assert str(info.value).startswith(f"m.yaml:{line}:")
+
+
+def test_yaml_syntax_and_duplicate_keys_are_located():
+    with pytest.raises(ConfigError, match=r"m.yaml:2: invalid YAML"):
+        load_yaml_documents("entity: ride\n  table: [\n", "m.yaml")
+    with pytest.raises(ConfigError, match=r"m.yaml:2: duplicate key 'entity'"):
+        load_yaml_documents("entity: a\nentity: b\n", "m.yaml")
+
+
+def test_casts_hash_redact_const_and_filter():
+    m = mapping("""\
+        entity: ride
+        table: rides
+        key: [id]
+        filter: {status: {ne: test}, distance_m: {gte: 1}}
+        fields:
+          id: id
+          km: {column: distance_m, cast: float}
+          whole: {column: distance_m, cast: integer}
+          at: {column: created_at, cast: epoch_ms}
+          day: {column: created_at, cast: date}
+          note: {column: note, hash: sha256, salt_env: SALT}
+          status: {column: status, redact: true}
+          source: {const: pg}
+        """.replace("        ", ""), {"SALT": "s"})
+    p = Projector(m, RIDES, TypeCatalog())
+    row = ("1", "2", "1500.750", "done", "2026-11-21 10:15:00.5+00", "n")
+    data = orjson.loads(fields_dict(p.insert(row))["data"])
+    assert data == {
+        "id": 1, "km": 1500.75, "whole": 1500, "at": 1795256100500, "day": "2026-11-21",
+        "note": hashlib.sha256(b"sn").hexdigest(), "status": "***", "source": "pg",
+    }
+    assert p.insert(("1", "2", "1500", "test", "2026-11-21 10:15:00+00", None)) is None
+    assert p.insert(("1", "2", "0.5", "done", "2026-11-21 10:15:00+00", None)) is None
+    assert p.insert(("1", "2", "10", None, "2026-11-21 10:15:00+00", None)) is not None  # NULL != test
+
+
+def test_cast_that_does_not_fit_the_column_type_is_rejected_on_binding():
+    m = mapping("entity: r\ntable: rides\nkey: [id]\nfields:\n  id: id\n  s: {column: status, cast: float}\n")
+    with pytest.raises(MappingError, match=r"m.yaml:6: entity 'r': cast 'float' does not apply to column 'status' of type text"):
+        Projector(m, RIDES, TypeCatalog())
+
+
+def test_missing_column_and_key_outside_replica_identity():
+    with pytest.raises(MappingError, match="column 'distance_m' is not in table public.rides.*dropped or renamed"):
+        Projector(mapping(MINIMAL), TableShape("public", "rides", (ColumnShape("id", 20, True), ColumnShape("rider_id", 20))), TypeCatalog())
+    m = mapping("entity: r\ntable: rides\nkey: [rider]\nfields: {rider: rider_id}\n")
+    with pytest.raises(MappingError, match="REPLICA IDENTITY FULL"):
+        Projector(m, RIDES, TypeCatalog())
+    m = mapping("entity: r\ntable: rides\nkey: [rider]\nops: [c, u]\nfields: {rider: rider_id}\n")
+    Projector(m, RIDES, TypeCatalog())  # no deletes emitted: no identity needed
+
+
+def test_update_delete_before_images_and_unchanged_toast():
+    p = Projector(mapping(MINIMAL + "  note: note\n"), RIDES, TypeCatalog())
+    new = ("1", "2", "3.000", "done", "x", UNCHANGED_TOAST)
+    # no before-image: the field is omitted and listed
+    out = fields_dict(p.update(new, None, False))
+    assert orjson.loads(out["data"]) == {"id": 1, "distance": "3.000", "rider": 2}
+    assert orjson.loads(out["unchanged"]) == ["note"] and "before" not in out
+    # full before-image: its value fills the hole
+    old = ("1", "2", "1.000", "done", "x", "long text")
+    out = fields_dict(p.update(new, old, True))
+    assert orjson.loads(out["data"])["note"] == "long text" and "unchanged" not in out
+    assert orjson.loads(out["before"])["distance"] == "1.000"
+    # key-only old tuple (key changed): before holds the key fields
+    out = fields_dict(p.update(("5",) + new[1:], ("1", None, None, None, None, None), False))
+    assert orjson.loads(out["before"]) == {"id": 1} and orjson.loads(out["key"]) == {"id": 5}
+    out = fields_dict(p.delete(("1", None, None, None, None, None), False))
+    assert out["op"] == b"d" and orjson.loads(out["key"]) == {"id": 1} and "data" not in out and "before" not in out
+    assert [fields_dict(t)["op"] for t in p.truncate()] == [b"t"]
+
+
+def test_partitions_follow_a_documented_hash_and_truncate_reaches_every_partition():
+    m = mapping(MINIMAL + "partitions: {count: 4}\n")
+    assert m.stream_keys() == ["cdc:ride:0", "cdc:ride:1", "cdc:ride:2", "cdc:ride:3"]
+    p = Projector(m, RIDES, TypeCatalog())
+    for ride in range(50):
+        out = p.insert((str(ride), "2", "1", "d", "x", None))
+        assert out.partition == zlib.crc32(orjson.dumps([ride])) % 4
+    assert sorted(t.partition for t in p.truncate()) == [0, 1, 2, 3]
+
+
+def test_ops_and_before_switches():
+    p = Projector(mapping(MINIMAL + "ops: [c]\nbefore: false\n"), RIDES, TypeCatalog())
+    row = ("1", "2", "3", "d", "x", None)
+    assert p.insert(row) is not None
+    assert p.update(row, row, True) is None and p.delete(row, True) is None and p.truncate() == []
+    p = Projector(mapping(MINIMAL + "before: false\n"), RIDES, TypeCatalog())
+    assert "before" not in fields_dict(p.update(row, row, True))
+
+
+def test_mark_keys_share_the_stream_cluster_slot():
+    assert keys.mark_key("cdc:ride") == "{cdc:ride}:hwm"
+    assert keys.mark_key("cdc:{ride}:0") == "cdc:{ride}:0:hwm"
+    assert keys.stream_key("cdc:{{entity}}:{partition}", entity="ride", partition=3) == "cdc:{ride}:3"
+    assert not keys.has_hash_tag("cdc:{}:x") and keys.has_hash_tag("a{b}")
+
+
+def test_load_mappings_rejects_duplicates(tmp_path):
+    (tmp_path / "a.yaml").write_text(MINIMAL)
+    (tmp_path / "b.yaml").write_text(MINIMAL.replace("entity: ride", "entity: other").replace("key: [id]", "key: [id]\nstream: cdc:ride"))
+    with pytest.raises(MappingError, match="stream 'cdc:ride' is already written by entity 'ride'"):
+        load_mappings(tmp_path)
+    (tmp_path / "b.yaml").write_text("- " + MINIMAL.replace("\n", "\n  "))
+    with pytest.raises(MappingError, match="entity 'ride' is already defined at .*a.yaml:1"):
+        load_mappings(tmp_path)
+
+
+def test_settings_from_file_and_environment(tmp_path):
+    cfg = tmp_path / "cdc.yaml"
+    cfg.write_text("postgres: {dsn: 'postgresql://a/b', slot: s1}\nredis: {url: 'redis://x:1/0'}\nmappings: maps/\n")
+    secret = tmp_path / "dsn"
+    secret.write_text("postgresql://user:pw@h/db\n")
+    s = Settings.from_file(cfg, env={"CDC_REDIS_URL": "redis://y:2/0", "CDC_POSTGRES_DSN_FILE": str(secret), "CDC_BATCH_MAX_ENTRIES": "10"})
+    assert s.postgres.dsn == "postgresql://user:pw@h/db" and s.postgres.slot == "s1"
+    assert s.redis.url == "redis://y:2/0" and s.batch.max_entries == 10
+    assert s.mappings == tmp_path / "maps"
+    cfg.write_text("postgres: {dsn: x, slots: 2}\n")
+    with pytest.raises(ConfigError, match=r"cdc.yaml:1: unknown setting postgres.slots; postgres accepts: dsn, slot, publication"):
+        Settings.from_file(cfg, env={})
+    cfg.write_text("batch: {max_entries: many}\n")
+    with pytest.raises(ConfigError, match=r"cdc.yaml:1: batch.max_entries must be an integer, got 'many'"):
+        Settings.from_file(cfg, env={})

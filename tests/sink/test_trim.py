@@ -1,0 +1,78 @@
+"""Consumer-aware trimming: never drops what a group still needs; a hard cap is loud."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+
+from cdc.sink.trim import TrimPolicy, trim_stream
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(redis_server):
+    c = redis.Redis.from_url(redis_server.url)
+    c.flushall()
+    yield c
+    c.close()
+
+
+def add(client, n: int) -> list[bytes]:
+    return [client.xadd("s", {"n": i}) for i in range(n)]
+
+
+def test_trims_only_what_every_group_consumed(client):
+    ids = add(client, 10)
+    assert trim_stream(client, "s").trimmed == 0, "without groups nothing is known to be consumed"
+    client.xgroup_create("s", "fast", id="0")
+    client.xgroup_create("s", "slow", id="0")
+    # fast reads and acks everything; slow reads 6, acks 4 (entries 2 and 5 stay pending)
+    for entry_id, _ in client.xreadgroup("fast", "f1", {"s": ">"})[0][1]:
+        client.xack("s", "fast", entry_id)
+    slow = client.xreadgroup("slow", "s1", {"s": ">"}, count=6)[0][1]
+    client.xack("s", "slow", *[i for n, (i, _) in enumerate(slow) if n not in (2, 5)])
+    result = trim_stream(client, "s")
+    assert result.trimmed == 2 and result.forced == 0
+    assert client.xrange("s")[0][0] == ids[2], "the oldest pending entry of the slow group stays"
+    client.xack("s", "slow", ids[2], ids[5])
+    result = trim_stream(client, "s")
+    assert client.xrange("s")[0][0] == ids[6], "entries delivered to nobody in 'slow' stay"
+    assert client.xlen("s") == 4
+
+
+def test_a_dead_group_holds_the_stream_until_the_hard_cap_drops_loudly(client, caplog):
+    add(client, 5)
+    client.xgroup_create("s", "dead", id="0")  # never reads
+    client.xgroup_create("s", "live", id="0")
+    for entry_id, _ in client.xreadgroup("live", "l1", {"s": ">"})[0][1]:
+        client.xack("s", "live", entry_id)
+    ids = add(client, 5)
+    assert trim_stream(client, "s").trimmed == 0
+    with caplog.at_level(logging.ERROR, logger="cdc.sink.trim"):
+        result = trim_stream(client, "s", TrimPolicy(max_len=3))
+    assert result.forced == 7 and client.xlen("s") == 3
+    assert [i for i, _ in client.xrange("s")] == ids[2:]
+    assert "dropped 7 entries a consumer group had not consumed" in caplog.text
+    assert client.hget("cdc:stats:trim", "s:forced") == b"7"
+
+
+def test_a_hold_keeps_acknowledged_entries_until_released_or_expired(client):
+    import time
+
+    from cdc.keys import holds_key
+
+    ids = add(client, 3)
+    client.xgroup_create("s", "g", id="0")
+    client.hset(holds_key("s"), "reconcile:x", f"{ids[0].decode()} {int(time.time() * 1000) + 60_000}")
+    ids += add(client, 4)
+    for entry_id, _ in client.xreadgroup("g", "c", {"s": ">"})[0][1]:
+        client.xack("s", "g", entry_id)
+    result = trim_stream(client, "s")
+    assert [i for i, _ in client.xrange("s")] == ids[1:], "everything after the held entry stays"
+    assert result.groups["hold:reconcile:x"] == ids[0].decode()
+    client.hset(holds_key("s"), "reconcile:x", f"{ids[3].decode()} {int(time.time() * 1000) - 1}")  # expired
+    trim_stream(client, "s")
+    assert client.xlen("s") == 0, "an expired hold holds nothing"

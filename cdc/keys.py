@@ -64,6 +64,19 @@ def lease_epoch_key(stream: str, group: str) -> str:
     return lease_key(stream, group) + ":epoch"
 
 
+def failures_key(stream: str, group: str) -> str:
+    """A hash of handler failures of `group` on `stream` (field: entry ID, value: how many times the
+    handler failed on it; field "<entry ID>:error": the last error). Same cluster slot as the stream."""
+    return mark_key(stream)[: -len(MARK_SUFFIX)] + f":failures:{group}"
+
+
+def bridge_state_key(slot: str) -> str:
+    """A hash of what the bridge of `slot` knows and `cdc status` shows: paused for Redis memory
+    (``paused``, ``memory_ratio``, ``paused_since_ms``) and detected Redis data loss (``data_loss_from``,
+    ``data_loss_to``, ``data_loss_at_ms``)."""
+    return f"cdc:bridge:{slot}:state"
+
+
 def flushed_key(slot: str) -> str:
     """The highest LSN whose changes Redis holds, written before the slot is told so.
 

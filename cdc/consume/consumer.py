@@ -20,10 +20,11 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 import orjson
+import psycopg
 import redis
 from redis.exceptions import ResponseError
 
@@ -35,6 +36,10 @@ from .lease import Lease
 __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
 
 log = logging.getLogger("cdc.consumer")
+
+
+#: failures of a server rather than of the handler on an entry: never counted against an entry
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, psycopg.OperationalError)
 
 
 class Fenced(CdcError):
@@ -109,7 +114,7 @@ class Consumer:
         self._next_lease_check = 0.0
         self._next_reap = 0.0
         self._pending_phase: set[str] = set(self.streams)  # re-read own pending entries first
-        self._errors: dict[str, str] = {}
+        self._redelivered: set[str] = set()  # IDs read again from the pending list: they may have failures recorded
         self._retry_one: set[str] = set()  # streams whose first pending entry failed: retry it alone
         self.delivered = 0
         self.acked = 0
@@ -192,42 +197,33 @@ class Consumer:
 
     # -- reading -------------------------------------------------------------------------
 
-    def _parse(self, reply) -> list[Entry]:
+    def _parse(self, reply, gone: list[tuple[str, str]] | None = None) -> list[Entry]:
         entries = []
         for stream, items in reply or []:
             for entry_id, fields in items:
-                if fields:  # an entry deleted (trimmed) while pending comes back empty
+                if fields:
                     entries.append(parse_entry(stream, entry_id, fields))
+                elif gone is not None:  # an entry deleted (trimmed) while pending comes back empty
+                    gone.append((reply_text(stream), reply_text(entry_id)))
         return entries
 
-    def _dead_letter_exhausted(self, streams: Iterable[str]) -> None:
-        for stream in streams:
-            rows = self.client.xpending_range(stream, self.group, "-", "+", self.count, consumername=self.name)
-            over = [r for r in rows if r["times_delivered"] >= self.max_deliveries]
-            if not over:
-                continue
-            ids = [r["message_id"] for r in over]
-            found = {e.id: e for e in self._parse([(stream, self.client.xrange(stream, ids[0], ids[-1]))])}
-            for row in over:
-                mid = reply_text(row["message_id"])
-                self.dead_letter(stream, mid, found.get(mid), row["times_delivered"])
-
-    def dead_letter(self, stream: str, entry_id: str, entry: Entry | None, deliveries: int) -> None:
+    def dead_letter(self, stream: str, entry_id: str, entry: Entry | None, failures: int, error: str) -> None:
         """Move one entry to the group's dead-letter stream with its error, then acknowledge it."""
-        error = self._errors.pop(entry_id, f"not acknowledged after {deliveries} deliveries")
         fields: dict = {
             "source_stream": stream, "source_id": entry_id, "group": self.group, "consumer": self.name,
-            "deliveries": deliveries, "error": error[:2000],
+            "deliveries": failures, "error": error[:2000],
         }
         if entry is not None:
             fields["entry"] = orjson.dumps({k.decode(): v.decode() for k, v in entry.fields.items()})
         pipe = self.client.pipeline(transaction=True)
         pipe.xadd(self.dead_letter_stream, fields)
         pipe.xack(stream, self.group, entry_id)
+        pipe.hdel(keys.failures_key(stream, self.group), entry_id, f"{entry_id}:error")
         pipe.execute()
         self._retry_one.discard(stream)
+        self._redelivered.discard(entry_id)
         self.dead_lettered += 1
-        log.warning("dead-lettered %s %s after %d deliveries: %s", stream, entry_id, deliveries, error)
+        log.warning("dead-lettered %s %s after %d failed deliveries: %s", stream, entry_id, failures, error)
 
     def _xreadgroup(self, ids: dict[str, str], count: int, block: int | None = None):
         """XREADGROUP over several streams; on a cluster, one call per stream (slots differ)."""
@@ -255,15 +251,17 @@ class Consumer:
             return []
         pending = [s for s in active if s in self._pending_phase]
         if pending:
-            self._dead_letter_exhausted(pending)
             single = [s for s in pending if s in self._retry_one]
             several = [s for s in pending if s not in self._retry_one]
-            entries = []
+            entries, gone = [], []
             if single:
-                entries += self._parse(self._xreadgroup({s: "0" for s in single}, 1))
+                entries += self._parse(self._xreadgroup({s: "0" for s in single}, 1), gone)
             if several:
-                entries += self._parse(self._xreadgroup({s: "0" for s in several}, self.count))
-            got = {e.stream for e in entries}
+                entries += self._parse(self._xreadgroup({s: "0" for s in several}, self.count), gone)
+            for stream, entry_id in gone:  # nothing left to hand over: never blocks the stream
+                self.dead_letter(stream, entry_id, None, 0, "deleted from the stream (trimmed) while pending")
+            self._redelivered.update(e.id for e in entries)
+            got = {e.stream for e in entries} | {stream for stream, _ in gone}
             for stream in pending:
                 if stream not in got:
                     self._pending_phase.discard(stream)
@@ -287,16 +285,34 @@ class Consumer:
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.group, *ids)
+            again = [i for i in ids if i in self._redelivered]  # only a redelivered entry can have failures recorded
+            if again:
+                pipe.hdel(keys.failures_key(stream, self.group), *again, *(f"{i}:error" for i in again))
+                self._redelivered.difference_update(again)
         pipe.execute()
         self._retry_one.difference_update(by_stream)
         self.acked += len(entries)
 
     def fail(self, entry: Entry, error: BaseException | str) -> None:
-        """Record a handler failure: the entry stays pending and is delivered again."""
-        self._errors[entry.id] = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        self._pending_phase.add(entry.stream)
-        self._retry_one.add(entry.stream)
+        """Record that the handler failed on `entry` (alone): it stays pending and is delivered again,
+        until the handler has failed on it `max_deliveries` times; then it is dead-lettered.
+
+        Failures are counted per entry in Redis (`keys.failures_key`), not from the delivery count:
+        entries delivered again only because they sat behind a failing one, or in a dead
+        consumer's hands, never count, and a consumer that takes over continues the count."""
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        failures_key = keys.failures_key(entry.stream, self.group)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(failures_key, entry.id, 1)
+        pipe.hset(failures_key, f"{entry.id}:error", text[:2000])
+        failures = int(pipe.execute()[0])
         self.failed += 1
+        self._pending_phase.add(entry.stream)
+        if failures >= self.max_deliveries:
+            self.dead_letter(entry.stream, entry.id, entry, failures, text)
+            return
+        self._redelivered.add(entry.id)
+        self._retry_one.add(entry.stream)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -328,6 +344,8 @@ class Consumer:
         except Fenced as exc:
             self._fenced(entries, exc)
             return
+        except TRANSIENT:
+            raise  # a server away is no failure of the entries: they come back after the retry
         except Exception as exc:
             if len(entries) == 1:
                 self.fail(entries[0], exc)
@@ -345,6 +363,8 @@ class Consumer:
             except Fenced as exc:
                 self._fenced([e], exc)
                 blocked.add(e.stream)
+            except TRANSIENT:
+                raise
             except Exception as exc:
                 self.fail(e, exc)
                 log.warning("handler failed on %s %s: %s", e.stream, e.id, exc)

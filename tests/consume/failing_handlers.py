@@ -1,0 +1,19 @@
+"""Apply functions that fail on a fixed subset of rides: the rides whose id is divisible by 5.
+
+Importable by `cdc consume --handler failing_handlers:totals_except_fives` when this folder
+is on PYTHONPATH."""
+
+from __future__ import annotations
+
+from cdc.demo.rocketrides import ride_totals
+
+
+def fails(entry) -> bool:
+    return int(entry.key["id"]) % 5 == 0
+
+
+def totals_except_fives(conn, entries, consumer: str) -> None:
+    for e in entries:
+        if fails(e):
+            raise ValueError(f"ride {e.key['id']} is divisible by 5")
+    ride_totals(conn, entries, consumer)

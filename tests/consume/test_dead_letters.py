@@ -1,0 +1,132 @@
+"""Dead letters hold exactly the entries the handler failed on, `max_deliveries` times each,
+even when a consumer is killed mid-way; entries re-delivered behind a failing one never count."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from decimal import Decimal
+from pathlib import Path
+
+import orjson
+import pytest
+
+from cdc.consume.consumer import Consumer
+from cdc.consume.table_sink import TableSink
+from cdc.demo.local import wait_for
+
+from failing_handlers import fails
+
+pytestmark = pytest.mark.integration
+
+RIDES = 1200  # rides 1..1200; the handler fails on the 240 whose id is divisible by 5
+FAILING = {i for i in range(1, RIDES + 1) if i % 5 == 0}
+
+
+@pytest.fixture
+def rides(env):
+    env.init_rides("ride.yaml", sql=("10_rocket_rides.sql", "20_consumer_state.sql"), config="trim: {interval_s: 0}\n",
+                   riders=7)
+    env.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1 + g %% 7, g * 1.125 FROM generate_series(1, %s) g",
+                (RIDES,))
+    env.cdc("run", "--until-caught-up", check=True)
+    assert env.redis.xlen("cdc:ride") == RIDES
+    return env
+
+
+def dead_letters(env, group: str) -> list[dict]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in env.redis.xrange(f"cdc:dlq:{group}")]
+
+
+def dead_ride_ids(letters: list[dict]) -> list[int]:
+    return sorted(orjson.loads(orjson.loads(d["entry"])["key"])["id"] for d in letters)
+
+
+def settled(env, group: str) -> bool:
+    """Every entry delivered to the group, none pending."""
+    info = next(g for g in env.redis.xinfo_groups("cdc:ride") if g["name"].decode() == group)
+    return info["lag"] == 0 and info["pending"] == 0
+
+
+def check_dead_letters(env, group: str, max_deliveries: int) -> None:
+    letters = dead_letters(env, group)
+    assert dead_ride_ids(letters) == sorted(FAILING), "the dead letters are exactly the failing rides, once each"
+    assert {d["deliveries"] for d in letters} == {str(max_deliveries)}
+    assert all(d["error"].startswith("ValueError: ride ") for d in letters)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_deliveries", [2, 5])
+def test_exclusive_consumer_dead_letters_only_what_the_handler_failed_on(rides, max_deliveries):
+    env = rides
+    handlers = str(Path(__file__).parent)
+    extra = {"PYTHONPATH": os.pathsep.join(filter(None, [handlers, os.environ.get("PYTHONPATH")]))}
+    args = ("--handler", "failing_handlers:totals_except_fives", "--count", "100",
+            "--max-deliveries", str(max_deliveries), "--lease-ttl-ms", "1500")
+    first = env._start("consumer-first", "consume", "--entity", "ride", "--group", "g", "--start", "0", *args, env=extra)
+    wait_for(lambda: env.redis.xlen("cdc:dlq:g") >= 30, 120, "the first consumer to dead-letter some rides")
+    first.send_signal(signal.SIGKILL)  # mid-way, with a batch in hand
+    first.wait(10)
+    second = env._start("consumer-second", "consume", "--entity", "ride", "--group", "g", *args, env=extra)
+    try:
+        wait_for(lambda: settled(env, "g") and env.redis.xlen("cdc:dlq:g") >= len(FAILING), 180,
+                 "the second consumer to finish")
+    finally:
+        second.terminate()
+        assert second.wait(30) == 0, second.log_path.read_text()
+    check_dead_letters(env, "g", max_deliveries)
+    expected = dict(env.execute(
+        "SELECT rider_id, sum(distance_m) FROM rides WHERE id % 5 <> 0 GROUP BY rider_id"))
+    expected[0] = sum(expected.values(), Decimal(0))
+    state = dict(env.execute("SELECT rider_id, total_distance FROM consumer_states WHERE consumer = 'g'"))
+    assert state == expected
+
+
+@pytest.mark.parametrize("max_deliveries", [2, 5])
+def test_shared_consumers_dead_letter_only_what_the_handler_failed_on(rides, max_deliveries):
+    env = rides
+    client = env.redis
+    sinks: list[TableSink] = []
+
+    def failing_sink():
+        sink = TableSink(env.dsn, "public.ride_mirror")  # one connection per consumer thread
+        sinks.append(sink)
+
+        def handle(entries):
+            for e in entries:
+                if fails(e):
+                    raise ValueError(f"ride {e.key['id']} is divisible by 5")
+            sink(entries)
+        return handle
+
+    def member(name: str) -> Consumer:
+        return Consumer(client, ["cdc:ride"], "m", name, exclusive=False, count=100, claim_idle_ms=300,
+                        block_ms=100, max_deliveries=max_deliveries)
+
+    # a consumer that dies mid-way: two batches handled (their failures counted), the next left pending
+    dead, handle = member("dead"), failing_sink()
+    dead.create_group("0")
+    dead.process(dead.read(), handle)
+    dead.process(dead.read(), handle)
+    in_hand = dead.read()
+    assert in_hand and client.xpending("cdc:ride", "m")["pending"] >= len(in_hand)
+    stop = threading.Event()
+    live = [member("a"), member("b")]
+    threads = [threading.Thread(target=c.run, args=(failing_sink(), stop)) for c in live]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: settled(env, "m") and client.xlen("cdc:dlq:m") >= len(FAILING), 120,
+                 "the live consumers to finish, the dead one's entries included")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        for sink in sinks:
+            sink.close()
+    assert sum(c.claimed for c in live) >= len(in_hand), "the dead consumer's entries were taken over"
+    check_dead_letters(env, "m", max_deliveries)
+    mirrored = {row[0]["id"] for row in env.execute("SELECT key FROM ride_mirror")}
+    assert mirrored == set(range(1, RIDES + 1)) - FAILING
+    assert client.hlen("{cdc:ride}:failures:m") == 0, "no failure record outlives its entry"

@@ -386,7 +386,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .ops.status import collect, render
 
     settings, mappings = _load(args)
-    status = collect(settings, mappings)
+    status = collect(settings, mappings, args.stale_after_s)
     if args.json:
         sys.stdout.write(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
@@ -455,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument("--report", help="also write the JSON report to this file")
     status = command("status", cmd_status, "show the slot, lag and streams")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--stale-after-s", type=float, default=3600.0, help="list consumers idle this long as stale")
     return parser
 
 

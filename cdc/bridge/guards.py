@@ -5,6 +5,7 @@ the edge; the bridge calls them on a schedule."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import psycopg
@@ -14,7 +15,7 @@ from .. import keys
 from ..errors import DataLossError, SlotError
 from ..source.lsn import Lsn
 
-__all__ = ["MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed"]
+__all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss"]
 
 log = logging.getLogger("cdc.guard")
 
@@ -104,12 +105,15 @@ class SlotWatch:
 class MemoryWatch:
     """Backpressure: pause reading while Redis memory is above a fraction of maxmemory."""
 
-    def __init__(self, client: redis.Redis, pause_at: float, resume_at: float) -> None:
+    def __init__(self, client: redis.Redis, pause_at: float, resume_at: float, slot: str | None = None) -> None:
         self.client = client
         self.pause_at = pause_at
         self.resume_at = resume_at
         self.paused = False
         self.ratio: float | None = None
+        #: where the pause is recorded for `cdc status` (`keys.bridge_state_key`); None: not recorded
+        self.state_key = keys.bridge_state_key(slot) if slot else None
+        self._recorded: bool | None = None
 
     @staticmethod
     def _fullest(info: dict) -> dict:
@@ -127,6 +131,7 @@ class MemoryWatch:
             if self.paused:
                 log.info("redis has no memory limit now: resuming")
             self.ratio, self.paused = None, False
+            self._record()
             return False
         self.ratio = int(info["used_memory"]) / limit
         if not self.paused and self.ratio >= self.pause_at:
@@ -135,11 +140,47 @@ class MemoryWatch:
         elif self.paused and self.ratio < self.resume_at:
             self.paused = False
             log.info("redis memory at %.0f%% of maxmemory: resuming", self.ratio * 100)
+        self._record()
         return self.paused
+
+    def _record(self) -> None:
+        """Tell `cdc status` whether reading is paused, when that changes (and once per session)."""
+        if self.state_key is None or self._recorded == self.paused:
+            return
+        fields = {"paused": int(self.paused), "memory_ratio": "" if self.ratio is None else f"{self.ratio:.4f}"}
+        if self.paused:
+            fields["paused_since_ms"] = int(time.time() * 1000)
+        self.client.hset(self.state_key, mapping=fields)
+        self._recorded = self.paused
+
+
+DATA_LOSS_FIELDS = ("data_loss_from", "data_loss_to", "data_loss_at_ms", "data_loss")
+
+
+def _record_data_loss(client: redis.Redis, slot: str, held: Lsn | None, confirmed: Lsn, message: str) -> None:
+    """Leave the loss where `cdc status` shows it, until cdc init accepts it or Redis holds everything again."""
+    client.hset(keys.bridge_state_key(slot), mapping={
+        "data_loss_from": "" if held is None else str(held), "data_loss_to": str(confirmed),
+        "data_loss_at_ms": int(time.time() * 1000), "data_loss": message,
+    })
+
+
+def clear_data_loss(client: redis.Redis, slot: str) -> None:
+    client.hdel(keys.bridge_state_key(slot), *DATA_LOSS_FIELDS)
 
 
 def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> None:
-    """Stop if Redis holds less than the slot was told it holds (lost writes)."""
+    """Stop if Redis holds less than the slot was told it holds (lost writes); record the loss for status."""
+    try:
+        _check_flushed(client, slot, confirmed)
+    except DataLossError as exc:
+        held = client.get(keys.flushed_key(slot))
+        _record_data_loss(client, slot, None if held is None else Lsn(int(held)), confirmed, exc.message)
+        raise
+    clear_data_loss(client, slot)
+
+
+def _check_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> None:
     raw = client.get(keys.flushed_key(slot))
     if raw is None:
         raise DataLossError(

@@ -15,6 +15,7 @@ import psycopg
 import redis
 
 from ..bridge.backfill import BACKFILL_DDL, enqueue
+from ..bridge.guards import clear_data_loss
 from ..source.catalog import load_types, table_shape
 from ..config import Settings
 from .. import keys
@@ -122,10 +123,12 @@ def _register_redis(settings: Settings, confirmed: Lsn) -> str:
     try:
         client = connect_redis(settings.redis)
         if client.set(key, str(int(confirmed)), nx=True):
+            clear_data_loss(client, settings.postgres.slot)
             return f"registered redis for slot {settings.postgres.slot} at {confirmed}"
         current = Lsn(int(client.get(key)))
         if current < confirmed:
             client.set(key, str(int(confirmed)))
+            clear_data_loss(client, settings.postgres.slot)
             return f"redis held changes up to {current} only; accepted the loss up to {confirmed}"
         return f"redis already holds slot {settings.postgres.slot} up to {current}"
     except redis.RedisError as exc:

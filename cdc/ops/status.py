@@ -20,7 +20,10 @@ from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source.replication import classify_pg_error
 
-__all__ = ["collect", "render"]
+__all__ = ["STALE_AFTER_S", "collect", "render"]
+
+#: a consumer that has not read for this long is listed as stale (`cdc status --stale-after-s`)
+STALE_AFTER_S = 3600.0
 
 SLOT_QUERY = """
 SELECT s.active, s.confirmed_flush_lsn::text, pg_current_wal_lsn()::text,
@@ -32,7 +35,7 @@ WHERE s.slot_name = %s
 """
 
 
-def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
+def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: float = STALE_AFTER_S) -> dict:
     result: dict = {"slot": None, "streams": []}
     with connect(settings) as conn:
         try:
@@ -79,6 +82,8 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
         streams = [(m.entity, s) for m in mappings for s in m.stream_keys()]
         marks = publisher.marks(s for _, s in streams)
         trim_stats = {k.decode(): int(v) for k, v in client.hgetall(keys.TRIM_STATS).items()}
+        bridge_state = {k.decode(): v.decode() for k, v in client.hgetall(keys.bridge_state_key(settings.postgres.slot)).items()}
+        result["bridge"] = _bridge(bridge_state, bool(result["slot"] and result["slot"]["active"]))
         for entity, stream in streams:
             length = client.xlen(stream)
             first = client.xrange(stream, count=1)
@@ -93,8 +98,12 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
                 "last_lsn": mark[0] if mark else None, "last_seq": mark[1] if mark else None,
                 "trimmed": trim_stats.get(f"{stream}:trimmed", 0),
                 "force_trimmed": trim_stats.get(f"{stream}:forced", 0),
-                "groups": _groups(client, stream) if length or client.exists(stream) else [],
+                "groups": _groups(client, stream, stale_after_s) if length or client.exists(stream) else [],
             })
+        result["stale_consumers"] = [
+            {"stream": s["stream"], "group": g["group"], "consumer": c["name"], "idle_ms": c["idle_ms"], "pending": c["pending"]}
+            for s in result["streams"] for g in s["groups"] for c in g["consumers"] if c["stale"]
+        ]
     except redis.RedisError as exc:
         raise TransientError(f"redis unavailable: {exc}") from exc
     finally:
@@ -104,11 +113,32 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
 
 
 def _id_time(entry_id: bytes) -> str:
-    ms = int(entry_id.split(b"-")[0])
+    return _ms_time(int(entry_id.split(b"-")[0]))
+
+
+def _ms_time(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _groups(client: redis.Redis, stream: str) -> list[dict]:
+def _bridge(state: dict[str, str], attached: bool) -> dict:
+    """What the bridge recorded (`cdc.bridge.guards`): a pause for Redis memory counts only while a
+    bridge is attached to the slot (a bridge killed while paused is not paused, it is gone)."""
+    paused = attached and state.get("paused") == "1"
+    ratio = state.get("memory_ratio")
+    loss = None
+    if state.get("data_loss_to"):
+        loss = {"from_lsn": state.get("data_loss_from") or None, "to_lsn": state["data_loss_to"],
+                "detected_at": _ms_time(int(state["data_loss_at_ms"])) if state.get("data_loss_at_ms") else None,
+                "message": state.get("data_loss", "")}
+    return {
+        "paused_for_memory": paused,
+        "memory_ratio": float(ratio) if paused and ratio else None,
+        "paused_since": _ms_time(int(state["paused_since_ms"])) if paused and state.get("paused_since_ms") else None,
+        "data_loss": loss,
+    }
+
+
+def _groups(client: redis.Redis, stream: str, stale_after_s: float = STALE_AFTER_S) -> list[dict]:
     """The consumer view of one stream: per group, lag, pending, consumers, dead letters."""
     groups = []
     for g in client.xinfo_groups(stream):
@@ -118,7 +148,8 @@ def _groups(client: redis.Redis, stream: str) -> list[dict]:
             first = client.xpending_range(stream, name, "-", "+", 1)
             oldest_idle_ms = first[0]["time_since_delivered"] if first else None
         consumers = [
-            {"name": reply_text(c["name"]), "pending": c["pending"], "idle_ms": c["idle"]}
+            {"name": reply_text(c["name"]), "pending": c["pending"], "idle_ms": c["idle"],
+             "stale": c["idle"] >= stale_after_s * 1000}
             for c in client.xinfo_consumers(stream, name)
         ]
         groups.append({
@@ -142,6 +173,7 @@ def render(status: dict) -> str:
             f"retained WAL {slot['retained_wal_bytes']} bytes of max_slot_wal_keep_size {slot['max_slot_wal_keep_size']}, "
             f"wal_status {slot['wal_status']}"
         )
+    lines += _bridge_lines(status.get("bridge") or {})
     lines.append(f"{'entity':<14} {'stream':<24} {'length':>9} {'first entry':<25} {'last entry':<25} last lsn")
     for s in status["streams"]:
         lines.append(
@@ -157,7 +189,8 @@ def render(status: dict) -> str:
                 f"(oldest idle {idle}), dead letters {g['dead_letters']}"
             )
             for c in g["consumers"]:
-                lines.append(f"{'':<16} consumer {c['name']}: pending {c['pending']}, idle {c['idle_ms'] / 1000:.1f}s")
+                stale = " STALE: has not read for a long time (remove it: XGROUP DELCONSUMER)" if c.get("stale") else ""
+                lines.append(f"{'':<16} consumer {c['name']}: pending {c['pending']}, idle {c['idle_ms'] / 1000:.1f}s{stale}")
     for b in status.get("backfills", []):
         rate = f", {b['rows_per_s']:,.0f} rows/s" if b["rows_per_s"] else ""
         part = f" where {b['where']}" if b["where"] else ""
@@ -170,3 +203,16 @@ def render(status: dict) -> str:
             f"{r['keys_drifted']} of {r['keys_compared']} keys drifted, position {r['position']}{why}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _bridge_lines(bridge: dict) -> list[str]:
+    lines = []
+    if bridge.get("paused_for_memory"):
+        ratio = f" at {bridge['memory_ratio']:.0%} of maxmemory" if bridge.get("memory_ratio") is not None else ""
+        lines.append(f"bridge: PAUSED for Redis memory{ratio} since {bridge.get('paused_since') or '?'}: "
+                     "nothing is read until Redis has room (raise maxmemory, trim, or let consumers catch up)")
+    loss = bridge.get("data_loss")
+    if loss:
+        lines.append(f"bridge: REDIS DATA LOSS detected at {loss['detected_at'] or '?'}: entries of transactions committed in "
+                     f"({loss['from_lsn'] or 'unknown'}, {loss['to_lsn']}] are missing; the bridge stopped (exit 6)")
+    return lines

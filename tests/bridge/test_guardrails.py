@@ -6,6 +6,7 @@ import signal
 import urllib.error
 import urllib.request
 
+import orjson
 import pytest
 import redis
 
@@ -82,6 +83,14 @@ def test_redis_that_lost_data_is_detected_with_the_missing_range(rides, servers_
         assert result.returncode == 6
         assert f"redis lost entries: it holds changes up to 0/64, but slot '{rides.slot}' was acknowledged up to {acked}" in result.stderr
         assert f"committed in (0/64, {acked}]" in result.stderr
+        # cdc status shows the loss and its range, until cdc init accepts it
+        loss = orjson.loads(rides.cdc("status", "--json", check=True).stdout)["bridge"]["data_loss"]
+        assert (loss["from_lsn"], loss["to_lsn"]) == ("0/64", acked) and loss["detected_at"].endswith("Z")
+        assert f"REDIS DATA LOSS detected at {loss['detected_at']}: entries of transactions committed in (0/64, {acked}]" \
+            in rides.cdc("status", check=True).stdout
+        assert "accepted the loss" in rides.cdc("init", check=True).stdout
+        assert orjson.loads(rides.cdc("status", "--json", check=True).stdout)["bridge"]["data_loss"] is None
+        assert "DATA LOSS" not in rides.cdc("status", check=True).stdout
         client.close()
     finally:
         volatile.stop()
@@ -99,12 +108,16 @@ def test_backpressure_pauses_when_redis_memory_is_full_and_loses_nothing(rides):
         wait_for(lambda: "pausing reading" in proc.log_path.read_text(), 60, "the bridge to pause")
         paused_at = client.xlen("cdc:ride")
         assert paused_at < 150000
+        bridge = orjson.loads(rides.cdc("status", "--json", check=True).stdout)["bridge"]
+        assert bridge["paused_for_memory"] is True and bridge["memory_ratio"] >= 0.8 and bridge["paused_since"].endswith("Z")
+        assert "bridge: PAUSED for Redis memory at " in rides.cdc("status", check=True).stdout
         client.config_set("maxmemory", 0)  # room again
         wait_for(lambda: client.xlen("cdc:ride") == 150000, 90, "every ride after resuming")
         log = proc.log_path.read_text()
         assert "resuming" in log
         # it paused before Redis had to refuse a write (no retry, no reconnect)
         assert "refused the write" not in log and log.count("replication started") == 1
+        assert orjson.loads(rides.cdc("status", "--json", check=True).stdout)["bridge"]["paused_for_memory"] is False
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

@@ -185,11 +185,21 @@ def test_status_shows_the_consumer_view(rides):
     assert stream["first_time"].endswith("Z") and stream["length"] == 3
     text = rides.cdc("status", check=True).stdout
     assert "group slow: lag 2, pending 1" in text and "consumer s1: pending 1" in text
+    assert status["stale_consumers"] == [] and "STALE" not in text
+    # a consumer that stopped reading long ago is listed as stale; one that reads is not
+    wait_for(lambda: client.xinfo_consumers("cdc:ride", "slow")[0]["idle"] >= 1500, 10, "s1 to be idle 1.5s")
+    client.xreadgroup("slow", "s2", {"cdc:ride": ">"}, count=1)
+    status = orjson.loads(rides.cdc("status", "--json", "--stale-after-s", "1", check=True).stdout)
+    assert [(c["consumer"], c["pending"]) for c in status["stale_consumers"]] == [("s1", 1)]
+    assert status["stale_consumers"][0]["idle_ms"] >= 1500
+    text = rides.cdc("status", "--stale-after-s", "1", check=True).stdout
+    assert "consumer s1: pending 1" in text and "STALE" in text.split("consumer s1")[1].splitlines()[0]
+    assert "STALE" not in text.split("consumer s2")[1].splitlines()[0]
     # trimming keeps what the slow group still needs
     out = rides.cdc("trim", check=True).stdout
     assert "cdc:ride: trimmed 0" in out
-    client.xack("cdc:ride", "slow", client.xrange("cdc:ride", count=1)[0][0])
-    assert "cdc:ride: trimmed 1" in rides.cdc("trim", check=True).stdout
+    client.xack("cdc:ride", "slow", *[i for i, _ in client.xrange("cdc:ride", count=2)])
+    assert "cdc:ride: trimmed 2" in rides.cdc("trim", check=True).stdout
 
 
 def test_the_running_bridge_trims_what_every_group_consumed(rides):

@@ -8,6 +8,7 @@ the bridge and prints entries as they arrive in the streams. Ctrl-C stops it all
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
 import signal
@@ -42,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=0, help="stop after this long (0: until Ctrl-C)")
     args = parser.parse_args(argv)
     _setup_logging("warning", "text")
+    sys.stdout.reconfigure(line_buffering=True)  # each entry shows as it arrives, also through a pipe
 
     root = Path(args.root).resolve()
+    lock = _lock(root)
+    if lock is None:
+        return 1
     args.http_port = args.http_port or free_port()
     project = Path(__file__).resolve().parents[2]
     pg = LocalPostgres(root / "postgres", args.pg_port or None)
@@ -54,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     bridge = writer = None
     try:
         print(f"starting postgres on 127.0.0.1:{pg.port} and redis on 127.0.0.1:{rd.port} under {root}")
+        if pg.running():  # left behind by a run that was killed (we hold the lock: nobody else uses it)
+            pg.stop()
         pg.start()
         rd.start()
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             f"redis: {{url: '{rd.url}'}}\n"
             f"mappings: {project / 'mappings'}\n"
             f"http: {{port: {args.http_port}}}\n"
+            f"reconcile: {{specs: {project / 'reconcile'}}}\n"
         )
         settings = Settings.from_file(config)
         mappings = load_mappings(settings.mappings)
@@ -72,13 +80,16 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         print(f"config written to {config}; try: .venv/bin/cdc status --config {config}")
         print(f"metrics: curl http://127.0.0.1:{args.http_port}/metrics  (also /healthz, /readyz)")
+        print(f"sample consumer: .venv/bin/cdc consume --config {config} --entity ride --group ride-totals --start 0 "
+              "--handler cdc.demo.rocketrides:ride_totals")
+        print(f"reconcile it: .venv/bin/cdc reconcile --config {config} --dry-run  (after make reconcile-deps)")
         bridge = Bridge(settings, mappings)
         bridge_thread = threading.Thread(target=bridge.run, name="bridge", daemon=True)
         bridge_thread.start()
         writer = RideWriter(pg.dsn, rate=args.rate)
         writer.start()
-        streams = {s: "$" for m in mappings for s in m.stream_keys()}
         client = redis.Redis.from_url(rd.url, decode_responses=True)
+        streams = start_positions(client, [s for m in mappings for s in m.stream_keys()])
         deadline = time.monotonic() + args.seconds if args.seconds else None
         print("streaming; Ctrl-C to stop\n")
         while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
@@ -110,6 +121,38 @@ def main(argv: list[str] | None = None) -> int:
         rd.stop()
         pg.stop()
         print("stopped postgres and redis")
+        lock.close()
+
+
+def _lock(root: Path):
+    """Hold `root` for this run; None (with one line said) when another run holds it.
+
+    The lock is an flock on a file: it goes with the process, even after kill -9."""
+    root.mkdir(parents=True, exist_ok=True)
+    handle = open(root / "demo.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        pid = handle.read().strip() or "?"
+        handle.close()
+        print(f"cdc: error: make run is already running with {root} (pid {pid}); use that one, stop it with Ctrl-C "
+              "first, or pass --root DIR for a second one", file=sys.stderr)
+        return None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def start_positions(client: redis.Redis, streams: list[str]) -> dict[str, str]:
+    """Each stream's last entry ID now (0-0 when empty): reading on from there shows every new entry
+    of every stream. ("$" would be re-read at each call, skipping what arrives between calls.)"""
+    positions = {}
+    for stream in streams:
+        last = client.xrevrange(stream, count=1)
+        positions[stream] = last[0][0] if last else "0-0"
+    return positions
 
 
 if __name__ == "__main__":

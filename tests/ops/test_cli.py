@@ -49,22 +49,41 @@ def test_status_shows_slot_and_streams(env):
 
 
 @pytest.mark.slow
-def test_demo_streams_stops_cleanly_on_ctrl_c_and_runs_again(servers_root):
+def test_demo_streams_every_stream_refuses_a_second_run_stops_cleanly_and_runs_again(servers_root):
     root = servers_root / "demo"
     cmd = [sys.executable, "-m", "cdc.demo", "--root", str(root), "--rate", "20"]
-    for _ in range(2):
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    cwd = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    for run in range(2):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
         lines: list[str] = []
+        seen: set[str] = set()
 
-        def saw_rides() -> bool:
-            line = proc.stdout.readline()
-            lines.append(line)
-            return line.startswith("cdc:ride ") and "op=c" in line
+        def saw(prefixes: set[str]):
+            def check() -> bool:
+                line = proc.stdout.readline()
+                lines.append(line)
+                if " op=" in line:
+                    seen.add(line.split()[0].split(":p")[0])  # cdc:rocket:p0 -> cdc:rocket
+                return prefixes <= seen
+            return check
 
-        wait_for(saw_rides, 90, "ride entries in the demo output", interval=0)
+        wait_for(saw({"cdc:ride"}), 90, "the demo to stream", interval=0)
+        streaming = len(lines)
+        # every stream shows from its first new entry, within seconds (rockets: ~10% of transactions)
+        wait_for(saw({"cdc:ride", "cdc:rider", "cdc:ride_event", "cdc:rocket"}), 20, "an entry of every stream", interval=0)
+        assert any(line.startswith("cdc:ride ") and " op=c key={\"id\":" in line for line in lines[streaming - 1:])
+        if run == 0:
+            config = (root / "cdc.yaml").read_text()
+            # a second run while this one runs: refused in one line, and this one is untouched
+            second = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=60)
+            assert second.returncode == 1
+            assert second.stdout == "" and second.stderr.count("\n") == 1
+            assert second.stderr.startswith(f"cdc: error: make run is already running with {root} (pid {proc.pid})")
+            assert (root / "cdc.yaml").read_text() == config
+            seen.clear()
+            wait_for(saw({"cdc:ride"}), 20, "the first run to stream on", interval=0)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, "".join(lines) + out
         assert "stopped postgres and redis" in out
-        assert "Traceback" not in out
+        assert "Traceback" not in "".join(lines) + out

@@ -46,7 +46,7 @@ CREATE TABLE IF NOT EXISTS public.cdc_reconcile_runs (
     started_at     timestamptz NOT NULL,
     finished_at    timestamptz NOT NULL DEFAULT now(),
     dry_run        boolean     NOT NULL,
-    status         text        NOT NULL,   -- clean | repaired | drift | stale | failed
+    status         text        NOT NULL,   -- clean | repaired | drift | stale | failed | never
     reason         text        NOT NULL DEFAULT '',
     source_rows    bigint      NOT NULL,
     truth_keys     bigint      NOT NULL,

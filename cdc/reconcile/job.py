@@ -34,7 +34,7 @@ from ..source.lsn import Lsn
 from ..mapping.model import Mapping
 from .spec import ConsumerTarget, ReconcileSpec
 from ..sink.redisconn import connect_redis
-from ..source.replication import classify_pg_error
+from ..source.replication import classify_pg_error, quote_ident
 from .reset import ResetOutcome, reset_consumer
 
 __all__ = ["SpecResult", "preflight", "reconcile_spec"]
@@ -167,34 +167,79 @@ def _state_dsn(settings: Settings, target: ConsumerTarget) -> str:
     return target.state_dsn or settings.reconcile.state_dsn or settings.postgres.dsn
 
 
-def _check_state_database(target: ConsumerTarget, state_dsn: str) -> None:
-    """Fail before the long read when a consumer's state database lacks a table the reset needs."""
+def _check_state_database(spec: ReconcileSpec, target: ConsumerTarget, state_dsn: str) -> None:
+    """Fail before the long read when a consumer's state database lacks a table the reset needs,
+    or its state table lacks a key, value or scope column."""
     wanted = (*JOB_TABLES, target.table)
     try:
         with psycopg.connect(state_dsn, autocommit=True, connect_timeout=10) as conn:
             found = conn.execute("SELECT t, to_regclass(t) IS NOT NULL FROM unnest(%s::text[]) AS t", (list(wanted),)).fetchall()
+            missing = [t for t, present in found if not present]
+            if missing:
+                raise ConfigError(f"{target.where}: consumer {target.name}'s state database has no table {', '.join(missing)}",
+                                  hint="run sql/20_consumer_state.sql there (and create the consumer's state table)")
+            columns = _columns_of(conn, ".".join(quote_ident(part) for part in target.table.split(".")))
     except psycopg.Error as exc:
         raise classify_pg_error(exc) from None
-    missing = [t for t, present in found if not present]
-    if missing:
-        raise ConfigError(f"{target.where}: consumer {target.name}'s state database has no table {', '.join(missing)}",
-                          hint="run sql/20_consumer_state.sql there (and create the consumer's state table)")
+    needed = [*spec.key_columns, *(a.name for a in spec.values), *(k for k, _ in target.scope)]
+    absent = [c for c in needed if c not in columns]
+    if absent:
+        raise ConfigError(f"{target.where}: consumer {target.name}'s state table {target.table} has no column "
+                          f"{', '.join(absent)}", hint=f"its columns: {', '.join(columns)}")
+
+
+def _columns_of(conn: psycopg.Connection, relation_sql: str) -> list[str]:
+    """The column names of a table or subquery, read without reading a row."""
+    return [d.name for d in conn.execute(f"SELECT * FROM {relation_sql} LIMIT 0").description]
+
+
+def _check_source(settings: Settings, spec: ReconcileSpec) -> None:
+    """Fail before Spark starts when the source table, query or a column the spec names is not in the
+    live database, naming the spec's line."""
+    from .truth import source_from  # pure SQL text: no pyspark
+
+    try:
+        with psycopg.connect(settings.postgres.dsn, autocommit=True, connect_timeout=10) as conn:
+            if spec.table is not None and conn.execute("SELECT to_regclass(%s)", (spec.table,)).fetchone()[0] is None:
+                raise ConfigError(f"{spec.source_where}: source.table {spec.table} does not exist in the source database",
+                                  hint="fix source.table (schema.table), or create the table")
+            try:
+                columns = _columns_of(conn, source_from(spec))
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise ConfigError(f"{spec.source_where}: {str(exc).splitlines()[0]}",
+                                  hint="grant SELECT on the source to the reconciliation's role") from None
+            except (psycopg.errors.SyntaxError, psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedTable,
+                    psycopg.errors.UndefinedFunction) as exc:
+                raise ConfigError(f"{spec.source_where}: source.query: {str(exc).splitlines()[0]}",
+                                  hint="the query must run on its own: SELECT ... FROM ...") from None
+    except psycopg.OperationalError as exc:
+        raise classify_pg_error(exc) from None
+    named = [(c, spec.group_by_where) for c in spec.group_by]
+    named += [(a.column, a.where) for a in spec.values if a.column]
+    if spec.partition_column:
+        named.append((spec.partition_column, spec.partition_where))
+    for column, place in named:
+        if column not in columns:
+            raise ConfigError(f"{place}: the source ({spec.table or 'source.query'}) has no column {column!r}",
+                              hint=f"its columns: {', '.join(columns)}")
 
 
 Targets = list[tuple[ConsumerTarget, list[str], Apply]]
 
 
 def preflight(settings: Settings, mappings: Sequence[Mapping], spec: ReconcileSpec) -> Targets:
-    """Check what can be checked before the long read: each consumer's mapping, apply function and
-    state database. Returns, per consumer, its streams and apply function (what `reconcile_spec` runs)."""
+    """Check what can be checked before the long read: the source table or query and every column
+    the spec names, against the live database; each consumer's mapping, apply function and state
+    database. Returns, per consumer, its streams and apply function (what `reconcile_spec` runs)."""
     by_entity = {m.entity: m for m in mappings}
+    _check_source(settings, spec)
     targets = []
     for target in spec.consumers:
         if target.entity not in by_entity:
             raise ConfigError(f"{target.where}: no mapping for entity {target.entity!r}",
                               hint=f"entities: {', '.join(sorted(by_entity))}")
         targets.append((target, by_entity[target.entity].stream_keys(), load_callable(target.handler)))
-        _check_state_database(target, _state_dsn(settings, target))
+        _check_state_database(spec, target, _state_dsn(settings, target))
     return targets
 
 
@@ -287,5 +332,8 @@ def describe(outcome: ResetOutcome) -> str:
         "drift": "NOT repaired (dry run)",
         "stale": f"skipped: {outcome.reason}",
         "failed": f"NOT repaired: {outcome.reason}",
+        "never": outcome.reason,
     }[outcome.status]
+    if outcome.status == "never":
+        return verdict
     return f"{found} ({where}; {moved}): {verdict}"

@@ -84,7 +84,7 @@ class StreamPlan:
 @dataclass
 class ResetOutcome:
     consumer: str
-    status: str = "clean"  # clean | repaired | drift (not repaired: dry run) | stale | failed
+    status: str = "clean"  # clean | repaired | drift (not repaired: dry run) | stale | failed | never (consumed)
     reason: str = ""
     drift: DriftReport = field(default_factory=DriftReport)
     streams: list[StreamPlan] = field(default_factory=list)
@@ -180,6 +180,15 @@ def _in_scope(target: ConsumerTarget) -> sql.Composable:
     """The WHERE condition selecting the consumer's rows (its scope columns' values)."""
     conditions = [sql.SQL("{} = {}").format(sql.Identifier(c), sql.Literal(v)) for c, v in target.scope]
     return sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("TRUE")
+
+
+#: the position of a checkpoint that never moved (cdc_checkpoints' defaults)
+NEVER = (0, -1)
+
+
+def _has_state(conn: psycopg.Connection, target: ConsumerTarget) -> bool:
+    return conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE {})").format(
+        _table(target), _in_scope(target))).fetchone()[0]
 
 
 def _set_aside(conn: psycopg.Connection, target: ConsumerTarget, key_cols: Sequence[str], value_cols: Sequence[str]) -> None:
@@ -298,6 +307,11 @@ def _reset_locked(
 ) -> None:
     """Under the fence's lock: lock the checkpoints, plan every stream, then compare and repair."""
     checkpoints = lock_checkpoints(conn, target.name, streams)
+    if all(mark == NEVER for _, mark, _ in checkpoints.values()) and not _has_state(conn, target):
+        outcome.status = "never"
+        outcome.reason = (f"never consumed: no checkpoint in cdc_checkpoints and no state in {target.table}; "
+                          f"nothing compared (start it: cdc consume --group {target.group} --handler {target.handler})")
+        return
     for stream in streams:
         eid, mark, _ = checkpoints[stream]
         outcome.streams.append(plan_stream(client, stream, target.group, mark, eid, position, holds.get(stream, "0-0")))

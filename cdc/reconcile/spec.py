@@ -89,6 +89,8 @@ class ReconcileSpec:
     consumers: tuple[ConsumerTarget, ...]
     where: str = ""
     partition_where: str = ""
+    source_where: str = ""  # file:line of source.table or source.query
+    group_by_where: str = ""
 
     @property
     def key_columns(self) -> tuple[str, ...]:
@@ -262,6 +264,8 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
         name=name, table=table, query=query, partition_column=partition_column, partitions=partitions,
         fetch_size=fetch_size, group_by=tuple(group_by), overall=overall, values=aggregates, consumers=consumers,
         where=where(raw), partition_where=where(src, "partition_column"),
+        source_where=where(src, "table" if table is not None else "query"),
+        group_by_where=where(truth, "group_by") if "group_by" in truth else where(truth, "overall"),
     )
 
 

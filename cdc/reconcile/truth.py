@@ -226,7 +226,7 @@ def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g"):
     try:
         from pyspark.sql import SparkSession
     except ImportError:
-        raise ConfigError("pyspark is not installed", hint="run: pip install -e '.[reconcile]' (make install does)") from None
+        raise ConfigError("pyspark is not installed", hint="run: make reconcile-deps (pyspark, a Java runtime and the JDBC driver), or pip install 'cdc[reconcile]'") from None
     if not os.environ.get("JAVA_HOME") and not shutil.which("java"):
         raise ConfigError("java is not installed: Spark needs a Java 17 runtime",
                           hint="run: apt-get install default-jre-headless")

@@ -87,3 +87,29 @@ def test_demo_streams_every_stream_refuses_a_second_run_stops_cleanly_and_runs_a
         assert proc.returncode == 0, "".join(lines) + out
         assert "stopped postgres and redis" in out
         assert "Traceback" not in "".join(lines) + out
+
+
+@pytest.mark.slow
+def test_the_demo_config_reconciles_and_reports_a_consumer_that_never_ran(servers_root):
+    root = servers_root / "demo-reconcile"
+    cwd = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "cdc.demo", "--root", str(root), "--rate", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+    lines: list[str] = []
+    try:
+        def streaming() -> bool:
+            lines.append(proc.stdout.readline())
+            return lines[-1].startswith("cdc:ride ")
+
+        wait_for(streaming, 90, "the demo to stream", interval=0)
+        assert any("cdc reconcile --config" in line and "--dry-run" in line for line in lines)
+        result = subprocess.run([sys.executable, "-m", "cdc", "--log-format", "text", "reconcile", "--config",
+                                 str(root / "cdc.yaml"), "--dry-run", "--master", "local[1]"],
+                                capture_output=True, text=True, cwd=cwd, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert "ride-totals: never consumed: no checkpoint in cdc_checkpoints" in result.stdout
+        assert "drifted" not in result.stdout and "Traceback" not in result.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, "".join(lines) + out

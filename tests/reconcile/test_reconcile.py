@@ -398,6 +398,7 @@ def test_a_reset_catches_up_a_stream_behind_and_replays_one_ahead(env):
 
 def test_an_older_reset_never_overwrites_a_newer_one(env):
     setup(env, "ride-totals")
+    env.execute("INSERT INTO cdc_checkpoints (consumer, stream, entry_id, lsn, seq) VALUES ('ride-totals', 'cdc:ride', '1-0', 500, 0)")
     newer = reset_directly(env, ["cdc:ride"], 2000, {}, {(0,): (Decimal(7),), (1,): (Decimal(7),)})
     assert newer.status == "repaired"
     older = reset_directly(env, ["cdc:ride"], 1000, {}, {(0,): (Decimal(1),)})

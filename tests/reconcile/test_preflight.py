@@ -1,0 +1,78 @@
+"""What `cdc reconcile` checks before Spark starts, and a consumer that never consumed."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+
+import pytest
+
+from cdc.demo.rocketrides import ride_totals
+from cdc.reconcile.job import describe
+from cdc.reconcile.reset import reset_consumer
+from cdc.reconcile.spec import load_specs
+
+from test_reconcile import setup, spec_yaml
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("change, line, message", [
+    ("sum(distance_m)", "sum(distance_mm)", "6: the source (public.rides) has no column 'distance_mm'"),
+    ("[rider_id]\n  overall: {rider_id: 0}", "[rider]\n  overall: {rider: 0}", "4: the source (public.rides) has no column 'rider'"),
+    ("partition_column: id,", "partition_column: ride_id,", "2: the source (public.rides) has no column 'ride_id'"),
+    ("table: public.rides,", "table: public.ridez,", "2: source.table public.ridez does not exist in the source database"),
+    ("{total_distance: sum", "{total: sum", "8: consumer ride-totals's state table consumer_states has no column total"),
+])
+def test_unknown_tables_and_columns_are_named_with_the_spec_line_before_spark_starts(env, change, line, message):
+    setup(env, "ride-totals")
+    spec = env.tmp / "reconcile" / "totals.yaml"
+    text = spec.read_text()
+    assert change in text
+    spec.write_text(text.replace(change, line))
+    started = time.monotonic()
+    result = env.cdc("reconcile", "--dry-run")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"cdc: error: {spec}:{message}"), result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "starting Spark" not in result.stderr and elapsed < 15  # Spark alone takes ~5-20 s to start
+
+
+def test_a_query_source_is_checked_before_spark_starts(env):
+    setup(env, "ride-totals")
+    spec = env.tmp / "reconcile" / "totals.yaml"
+    spec.write_text(spec_yaml("ride-totals").replace(
+        "table: public.rides,", 'query: "SELECT id, rider_id, distance_m FROM rides WHERE status = \'done\' AND",'))
+    result = env.cdc("reconcile", "--dry-run")
+    assert result.returncode == 2 and result.stderr.startswith(f"cdc: error: {spec}:2: source.query: syntax error")
+    spec.write_text(spec_yaml("ride-totals").replace(
+        "table: public.rides,", 'query: "SELECT id, rider_id FROM rides",'))
+    result = env.cdc("reconcile", "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"cdc: error: {spec}:6: the source (source.query) has no column 'distance_m'")
+    assert "its columns: id, rider_id" in result.stderr and "starting Spark" not in result.stderr
+
+
+def test_a_consumer_that_never_consumed_is_reported_as_such_not_as_drift(env):
+    setup(env, "ride-totals")
+    env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 20, g FROM generate_series(1, 600) g")
+    env.cdc("run", "--until-caught-up", check=True)
+    [spec] = load_specs(env.tmp / "reconcile")
+    position = env.current_wal()
+    truth_at = {(r,): (Decimal(t),) for r, t in env.execute("SELECT rider_id, sum(distance_m) FROM rides GROUP BY 1")}
+    with env.connect() as conn:
+        outcome = reset_consumer(conn, env.redis, spec, spec.consumers[0], ["cdc:ride"], position,
+                                 {"cdc:ride": "0-0"}, truth_at, ride_totals)
+    assert outcome.status == "never" and not outcome.unrepaired
+    assert outcome.drift.keys_compared == 0 and outcome.drift.clean
+    text = describe(outcome)
+    assert text.startswith("never consumed: no checkpoint in cdc_checkpoints and no state in consumer_states")
+    assert "cdc consume --group ride-totals" in text and "drifted" not in text
+    assert env.execute("SELECT count(*) FROM consumer_states")[0][0] == 0, "nothing written"
+    # a consumer with state but no checkpoint is not 'never consumed': that is drift to report
+    env.execute("INSERT INTO consumer_states VALUES ('ride-totals', 0, 42)")
+    with env.connect() as conn:
+        outcome = reset_consumer(conn, env.redis, spec, spec.consumers[0], ["cdc:ride"], position,
+                                 {"cdc:ride": "0-0"}, truth_at, ride_totals, dry_run=True)
+    assert outcome.status == "drift"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from decimal import Decimal
 
@@ -76,3 +77,17 @@ def test_a_consumer_that_never_consumed_is_reported_as_such_not_as_drift(env):
         outcome = reset_consumer(conn, env.redis, spec, spec.consumers[0], ["cdc:ride"], position,
                                  {"cdc:ride": "0-0"}, truth_at, ride_totals, dry_run=True)
     assert outcome.status == "drift"
+
+
+def test_a_missing_pyspark_names_the_make_target_that_installs_it(env, tmp_path):
+    setup(env, "ride-totals")
+    env.cdc("run", "--until-caught-up", check=True)
+    fake = tmp_path / "no-pyspark" / "pyspark"  # shadows the installed pyspark: importing it fails
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named pyspark')\n")
+    path = os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))
+    result = env.cdc("reconcile", "--dry-run", env={"PYTHONPATH": path})
+    error = result.stderr.splitlines()[-1]  # after the progress line "starting Spark"
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert error.startswith("cdc: error: pyspark is not installed; run: make reconcile-deps"), result.stderr
+    assert "make install" not in result.stderr

@@ -38,8 +38,16 @@ __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"
 log = logging.getLogger("cdc.consumer")
 
 
-#: failures of a server rather than of the handler on an entry: never counted against an entry
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError, psycopg.OperationalError)
+def transient(exc: BaseException) -> bool:
+    """A server away (a lost Redis or PostgreSQL connection, a server shutting down) rather than the
+    handler failing on an entry: never counted against an entry. A query cancelled or a lock timeout
+    is the entry's failure."""
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate or ""
+        return not state or state.startswith(("08", "57P"))
+    return False
 
 
 class Fenced(CdcError):
@@ -344,9 +352,10 @@ class Consumer:
         except Fenced as exc:
             self._fenced(entries, exc)
             return
-        except TRANSIENT:
-            raise  # a server away is no failure of the entries: they come back after the retry
         except Exception as exc:
+            if transient(exc):
+                self._pending_phase.update(e.stream for e in entries)  # read them again after the retry
+                raise  # a server away is no failure of the entries
             if len(entries) == 1:
                 self.fail(entries[0], exc)
                 log.warning("handler failed on %s %s: %s", entries[0].stream, entries[0].id, exc)
@@ -363,9 +372,10 @@ class Consumer:
             except Fenced as exc:
                 self._fenced([e], exc)
                 blocked.add(e.stream)
-            except TRANSIENT:
-                raise
             except Exception as exc:
+                if transient(exc):
+                    self._pending_phase.update(x.stream for x in entries)
+                    raise
                 self.fail(e, exc)
                 log.warning("handler failed on %s %s: %s", e.stream, e.id, exc)
                 if self.exclusive:

@@ -130,3 +130,32 @@ def test_shared_consumers_dead_letter_only_what_the_handler_failed_on(rides, max
     mirrored = {row[0]["id"] for row in env.execute("SELECT key FROM ride_mirror")}
     assert mirrored == set(range(1, RIDES + 1)) - FAILING
     assert client.hlen("{cdc:ride}:failures:m") == 0, "no failure record outlives its entry"
+
+
+def test_a_server_away_is_no_failure_of_the_entry_but_a_cancelled_query_is(env):
+    import psycopg
+
+    client = env.redis
+    client.xadd("s", {"op": "c", "key": '{"id": 1}', "lsn": "1", "seq": "0"})
+    consumer = Consumer(client, ["s"], "g", "c1", max_deliveries=2, block_ms=10)
+    consumer.create_group("0")
+    batch = consumer.read()
+
+    def connection_lost(entries):
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    for _ in range(3):  # however often: propagated to the retry loop, never counted
+        with pytest.raises(psycopg.OperationalError):
+            consumer.process(batch, connection_lost)
+        batch = consumer.read()
+        assert [e.id for e in batch] == [batch[0].id]
+    assert consumer.failed == 0 and client.xlen("cdc:dlq:g") == 0 and client.hlen("{s}:failures:g") == 0
+
+    def cancelled(entries):
+        raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+
+    consumer.process(batch, cancelled)
+    consumer.process(consumer.read(), cancelled)
+    [letter] = dead_letters(env, "g")
+    assert letter["deliveries"] == "2" and letter["error"].startswith("QueryCanceled: canceling statement")
+    assert client.xpending("s", "g")["pending"] == 0 and client.hlen("{s}:failures:g") == 0

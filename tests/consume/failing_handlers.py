@@ -17,3 +17,10 @@ def totals_except_fives(conn, entries, consumer: str) -> None:
         if fails(e):
             raise ValueError(f"ride {e.key['id']} is divisible by 5")
     ride_totals(conn, entries, consumer)
+
+
+def logged_totals_except_fives(conn, entries, consumer: str) -> None:
+    """The same, and each applied ride's id in applied_rides, in the order applied (with the state,
+    in the same transaction)."""
+    totals_except_fives(conn, entries, consumer)
+    conn.cursor().executemany("INSERT INTO applied_rides (ride) VALUES (%s)", [(int(e.key["id"]),) for e in entries])

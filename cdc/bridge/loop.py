@@ -239,6 +239,7 @@ class Bridge:
         publisher = Publisher(
             rs.url, cluster=rs.cluster, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
             wait_timeout_ms=rs.wait_timeout_ms, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)),
+            append=rs.append,
         )
         client = connect_redis(rs)
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication)

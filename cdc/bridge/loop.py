@@ -260,7 +260,8 @@ class Bridge:
             health = self._check_slot(catalog_conn)
             try:
                 check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
-                self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction)
+                self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction,
+                                          reserve=publisher.memory_reserve)
             except redis.RedisError as exc:
                 raise TransientError(f"redis unavailable: {exc}") from exc
             self._release_stale_walsender(catalog_conn)

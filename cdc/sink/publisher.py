@@ -159,6 +159,10 @@ class Publisher:
             lane = self._lanes[stream] = self._lane_kind(Node(stream, node.pool))
         return lane
 
+    def memory_reserve(self) -> int:
+        """Bytes Redis may need, beyond what it uses, to take the next batch (a queued transaction)."""
+        return max((lane.reserve() for lane in self._lanes.values()), default=0)
+
     def close(self) -> None:
         self._inflight = None
         for name, lane in self._lanes.items():

@@ -58,6 +58,10 @@ class ScriptLane:
         self.node = node
         self._sent: tuple[list[bytes], list[bytes], list[bytes]] | None = None
 
+    def reserve(self) -> int:
+        """A script call needs no room beyond what it appends."""
+        return 0
+
     def send(self, group: Sequence[tuple[str, str, list]], inside: list[bytes], after: list[bytes]) -> None:
         scripts = [hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, stream, mark, _packb(entries)))
                    for stream, mark, entries in group]

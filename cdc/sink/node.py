@@ -91,14 +91,30 @@ class Node:
             self.drop()
             raise classify(exc) from exc
 
-    def receive(self, n: int) -> list:
-        """Read `n` replies; error replies are returned, not raised."""
+    def receive(self, n: int, expect: bytes = b"") -> tuple[list, bool]:
+        """Read `n` replies; error replies are returned, not raised.
+
+        When the replies are expected to begin with the bytes `expect` (the OK and
+        QUEUED of a transaction: thousands of replies the caller only needs to
+        know were all accepted), those bytes are compared at once instead of being
+        parsed one by one: the result is then the replies after them, and True.
+        Otherwise every reply is parsed and returned, with False.
+        """
         conn = self.connection()
         reader = self._reader
-        gets = reader.gets
-        replies: list = []
-        append = replies.append
         try:
+            skipped = False
+            if expect:
+                data = b""
+                while len(data) < len(expect) and data == expect[: len(data)]:
+                    data += self._recv(conn)
+                skipped = data.startswith(expect)
+                reader.feed(data[len(expect):] if skipped else data)
+                if skipped:
+                    n -= expect.count(b"\r\n")
+            gets = reader.gets
+            replies: list = []
+            append = replies.append
             while True:
                 while len(replies) < n:
                     reply = gets()
@@ -106,18 +122,22 @@ class Node:
                         break
                     append(reply)
                 if len(replies) == n:
-                    return replies
-                data = conn._sock.recv(_RECV_SIZE)
-                if not data:
-                    raise RedisConnectionError("connection closed by the server")
-                reader.feed(data)
+                    return replies, skipped
+                reader.feed(self._recv(conn))
         except Exception as exc:
             self.drop()
             raise classify(exc) from exc
 
+    @staticmethod
+    def _recv(conn) -> bytes:
+        data = conn._sock.recv(_RECV_SIZE)
+        if not data:
+            raise RedisConnectionError("connection closed by the server")
+        return data
+
     def round_trip(self, commands: list[bytes]) -> list:
         self.send(commands)
-        return self.receive(len(commands))
+        return self.receive(len(commands))[0]
 
     def close(self) -> None:
         if self.conn is not None:

@@ -74,7 +74,7 @@ class ScriptLane:
         scripts, inside, after = self._sent
         self._sent = None
         n = len(scripts)
-        replies = self.node.receive(n + len(inside) + len(after))
+        replies = self.node.receive(n + len(inside) + len(after))[0]
         if any(isinstance(r, NoScriptError) for r in replies[:n]):
             # Redis restarted or flushed its script cache: load and resend; the marks make it safe.
             self.node.round_trip([hiredis.pack_command((b"SCRIPT", b"LOAD", APPEND_SCRIPT))])

@@ -29,6 +29,7 @@ log = logging.getLogger("cdc.publish")
 
 MULTI = hiredis.pack_command((b"MULTI",))
 EXEC = hiredis.pack_command((b"EXEC",))
+OK, QUEUED = b"+OK\r\n", b"+QUEUED\r\n"  # MULTI's reply, and each accepted command's
 #: how often one batch is filtered again after marks changed under it before giving up
 MAX_ABORTS = 20
 #: Redis' memory for a queued transaction per byte of its commands (measured on Redis 7.0: 2,000
@@ -156,13 +157,18 @@ class TransactionLane:
             if plan is None:
                 return [], []
             q = plan.queued
-            replies = self.node.receive(q + 4 + len(plan.after))
-            multi, queued = replies[0], replies[1 : 1 + q]
-            exec_reply, watch, values = replies[1 + q : 4 + q]
-            after = replies[4 + q :]
-            for reply in (multi, *queued, watch, values):
+            replies, accepted = self.node.receive(q + 4 + len(plan.after), expect=OK + QUEUED * q)
+            if not accepted:  # some command was refused: find which
+                for reply in replies[: 1 + q]:
+                    if isinstance(reply, Exception):
+                        self.marks.clear()  # the transaction was discarded; learn the marks again
+                        raise classify(reply)
+                replies = replies[1 + q :]
+            exec_reply, watch, values = replies[:3]
+            after = replies[3:]
+            for reply in (watch, values):
                 if isinstance(reply, Exception):
-                    self.marks.clear()  # the transaction was discarded; learn the marks again
+                    self.marks.clear()
                     raise classify(reply)
             for key, value in zip(plan.watched, values):
                 self.marks[key] = value.decode() if value else ""

@@ -146,17 +146,18 @@ class Publisher:
             node = self._nodes[target.name] = Node(target.name, pool)
         return node
 
-    def _lane(self, stream: str):
-        """The lane appending to `stream`: the one lane on a single server, its own on a cluster."""
+    def _lane(self, key: str):
+        """The lane writing `key` (a stream or the flushed record): the one lane on a single server,
+        its own on a cluster."""
         if self._cluster is None:
             lane = self._lanes.get("")
             if lane is None:
                 lane = self._lanes[""] = self._lane_kind(self._nodes[""])
             return lane
-        lane = self._lanes.get(stream)
+        lane = self._lanes.get(key)
         if lane is None:
-            node = self._route(stream)
-            lane = self._lanes[stream] = self._lane_kind(Node(stream, node.pool))
+            node = self._route(key)
+            lane = self._lanes[key] = self._lane_kind(Node(key, node.pool))
         return lane
 
     def memory_reserve(self) -> int:
@@ -191,13 +192,17 @@ class Publisher:
                 f"only {replies[-1]} of {self.wait_replicas} redis replicas acknowledged within {self.wait_timeout_ms} ms"
             )
 
-    def _flushed_command(self, flushed: int) -> bytes:
-        return hiredis.pack_command((b"SET", self.flushed_key, str(int(flushed))))
-
     def record_flushed(self, flushed: int) -> None:
-        """Record (and replicate, if asked) that Redis holds every change up to `flushed`."""
-        if self.flushed_key:
-            self._check_tail(self._route(self.flushed_key).round_trip([self._flushed_command(flushed), *self._wait()]))
+        """Record (and replicate, if asked) that Redis holds every change up to `flushed`; never backwards.
+
+        On a single server the record goes through the streams' lane, whose watches it
+        must not disturb; on a cluster its key has its own slot and connection.
+        """
+        if not self.flushed_key:
+            return
+        lane = self._lane(self.flushed_key)
+        lane.send([], (self.flushed_key, int(flushed)), self._wait())
+        self._check_tail(lane.confirm()[1])
 
     def send(self, batches: Iterable[StreamBatch], flushed: int | None = None) -> None:
         """Send every non-empty batch (one atomic append per lane) without waiting.
@@ -218,16 +223,16 @@ class Publisher:
         double = self.double_send and random.random() < self.double_send
         sent: list[_Sent] = []
         for lane, group in by_lane.values():
-            inside = []
+            record = None
             if flushed is not None and self.flushed_key and self._cluster is None:
-                inside.append(self._flushed_command(flushed))
+                record = (self.flushed_key, int(flushed))
             after = self._wait()
             if double:
                 duplicates = [hiredis.pack_command((b"XADD", stream, b"*", *e[:-1])) for stream, _, entries in group
                               for e in entries]
                 log.warning("fault injection: sending a batch of %d entries twice", len(duplicates))
                 after += duplicates
-            lane.send(group, inside, after)
+            lane.send(group, record, after)
             sent.append(_Sent(lane, [len(entries) for _, _, entries in group]))
         self._inflight = (sent, flushed if self._cluster is not None else None)
 

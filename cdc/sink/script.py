@@ -51,6 +51,19 @@ APPEND_SHA = hashlib.sha1(APPEND_SCRIPT).hexdigest()
 _packb = msgpack.Packer(use_bin_type=False).pack  # the old spec: what Redis' cmsgpack reads
 
 
+#: SET KEYS[1] to ARGV[1] unless it holds a larger number: a record that only moves forward
+FORWARD_SCRIPT = b"""
+local held = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) > held then redis.call('SET', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
+def record_forward_command(key: str, value: int) -> bytes:
+    """``EVAL`` of the forward-only record (LSNs stay far below 2^53, exact as Lua numbers)."""
+    return hiredis.pack_command((b"EVAL", FORWARD_SCRIPT, 1, key, str(value)))
+
+
 class ScriptLane:
     """One connection appending to its streams with the append script."""
 
@@ -62,9 +75,12 @@ class ScriptLane:
         """A script call needs no room beyond what it appends."""
         return 0
 
-    def send(self, group: Sequence[tuple[str, str, list]], inside: list[bytes], after: list[bytes]) -> None:
+    def send(self, group: Sequence[tuple[str, str, list]], flushed: tuple[str, int] | None,
+             after: list[bytes]) -> None:
+        """One script call per stream; then `flushed` (key, LSN) moved forward only; then `after`."""
         scripts = [hiredis.pack_command((b"EVALSHA", APPEND_SHA, 2, stream, mark, _packb(entries)))
                    for stream, mark, entries in group]
+        inside = [] if flushed is None else [record_forward_command(*flushed)]
         self.node.send(scripts + inside + after)
         self._sent = (scripts, inside, after)
 

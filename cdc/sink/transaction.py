@@ -72,10 +72,10 @@ def xadd_command(stream: bytes, entry: Sequence) -> bytes:
 class _Plan:
     """One pipeline sent on a lane and what its replies mean."""
 
-    __slots__ = ("group", "inside", "after", "queued", "appended", "watched")
+    __slots__ = ("group", "flushed", "after", "queued", "appended", "watched")
 
-    def __init__(self, group, inside, after, queued, appended, watched) -> None:
-        self.group, self.inside, self.after = group, inside, after
+    def __init__(self, group, flushed, after, queued, appended, watched) -> None:
+        self.group, self.flushed, self.after = group, flushed, after
         self.queued, self.appended, self.watched = queued, appended, watched
 
 
@@ -105,10 +105,13 @@ class TransactionLane:
         for key, value in zip(mark_keys, replies[1]):
             self.marks[key] = value.decode() if value else ""
 
-    def send(self, group: Sequence[tuple[str, str, list]], inside: list[bytes], after: list[bytes]) -> None:
+    def send(self, group: Sequence[tuple[str, str, list]], flushed: tuple[str, int] | None,
+             after: list[bytes]) -> None:
         """Send one transaction appending each (stream, mark key, entries) past its mark.
 
-        `inside` runs in the transaction after the appends; `after` follows it in the
+        `flushed` (key, LSN), the record of how far Redis holds the source, is moved
+        in the same transaction, and only forward: it is watched like the marks, so a
+        stale writer can never set it back. `after` follows the transaction in the
         pipeline (WAIT, test faults). The replies are read by `confirm()`.
         """
         self.node.connection()
@@ -116,6 +119,8 @@ class TransactionLane:
             self.marks.clear()
             self._watching_on = self.node.connects
         new = [mark for _, mark, _ in group if mark not in self.marks]
+        if flushed is not None and flushed[0] not in self.marks:
+            new.append(flushed[0])
         if new:
             self._arm(new)
         commands = [MULTI]
@@ -135,7 +140,8 @@ class TransactionLane:
             if last is not None:
                 commands.append(hiredis.pack_command((b"SET", mark, last)))
             appended.append(count)
-        commands.extend(inside)
+        if flushed is not None and flushed[1] > int(marks[flushed[0]] or 0):
+            commands.append(hiredis.pack_command((b"SET", flushed[0], str(flushed[1]))))
         commands.append(EXEC)
         watched = list(marks)
         commands.append(hiredis.pack_command((b"WATCH", *watched)))
@@ -144,7 +150,7 @@ class TransactionLane:
         if size > self._largest:
             self._largest = size
         self.node.send(commands + after)
-        self._plan = _Plan(group, inside, after, len(commands) - 4, appended, watched)
+        self._plan = _Plan(group, flushed, after, len(commands) - 4, appended, watched)
 
     def confirm(self) -> tuple[list[int], list]:
         """Read the replies of the last send: entries appended per stream, and the `after` replies.
@@ -183,6 +189,6 @@ class TransactionLane:
                 return plan.appended, after
             log.warning("a stream mark changed under the bridge (another writer or a recovery): "
                         "filtering the batch again against the marks Redis holds")
-            self.send(plan.group, plan.inside, plan.after)
+            self.send(plan.group, plan.flushed, plan.after)
         raise PublishError(f"stream marks kept changing during {MAX_ABORTS} attempts to append one batch",
                            hint="another process writes the same streams: stop every bridge but one on this slot")

@@ -180,3 +180,26 @@ values = st.one_of(st.binary(max_size=40), st.text(max_size=20), st.integers(-2*
 def test_xadd_command_packs_what_hiredis_packs(stream, fields):
     entry = [x for pair in fields for x in pair] + ["0" * 30]
     assert xadd_command(stream, entry) == hiredis.pack_command((b"XADD", stream, b"*", *entry[:-1]))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", MODES)
+def test_the_flushed_record_only_moves_forward(redis_server, client, mode):
+    """A stale writer (or a late heartbeat) never sets back how far Redis holds the source."""
+    ahead = Publisher(redis_server.url, append=mode, flushed_key="cdc:bridge:s:flushed")
+    stale = Publisher(redis_server.url, append=mode, flushed_key="cdc:bridge:s:flushed")
+    try:
+        stale.publish([batch("s", [(100, 0)])])  # the stale writer has watched the record already
+        ahead.send([batch("s", [(100, 0), (200, 0)])], flushed=250)
+        ahead.confirm()
+        stale.send([batch("s", [(100, 0), (150, 0)])], flushed=180)
+        assert stale.confirm() == 0
+        assert client.get("cdc:bridge:s:flushed") == b"250"
+        stale.record_flushed(190)
+        assert client.get("cdc:bridge:s:flushed") == b"250"
+        ahead.record_flushed(300)
+        assert client.get("cdc:bridge:s:flushed") == b"300"
+        assert positions_in(client, "s") == [(100, 0), (200, 0)]
+    finally:
+        ahead.close()
+        stale.close()

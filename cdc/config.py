@@ -52,6 +52,9 @@ class RedisSettings:
     #: acknowledge the slot only once this many replicas have the batch (Redis WAIT; 0: don't wait)
     wait_replicas: int = 0
     wait_timeout_ms: int = 1000
+    #: how a batch is appended atomically with its marks: "transaction" (MULTI/EXEC under WATCH)
+    #: or "script" (the Lua append script, more Redis CPU per entry)
+    append: str = "transaction"
 
 
 @dataclass(frozen=True)
@@ -190,10 +193,16 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
             raise ConfigError(
                 f"{origin}: {name}.{key} must be {_KIND_NAMES[type(f.default)]}, got {value!r}"
             ) from None
+        choices = _CHOICES.get((name, key))
+        if choices and values[key] not in choices:
+            origin = env_name if env_name in env else where(raw, key)
+            raise ConfigError(f"{origin}: {name}.{key} must be one of {', '.join(choices)}, got {value!r}")
     return section_cls(**values)
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+#: settings that take one of a few words
+_CHOICES = {("redis", "append"): ("transaction", "script")}
 
 
 def _coerce(value: Any, kind: type) -> Any:

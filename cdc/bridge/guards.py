@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
@@ -105,10 +106,14 @@ class SlotWatch:
 class MemoryWatch:
     """Backpressure: pause reading while Redis memory is above a fraction of maxmemory."""
 
-    def __init__(self, client: redis.Redis, pause_at: float, resume_at: float, slot: str | None = None) -> None:
+    def __init__(self, client: redis.Redis, pause_at: float, resume_at: float, slot: str | None = None,
+                 reserve: Callable[[], int] | None = None) -> None:
         self.client = client
         self.pause_at = pause_at
         self.resume_at = resume_at
+        #: bytes Redis needs beyond its use to take the next batch; counted as used, so that the
+        #: pause comes before a batch that Redis would refuse
+        self.reserve = reserve
         self.paused = False
         self.ratio: float | None = None
         #: where the pause is recorded for `cdc status` (`keys.bridge_state_key`); None: not recorded
@@ -134,10 +139,11 @@ class MemoryWatch:
             self._record()
             return False
         self.ratio = int(info["used_memory"]) / limit
-        if not self.paused and self.ratio >= self.pause_at:
+        needed = self.ratio + (self.reserve() / limit if self.reserve else 0)
+        if not self.paused and needed >= self.pause_at:
             self.paused = True
             log.warning("redis memory at %.0f%% of maxmemory: pausing reading (nothing is acknowledged or lost)", self.ratio * 100)
-        elif self.paused and self.ratio < self.resume_at:
+        elif self.paused and needed < self.resume_at:
             self.paused = False
             log.info("redis memory at %.0f%% of maxmemory: resuming", self.ratio * 100)
         self._record()

@@ -239,6 +239,7 @@ class Bridge:
         publisher = Publisher(
             rs.url, cluster=rs.cluster, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
             wait_timeout_ms=rs.wait_timeout_ms, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)),
+            append=rs.append,
         )
         client = connect_redis(rs)
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication)
@@ -259,7 +260,8 @@ class Bridge:
             health = self._check_slot(catalog_conn)
             try:
                 check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
-                self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot)
+                self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
+                                          reserve=publisher.memory_reserve)
             except redis.RedisError as exc:
                 raise TransientError(f"redis unavailable: {exc}") from exc
             self._release_stale_walsender(catalog_conn)

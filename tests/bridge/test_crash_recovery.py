@@ -126,3 +126,43 @@ def test_a_silently_dead_connection_is_detected_and_replaced(env):
         assert proc.wait(30) == 0
     finally:
         proxy.close()
+
+
+def test_a_frozen_bridge_that_wakes_after_another_took_over_appends_nothing_twice(env):
+    """Two bridges on one slot and one Redis: the first freezes (SIGSTOP) with a batch in hand, its
+    walsender times out, a second bridge takes the slot over and writes the same changes, then the
+    first wakes up and sends its stale batch. The watched marks make that batch append nothing twice."""
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml")
+    env.write_mapping("rider.yaml", RIDER_MAPPING)
+    env.write_config("batch: {max_entries: 40, max_delay_ms: 5}\n")
+    env.execute("ALTER SYSTEM SET wal_sender_timeout = '1s'")
+    env.execute("SELECT pg_reload_conf()")
+    env.cdc("init", check=True)
+    workload = MixedWorkload(env.dsn, transactions=1500, seed=7, big_every=40, big_size=300, rate=150)
+    workload.start()
+    rng = random.Random(99)
+    first = env.start_bridge()
+    try:
+        for _ in range(6):
+            wait_for(lambda: env.slot_active() or first.poll() is not None, 30, "the first bridge to attach")
+            time.sleep(rng.uniform(0.05, 0.5))  # a random instant to freeze at, not a wait for a condition
+            first.send_signal(signal.SIGSTOP)
+            env.wait_slot_inactive()  # its walsender gave up on it
+            second = env.start_bridge()
+            wait_for(lambda: env.slot_active() or second.poll() is not None, 30, "the second bridge to attach")
+            time.sleep(rng.uniform(0.2, 0.8))  # the second bridge writes what the first had in hand
+            first.send_signal(signal.SIGCONT)  # the stale bridge wakes up and sends its batch
+            time.sleep(rng.uniform(0.2, 0.5))
+            second.send_signal(signal.SIGKILL)
+            second.wait(10)
+        workload.done.wait(300)
+        assert workload.error is None, workload.error
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGCONT)
+    env.wait_slot_inactive()
+    env.cdc("run", "--until-caught-up", check=True, timeout=300)
+    assert_streams_exact(env, workload)

@@ -1,13 +1,20 @@
-"""The exactly-once append script against a real Redis."""
+"""Appending exactly once against a real Redis: the transaction path and the append script."""
 
 from __future__ import annotations
 
+import random
+
+import hiredis
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from cdc.errors import TransientError
 from cdc.sink.publisher import Publisher, StreamBatch, position, split_position
+from cdc.sink.transaction import xadd_command
 
-pytestmark = pytest.mark.integration
+MODES = ["transaction", "script"]
 
 
 def batch(stream: str, positions: list[tuple[int, int]]) -> StreamBatch:
@@ -17,10 +24,22 @@ def batch(stream: str, positions: list[tuple[int, int]]) -> StreamBatch:
     return b
 
 
-def test_a_replayed_batch_appends_only_what_is_past_the_mark(redis_server):
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    pub = Publisher(redis_server.url)
+def positions_in(client: redis.Redis, stream: str) -> list[tuple[int, int]]:
+    return [(int(f[b"lsn"]), int(f[b"seq"])) for _, f in client.xrange(stream)]
+
+
+@pytest.fixture
+def client(redis_server):
+    c = redis.Redis.from_url(redis_server.url)
+    c.flushall()
+    yield c
+    c.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replayed_batch_appends_only_what_is_past_the_mark(redis_server, client, mode):
+    pub = Publisher(redis_server.url, append=mode)
     try:
         assert pub.publish([batch("s", [(100, 0), (100, 1)]), batch("t", [(100, 2)])]) == 3
         # a crash replays the transaction and the next one: only new positions are appended
@@ -39,4 +58,148 @@ def test_a_replayed_batch_appends_only_what_is_past_the_mark(redis_server):
         assert pub.publish([batch("s", [(big + 1, 0)])]) == 1
     finally:
         pub.close()
-        client.close()
+
+
+@pytest.mark.integration
+def test_both_paths_write_the_same_entries_and_marks(redis_server, client):
+    """The transaction path against the append script, its reference: same fields, same marks."""
+    rng = random.Random(7)
+    streams = ["cdc:a", "cdc:{b}:0", "cdc:{b}:1"]
+    rounds = []
+    lsn = 1000
+    for _ in range(30):
+        lsn += rng.randint(1, 50)
+        round_ = {}
+        for s in rng.sample(streams, rng.randint(1, 3)):
+            start = rng.randint(0, 3)
+            round_[s] = [(lsn - rng.randint(0, 40), seq) for seq in range(start, start + rng.randint(1, 6))]
+        rounds.append(round_)
+    seen = {}
+    for mode in MODES:
+        client.flushall()
+        pub = Publisher(redis_server.url, append=mode)
+        try:
+            for round_ in rounds:
+                pub.publish([batch(s, sorted(p)) for s, p in round_.items()])
+            seen[mode] = ({s: [f for _, f in client.xrange(s)] for s in streams},
+                          {s: client.get(f"{{{s}}}:hwm" if "{" not in s else s.split("}")[0] + "}:hwm") for s in streams},
+                          pub.entries_written, pub.entries_skipped)
+        finally:
+            pub.close()
+    assert seen["transaction"] == seen["script"]
+    assert seen["transaction"][2] > 30
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", MODES)
+def test_two_writers_on_the_same_streams_never_duplicate(redis_server, client, mode):
+    """A second bridge started by mistake: both send the same changes, interleaved; each stream is exact."""
+    first, second = Publisher(redis_server.url, append=mode), Publisher(redis_server.url, append=mode)
+    rng = random.Random(11)
+    try:
+        changes = [(lsn, seq) for lsn in range(100, 400) for seq in range(3)]
+        cursor = {id(first): 0, id(second): 0}
+        while min(cursor.values()) < len(changes):
+            pub = rng.choice([first, second])
+            at = cursor[id(pub)]
+            if at >= len(changes):
+                continue
+            # each writer re-sends a little of what it sent before, as after a reconnect
+            lo = max(0, at - rng.randint(0, 5))
+            hi = min(len(changes), at + rng.randint(1, 40))
+            pub.send([batch("cdc:x", changes[lo:hi]), batch("cdc:y", changes[lo:hi])])
+            other = second if pub is first else first
+            if other._inflight is None and rng.random() < 0.5:
+                # the other writer sends while this one's transaction is queued or in flight
+                o_at = cursor[id(other)]
+                o_hi = min(len(changes), o_at + rng.randint(1, 40))
+                other.send([batch("cdc:x", changes[o_at:o_hi]), batch("cdc:y", changes[o_at:o_hi])])
+                other.confirm()
+                cursor[id(other)] = o_hi
+            pub.confirm()
+            cursor[id(pub)] = hi
+        for stream in ("cdc:x", "cdc:y"):
+            assert positions_in(client, stream) == changes
+        assert first.entries_written + second.entries_written == 2 * len(changes)
+    finally:
+        first.close()
+        second.close()
+
+
+@pytest.mark.integration
+def test_a_mark_moved_by_someone_else_is_seen_before_the_next_append(redis_server, client):
+    pub = Publisher(redis_server.url)
+    try:
+        assert pub.publish([batch("s", [(100, 0), (100, 1)])]) == 2
+        # a recovery (or another writer) moves the mark on while this publisher holds its watch
+        client.set("{s}:hwm", position(300, 0))
+        assert pub.publish([batch("s", [(200, 0), (300, 0), (300, 1)])]) == 1
+        assert positions_in(client, "s") == [(100, 0), (100, 1), (300, 1)]
+        assert pub.marks(["s"]) == {"s": (300, 1)}
+    finally:
+        pub.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", MODES)
+def test_a_connection_cut_mid_batch_appends_all_or_nothing(redis_server, client, mode):
+    """The connection dies after the batch was sent and before its reply: a new publisher replays it."""
+    cut = 0
+    for attempt in range(20):
+        client.flushall()
+        pub = Publisher(redis_server.url, append=mode)
+        try:
+            pub.publish([batch("s", [(10, 0)])])
+            changes = [(lsn, 0) for lsn in range(11, 2011)]
+            pub.send([batch("s", changes), batch("t", changes)])
+            client.client_kill_filter(_type="normal", skipme=True)
+            try:
+                pub.confirm()
+            except TransientError:
+                cut += 1
+        finally:
+            pub.close()
+        held = positions_in(client, "s")
+        assert held in ([(10, 0)], [(10, 0), *changes])  # never a part of the transaction
+        assert len(positions_in(client, "t")) in (0, len(changes))
+        again = Publisher(redis_server.url, append=mode)
+        try:
+            again.publish([batch("s", changes), batch("t", changes)])
+        finally:
+            again.close()
+        assert positions_in(client, "s") == [(10, 0), *changes]
+        assert positions_in(client, "t") == changes
+    assert cut, "the kill never landed before the replies were read"
+
+
+values = st.one_of(st.binary(max_size=40), st.text(max_size=20), st.integers(-2**63, 2**63))
+
+
+@given(stream=st.binary(min_size=1, max_size=20), fields=st.lists(st.tuples(st.binary(max_size=8), values), max_size=8))
+@settings(max_examples=300)
+def test_xadd_command_packs_what_hiredis_packs(stream, fields):
+    entry = [x for pair in fields for x in pair] + ["0" * 30]
+    assert xadd_command(stream, entry) == hiredis.pack_command((b"XADD", stream, b"*", *entry[:-1]))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", MODES)
+def test_the_flushed_record_only_moves_forward(redis_server, client, mode):
+    """A stale writer (or a late heartbeat) never sets back how far Redis holds the source."""
+    ahead = Publisher(redis_server.url, append=mode, flushed_key="cdc:bridge:s:flushed")
+    stale = Publisher(redis_server.url, append=mode, flushed_key="cdc:bridge:s:flushed")
+    try:
+        stale.publish([batch("s", [(100, 0)])])  # the stale writer has watched the record already
+        ahead.send([batch("s", [(100, 0), (200, 0)])], flushed=250)
+        ahead.confirm()
+        stale.send([batch("s", [(100, 0), (150, 0)])], flushed=180)
+        assert stale.confirm() == 0
+        assert client.get("cdc:bridge:s:flushed") == b"250"
+        stale.record_flushed(190)
+        assert client.get("cdc:bridge:s:flushed") == b"250"
+        ahead.record_flushed(300)
+        assert client.get("cdc:bridge:s:flushed") == b"300"
+        assert positions_in(client, "s") == [(100, 0), (200, 0)]
+    finally:
+        ahead.close()
+        stale.close()

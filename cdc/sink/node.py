@@ -1,0 +1,147 @@
+"""One connection to one Redis server, spoken to in raw pipelines, and what its errors mean.
+
+The publisher writes whole pipelines of packed commands and reads their replies
+with its own hiredis reader: a batch can hold thousands of replies (one per
+queued command in a transaction), and reading them through redis-py's
+per-reply Python path would cost more than Redis spends appending. Error
+replies are returned as exception objects in the reply list, never raised, so
+a caller can tell which command of a pipeline failed.
+"""
+
+from __future__ import annotations
+
+import hiredis
+import redis
+from redis._parsers.base import BaseParser
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterDownError,
+    ConnectionError as RedisConnectionError,
+    MovedError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TimeoutError as RedisTimeoutError,
+    TryAgainError,
+)
+
+from ..errors import PublishError, TransientError
+
+__all__ = ["Node", "classify"]
+
+TRANSIENT_REPLIES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS")
+#: every command the bridge's writes may send (its ACL user needs each; `cdc check` asks for them)
+WRITE_COMMANDS = ("multi", "exec", "watch", "mget", "xadd", "set", "get", "wait", "ping", "evalsha", "script")
+_RECV_SIZE = 1 << 16
+
+
+def classify(exc: Exception) -> Exception:
+    """The error the bridge acts on: transient (reconnect and retry) or a clear publish error."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ReadOnlyError, OSError,
+                        MovedError, AskError, TryAgainError, ClusterDownError)):
+        return TransientError(f"redis unavailable: {exc}")
+    if isinstance(exc, ResponseError):
+        text = str(exc)
+        if isinstance(exc, OutOfMemoryError) or text.startswith(TRANSIENT_REPLIES) or "maxmemory" in text:
+            return TransientError(f"redis refused the write for now: {text}")
+        if "NOPERM" in text:
+            return PublishError(f"redis denied a command: {text}",
+                                hint="grant the bridge's ACL user " + ", ".join(c.upper() for c in WRITE_COMMANDS)
+                                + " on its keys (deploy/redis/redis.conf has the rule)")
+        return PublishError(f"redis rejected the batch: {text}")
+    return exc
+
+
+class Node:
+    """One Redis server and the one connection kept to it for raw pipelines."""
+
+    def __init__(self, name: str, pool: redis.ConnectionPool) -> None:
+        self.name = name
+        self.pool = pool
+        self.conn = None
+        self._reader: hiredis.Reader | None = None
+        #: connections made so far: state kept on a connection (WATCH) is gone when this changes
+        self.connects = 0
+
+    def connection(self):
+        if self.conn is None:
+            try:
+                self.conn = self.pool.get_connection()
+                self.conn.connect()
+            except Exception as exc:
+                self.conn = None
+                raise classify(exc) from exc
+            self._reader = hiredis.Reader(replyError=BaseParser.parse_error)
+            self.connects += 1
+        return self.conn
+
+    def drop(self) -> None:
+        if self.conn is not None:
+            self.conn.disconnect()
+            self.pool.release(self.conn)
+            self.conn = None
+            self._reader = None
+
+    def send(self, commands: list[bytes]) -> None:
+        conn = self.connection()
+        try:
+            conn.send_packed_command([b"".join(commands)], check_health=False)
+        except Exception as exc:
+            self.drop()
+            raise classify(exc) from exc
+
+    def receive(self, n: int, expect: bytes = b"") -> tuple[list, bool]:
+        """Read `n` replies; error replies are returned, not raised.
+
+        When the replies are expected to begin with the bytes `expect` (the OK and
+        QUEUED of a transaction: thousands of replies the caller only needs to
+        know were all accepted), those bytes are compared at once instead of being
+        parsed one by one: the result is then the replies after them, and True.
+        Otherwise every reply is parsed and returned, with False.
+        """
+        conn = self.connection()
+        reader = self._reader
+        try:
+            skipped = False
+            if expect:
+                data = b""
+                while len(data) < len(expect) and data == expect[: len(data)]:
+                    data += self._recv(conn)
+                skipped = data.startswith(expect)
+                reader.feed(data[len(expect):] if skipped else data)
+                if skipped:
+                    n -= expect.count(b"\r\n")
+            gets = reader.gets
+            replies: list = []
+            append = replies.append
+            while True:
+                while len(replies) < n:
+                    reply = gets()
+                    if reply is False:
+                        break
+                    append(reply)
+                if len(replies) == n:
+                    return replies, skipped
+                reader.feed(self._recv(conn))
+        except Exception as exc:
+            self.drop()
+            raise classify(exc) from exc
+
+    @staticmethod
+    def _recv(conn) -> bytes:
+        data = conn._sock.recv(_RECV_SIZE)
+        if not data:
+            raise RedisConnectionError("connection closed by the server")
+        return data
+
+    def round_trip(self, commands: list[bytes]) -> list:
+        self.send(commands)
+        return self.receive(len(commands))[0]
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.pool.release(self.conn)
+            self.conn = None
+            self._reader = None
+        self.pool.disconnect()

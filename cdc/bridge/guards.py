@@ -116,6 +116,8 @@ class MemoryWatch:
         self.reserve = reserve
         self.paused = False
         self.ratio: float | None = None
+        #: the ratio the pause rule compares: used memory plus the reserve for the next batch
+        self.needed: float | None = None
         #: where the pause is recorded for `cdc status` (`keys.bridge_state_key`); None: not recorded
         self.state_key = keys.bridge_state_key(slot) if slot else None
         self._recorded: bool | None = None
@@ -135,17 +137,18 @@ class MemoryWatch:
         if not limit or not self.pause_at:
             if self.paused:
                 log.info("redis has no memory limit now: resuming")
-            self.ratio, self.paused = None, False
+            self.ratio, self.needed, self.paused = None, None, False
             self._record()
             return False
         self.ratio = int(info["used_memory"]) / limit
-        needed = self.ratio + (self.reserve() / limit if self.reserve else 0)
+        self.needed = needed = self.ratio + (self.reserve() / limit if self.reserve else 0)
         if not self.paused and needed >= self.pause_at:
             self.paused = True
-            log.warning("redis memory at %.0f%% of maxmemory: pausing reading (nothing is acknowledged or lost)", self.ratio * 100)
+            log.warning("redis memory at %.0f%% of maxmemory with room for the next batch (%.0f%% in use): "
+                        "pausing reading (nothing is acknowledged or lost)", needed * 100, self.ratio * 100)
         elif self.paused and needed < self.resume_at:
             self.paused = False
-            log.info("redis memory at %.0f%% of maxmemory: resuming", self.ratio * 100)
+            log.info("redis memory at %.0f%% of maxmemory with room for the next batch: resuming", needed * 100)
         self._record()
         return self.paused
 
@@ -153,7 +156,7 @@ class MemoryWatch:
         """Tell `cdc status` whether reading is paused, when that changes (and once per session)."""
         if self.state_key is None or self._recorded == self.paused:
             return
-        fields = {"paused": int(self.paused), "memory_ratio": "" if self.ratio is None else f"{self.ratio:.4f}"}
+        fields = {"paused": int(self.paused), "memory_ratio": "" if self.needed is None else f"{self.needed:.4f}"}
         if self.paused:
             fields["paused_since_ms"] = int(time.time() * 1000)
         self.client.hset(self.state_key, mapping=fields)

@@ -208,7 +208,8 @@ def render(status: dict) -> str:
 def _bridge_lines(bridge: dict) -> list[str]:
     lines = []
     if bridge.get("paused_for_memory"):
-        ratio = f" at {bridge['memory_ratio']:.0%} of maxmemory" if bridge.get("memory_ratio") is not None else ""
+        ratio = (f" at {bridge['memory_ratio']:.0%} of maxmemory with room for the next batch"
+                 if bridge.get("memory_ratio") is not None else "")
         lines.append(f"bridge: PAUSED for Redis memory{ratio} since {bridge.get('paused_since') or '?'}: "
                      "nothing is read until Redis has room (raise maxmemory, trim, or let consumers catch up)")
     loss = bridge.get("data_loss")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 
-from .errors import CdcError, TransientError
+from .errors import CdcError, ConfigError, TransientError
 from .loader import load_callable
 from .sink.redisconn import connect_redis
 
@@ -137,6 +137,10 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
     from .consume.consumer import Consumer
 
+    for option in ("count", "lease_ttl_ms", "claim_idle_ms", "max_deliveries"):
+        if getattr(args, option) < 1:
+            raise ConfigError(f"--{option.replace('_', '-')} {getattr(args, option)}: must be at least 1",
+                              hint="see cdc consume --help for the defaults")
     settings, mappings = _load(args)
     mapping = _entity(mappings, args.entity)
     if bool(args.handler) == bool(args.sink):
@@ -394,6 +398,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consume_options(consume: argparse.ArgumentParser) -> None:
+    """`cdc consume`'s options; each help names its default (cdc.consume.consumer holds them)."""
+    from .consume import consumer as c
+
+    consume.add_argument("--entity", required=True, help="the mapping whose streams to read (all its partitions)")
+    consume.add_argument("--group", required=True, help="consumer group (also names the state and checkpoints it keeps)")
+    consume.add_argument("--name", help="consumer name in the group (default: host-pid); a consumer restarted under "
+                                        "the same name takes its streams back at once")
+    consume.add_argument("--start", default="$", help="where a new group starts: $ (new entries only, the default), "
+                                                      "0 (the whole stream), an entry ID or an ISO-8601 time")
+    consume.add_argument("--handler", help="module:function applying entries in a PostgreSQL transaction with checkpoints")
+    consume.add_argument("--sink", help="schema.table to mirror the entity into, idempotently")
+    consume.add_argument("--shared", action="store_true",
+                         help="many consumers per stream instead of one lease holder each (only with --sink)")
+    consume.add_argument("--state-dsn", help="where state and checkpoints live (default: postgres.dsn)")
+    consume.add_argument("--count", type=int, default=c.COUNT, help=f"entries per batch (default {c.COUNT})")
+    consume.add_argument("--lease-ttl-ms", type=int, default=c.LEASE_TTL_MS,
+                         help="a stream's lease lasts this long unless renewed; another consumer takes a dead one's "
+                              f"streams after it (default {c.LEASE_TTL_MS})")
+    consume.add_argument("--claim-idle-ms", type=int, default=c.CLAIM_IDLE_MS,
+                         help="--shared: entries a consumer left pending this long are claimed by another "
+                              f"(default {c.CLAIM_IDLE_MS})")
+    consume.add_argument("--max-deliveries", type=int, default=c.MAX_DELIVERIES,
+                         help="an entry that failed this many deliveries goes to the dead-letter stream "
+                              f"cdc:dlq:<group> (default {c.MAX_DELIVERIES})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cdc", description="PostgreSQL logical replication to Redis Streams")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -411,18 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = command("run", cmd_run, "stream changes into Redis until SIGTERM/SIGINT")
     run.add_argument("--until-caught-up", action="store_true", help="exit once everything committed before start is in Redis")
     consume = command("consume", cmd_consume, "run a consumer of one entity's streams")
-    consume.add_argument("--entity", required=True)
-    consume.add_argument("--group", required=True, help="consumer group (also names the state it keeps)")
-    consume.add_argument("--name", help="consumer name (default: host-pid)")
-    consume.add_argument("--start", default="$", help="where a new group starts: $, 0, an entry ID or an ISO-8601 time")
-    consume.add_argument("--handler", help="module:function applying entries in a PostgreSQL transaction with checkpoints")
-    consume.add_argument("--sink", help="schema.table to mirror the entity into, idempotently")
-    consume.add_argument("--shared", action="store_true", help="many consumers per stream (only with --sink)")
-    consume.add_argument("--state-dsn", help="where state and checkpoints live (default: postgres.dsn)")
-    consume.add_argument("--count", type=int, default=100, help="entries per batch")
-    consume.add_argument("--claim-idle-ms", type=int, default=30_000)
-    consume.add_argument("--max-deliveries", type=int, default=5)
-    consume.add_argument("--lease-ttl-ms", type=int, default=10_000)
+    _consume_options(consume)
     trim = command("trim", cmd_trim, "trim streams up to what every consumer group has consumed")
     trim.add_argument("--entity", help="only this entity's streams")
     trim.add_argument("--max-len", type=int, help="hard cap on length (drops unconsumed entries, loudly)")

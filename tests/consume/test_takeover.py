@@ -1,0 +1,184 @@
+"""Takeover: a restarted consumer resumes its own streams at once, another takes a dead one's
+within the lease TTL, and the group's totals stay exact through it all."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from decimal import Decimal
+
+import pytest
+
+from cdc import keys
+from cdc.consume.checkpoint import TransactionalHandler
+from cdc.consume.consumer import LEASE_TTL_MS, Consumer, Fenced
+from cdc.demo.local import wait_for
+from cdc.demo.rocketrides import ride_totals
+
+from ride_consumers import Supervisor, state, truth
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def rides(env):
+    return env.init_rides("ride.yaml", sql=("10_rocket_rides.sql", "20_consumer_state.sql"),
+                          config="trim: {interval_s: 0}\n", riders=20)
+
+
+def backlog(env, rides: int) -> None:
+    """`rides` rides of riders 1..20 in the stream, in transactions of up to 2000."""
+    with env.connect() as conn:
+        for start in range(0, rides, 2000):
+            conn.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g %% 20, (g %% 9973) / 8.0 "
+                         "FROM generate_series(%s::int, %s::int) g", (start, min(start + 2000, rides) - 1))
+    env.cdc("run", "--until-caught-up", check=True, timeout=300)
+
+
+class Progress(threading.Thread):
+    """Polls the group's checkpoint; keeps the times at which it moved."""
+
+    def __init__(self, env, group: str) -> None:
+        super().__init__(name="progress", daemon=True)
+        self.env, self.group = env, group
+        self.moves: list[tuple[float, int, int]] = []  # (time, position, lease epoch) of each new checkpoint
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        with self.env.connect() as conn:
+            last = None
+            while not self.stopped.wait(0.02):
+                row = conn.execute("SELECT lsn, seq, epoch FROM cdc_checkpoints WHERE consumer = %s",
+                                   (self.group,)).fetchone()
+                if row is not None and row[0] is not None and row != last:
+                    self.moves.append((time.monotonic(), int(row[0]) * 2**32 + row[1], row[2]))
+                    last = row
+
+    def stall_after(self, moment: float, epoch: int = 0) -> float:
+        """Seconds from `moment` until a holder newer than `epoch` moved the checkpoint (inf if none did)."""
+        later = [t for t, _, e in self.moves if t > moment and e > epoch]
+        return later[0] - moment if later else float("inf")
+
+    def longest_stall(self) -> float:
+        times = [t for t, _, _ in self.moves]
+        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+
+def lease_epoch(env, group: str) -> int:
+    """The newest epoch handed out for `group`'s lease on cdc:ride."""
+    return int(env.redis.get(keys.lease_epoch_key("cdc:ride", group)) or 0)
+
+
+def holder(env, group: str) -> str | None:
+    """The name of the consumer holding `group`'s lease on cdc:ride."""
+    value = env.redis.get(keys.lease_key("cdc:ride", group))
+    return value.decode()[13:] if value else None
+
+
+def test_a_restart_under_the_same_name_takes_its_lease_back_at_once_and_fences_the_old_instance(rides):
+    backlog(rides, 300)
+    client = rides.redis
+    old = Consumer(client, ["cdc:ride"], "g", "worker-1", count=100, lease_ttl_ms=60_000)
+    old.create_group("0")
+    old_batch = old.read()
+    assert old.active_streams == ["cdc:ride"] and old.epoch("cdc:ride") == 1 and len(old_batch) == 100
+
+    other = Consumer(client, ["cdc:ride"], "g", "worker-2", lease_ttl_ms=60_000)
+    assert other.read() == [] and other.active_streams == []  # another name waits for the TTL
+
+    new = Consumer(client, ["cdc:ride"], "g", "worker-1", count=100, lease_ttl_ms=60_000)  # the same consumer, restarted
+    started = time.monotonic()
+    first = new.read()
+    assert time.monotonic() - started < 1, "the restarted consumer waited for its old lease"
+    assert new.epoch("cdc:ride") == 2 and [e.id for e in first] == [e.id for e in old_batch]
+
+    new_handler = TransactionalHandler(rides.dsn, "g", ride_totals, epoch_of=new.epoch)
+    old_handler = TransactionalHandler(rides.dsn, "g", ride_totals, epoch_of=old.epoch)
+    try:
+        new.process(first, new_handler)
+        with pytest.raises(Fenced):  # the old instance woke up late, still believing it holds epoch 1
+            old_handler(old_batch)
+        old.process(old_batch, old_handler)  # as its loop would: fenced, nothing acknowledged
+        assert old.acked == 0 and old.epoch("cdc:ride") == 0
+        for _ in range(3):  # each read without a lease waits one lease poll, so these try to take it again
+            assert old.read() == [] and old.active_streams == [], "the old instance took the lease back"
+            assert other.read() == [] and other.active_streams == []
+
+        def step() -> bool:
+            entries = new.read()
+            if entries:
+                new.process(entries, new_handler)
+            return state(rides, "g") == truth(rides)
+        wait_for(step, 30, "the restarted consumer to reach the totals", interval=0)
+    finally:
+        new_handler.close()
+        old_handler.close()
+    assert rides.execute("SELECT epoch FROM cdc_checkpoints WHERE consumer = 'g'") == [(2,)]
+
+
+def test_another_consumer_takes_a_dead_ones_stream_within_the_lease_ttl(rides):
+    backlog(rides, 20_000)
+    first = rides.start_consumer("g", "--name", "a", "--count", "20")
+    progress = Progress(rides, "g")
+    progress.start()
+    try:
+        wait_for(lambda: len(progress.moves) > 3, 30, "consumer a to make progress")
+        second = rides.start_consumer("g", "--name", "b", "--count", "20")
+        wait_for(lambda: "consumer b of group g" in second.log_path.read_text(), 30, "consumer b to start")
+        assert holder(rides, "g") == "a" and lease_epoch(rides, "g") == 1
+        first.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        first.wait(10)
+        wait_for(lambda: progress.stall_after(killed, 1) < float("inf"), 30, "b to move the checkpoint")
+        stall = progress.stall_after(killed, 1)
+        assert holder(rides, "g") == "b"
+        print(f"takeover by another consumer: {stall:.2f}s (lease TTL {LEASE_TTL_MS} ms)")
+        assert stall < LEASE_TTL_MS / 1000 + 1.0, f"b took {stall:.2f}s to take over"
+        wait_for(lambda: state(rides, "g") == truth(rides), 120, "b to reach the totals")
+    finally:
+        progress.stopped.set()
+        progress.join()
+    assert rides.execute("SELECT epoch FROM cdc_checkpoints WHERE consumer = 'g'") == [(2,)]
+
+
+@pytest.mark.slow
+def test_the_group_recovers_within_two_seconds_of_every_kill_and_crash_and_stays_exact(rides):
+    backlog(rides, 40_000)
+    group = Supervisor(rides, "g", 2, {"CDC_FAULT_CRASH_BEFORE_COMMIT": "0.02"}, named=True, args=("--count", "100"))
+    progress = Progress(rides, "g")
+    progress.start()
+    group.start()
+    kills: list[tuple[float, int]] = []  # (time, epoch of the killed holder)
+    expected = truth(rides)
+    try:
+        wait_for(lambda: len(progress.moves) > 3, 60, "the group to make progress")
+        while state(rides, "g") != expected:
+            if kills:  # the next kill once the group moved again after the last one
+                wait_for(lambda: progress.stall_after(*kills[-1]) < float("inf") or state(rides, "g") == expected,
+                         60, "the group to move after a kill")
+            time.sleep(0.7)  # pacing: let it run a moment between kills
+            name = holder(rides, "g")
+            if name is None or state(rides, "g") == expected:
+                continue
+            with group.lock:
+                epoch = lease_epoch(rides, "g")
+                group.procs[int(name.rsplit("-", 1)[1])].send_signal(signal.SIGKILL)
+                group.kills += 1
+            kills.append((time.monotonic(), epoch))
+            assert time.monotonic() - progress.moves[0][0] < 240, "the group did not finish its backlog"
+    finally:
+        group.stop()
+        progress.stopped.set()
+        progress.join()
+    assert state(rides, "g") == expected
+    crashes = [t for t, code in zip(group.exit_times, group.exits) if code == 86]
+    stalls = sorted(progress.stall_after(*kill) for kill in kills)
+    elapsed = progress.moves[-1][0] - progress.moves[0][0]
+    print(f"{len(kills)} kills, {len(crashes)} crashes before commit, 40,000 rides in {elapsed:.1f}s "
+          f"({40_000 / elapsed:,.0f} entries/s); stall after a kill: median {stalls[len(stalls) // 2]:.2f}s, "
+          f"max {stalls[-1]:.2f}s; longest stall overall {progress.longest_stall():.2f}s")
+    assert len(kills) >= 5 and crashes, "the run must see several kills and crashes before commit"
+    assert -signal.SIGKILL in group.exits
+    assert stalls[-1] < 2.5, f"the group stalled {stalls[-1]:.2f}s after a kill"
+    assert progress.longest_stall() < 2.5, f"the group stalled {progress.longest_stall():.2f}s"

@@ -336,6 +336,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
     from .reconcile.drift import render_table
     from .reconcile.job import describe, preflight, reconcile_spec
+    from .reconcile.progress import ProgressDisplay
     from .reconcile.spec import load_specs
     from .reconcile.truth import start_spark
 
@@ -354,16 +355,23 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     say(f"starting Spark ({settings.reconcile.master})")
-    spark = start_spark(settings.reconcile.master, settings.reconcile.jdbc_jar, settings.reconcile.driver_memory)
+    spark_started = time.monotonic()
+    rc = settings.reconcile
+    spark = start_spark(rc.master, rc.jdbc_jar, rc.driver_memory, rc.executor_memory, rc.executor_cores)
+    spark_seconds = time.monotonic() - spark_started
+    say(f"Spark started in {spark_seconds:.1f}s")
     results = []
     try:
         for spec, spec_targets in zip(specs, targets):
-            started = time.monotonic()
-            results.append(reconcile_spec(
-                settings, spec, spec_targets, spark, dry_run=args.dry_run, say=say,
-                progress=lambda done, total, spec=spec, t=started: _progress(
-                    f"{spec.name}: reading", done, total, time.monotonic() - t, unit="tasks"),
-            ))
+            display = ProgressDisplay(f"{spec.name}: reading", "partitions")
+            try:
+                result = reconcile_spec(settings, spec, spec_targets, spark, dry_run=args.dry_run, say=say,
+                                        progress=display.update)
+            finally:
+                display.close()
+            if not results:  # the first spec waited for the session: its time includes the start
+                result.spark_start_seconds, result.seconds = spark_seconds, result.seconds + spark_seconds
+            results.append(result)
     finally:
         spark.stop()
     report = [r.as_json(args.dry_run) for r in results]
@@ -373,8 +381,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         for r in results:
+            start = f"Spark start {r.spark_start_seconds:.1f}s, " if r.spark_start_seconds else ""
             print(f"{r.spec.name}: position {r.position}, {r.source_rows} source rows, {r.truth_keys} keys, "
-                  f"read {r.read_seconds:.1f}s, total {r.seconds:.1f}s")
+                  f"{start}read {r.read_seconds:.1f}s, total {r.seconds:.1f}s")
             for o in r.outcomes:
                 print(f"  {o.consumer}: {describe(o)}")
                 if not o.drift.clean:

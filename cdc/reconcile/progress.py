@@ -48,29 +48,33 @@ class ProgressDisplay:
         self.label, self.unit = label, unit
         self.stream = stream or sys.stderr
         self.started: float | None = None  # the first update: rates count from the read's start
-        self.live = self.stream.isatty()
+        self.closed = False
         self._last_line = float("-inf")
         self._pending: tuple[int, int, float] | None = None  # the last update not yet shown
         self._bar = None
-        if self.live:
+        if self.stream.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[stats]}"),
                                  console=Console(file=self.stream), transient=False)
             self._task = self._bar.add_task(label, total=None, stats="")
-            self._bar.start()
 
     def update(self, done: int, total: int) -> None:
-        if self.started is None:
+        if self.closed:
+            return
+        if self.started is None:  # the read began: show the bar from now on
             self.started = time.monotonic()
+            if self._bar is not None:
+                self._bar.start()
         seconds = time.monotonic() - self.started
         if self._bar is not None:
             self._bar.update(self._task, completed=done, total=total,
                              stats=progress_text(done, total, seconds, self.unit))
+            if done >= total:  # the read is over: the bar stays as it ends, later lines go below it
+                self.close()
             return
-        now = time.monotonic()
-        if done < total and now - self._last_line < LINE_EVERY_S:
+        if done < total and time.monotonic() - self._last_line < LINE_EVERY_S:
             self._pending = (done, total, seconds)  # shown by a later update, or by close()
             return
         self._line(done, total, seconds)
@@ -81,7 +85,10 @@ class ProgressDisplay:
         self.stream.flush()
 
     def close(self) -> None:
-        if self._bar is not None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._bar is not None and self.started is not None:
             self._bar.stop()
         elif self._pending is not None:
             self._line(*self._pending)

@@ -60,3 +60,16 @@ def test_on_a_terminal_it_draws_a_rich_bar_with_the_same_wording():
     text = out.getvalue()
     assert "\x1b[" in text and "━" in text, "not drawn as a bar"
     assert "totals: reading" in text and "3/8 partitions" in text and "partitions/s" in text
+
+
+def test_on_a_terminal_the_bar_ends_with_the_read_and_nothing_is_drawn_before_it():
+    out = Terminal()
+    display = ProgressDisplay("totals: reading", "partitions", out)
+    assert out.getvalue() == ""  # the snapshot and its checks come first: no empty bar meanwhile
+    display.update(0, 2)
+    display.update(2, 2)
+    assert display.closed and "2/2 partitions" in out.getvalue()
+    drawn = out.getvalue()
+    display.update(2, 2)
+    display.close()
+    assert out.getvalue() == drawn

@@ -4,6 +4,8 @@ within the lease TTL, and the group's totals stay exact through it all."""
 from __future__ import annotations
 
 import signal
+import socket
+import subprocess
 import threading
 import time
 
@@ -12,6 +14,7 @@ import pytest
 from cdc import keys
 from cdc.consume.checkpoint import TransactionalHandler
 from cdc.consume.consumer import LEASE_TTL_MS, Consumer, Fenced
+from cdc.consume.lease import local_pid
 from cdc.demo.local import wait_for
 from cdc.demo.rocketrides import ride_totals
 
@@ -69,6 +72,17 @@ def lease_epoch(env, group: str) -> int:
     return int(env.redis.get(keys.lease_epoch_key("cdc:ride", group)) or 0)
 
 
+def holder_index(env, group: str, supervisor: Supervisor) -> int | None:
+    """Which of `supervisor`'s consumers holds the lease: by its --name, or by the pid in its default name."""
+    name = holder(env, group)
+    if name is None:
+        return None
+    if supervisor.named:
+        return int(name.rsplit("-", 1)[1])
+    pid = local_pid(name, socket.gethostname())
+    return next((i for i, proc in enumerate(supervisor.procs) if proc.pid == pid), None)
+
+
 def holder(env, group: str) -> str | None:
     """The name of the consumer holding `group`'s lease on cdc:ride."""
     value = env.redis.get(keys.lease_key("cdc:ride", group))
@@ -116,6 +130,38 @@ def test_a_restart_under_the_same_name_takes_its_lease_back_at_once_and_fences_t
     assert rides.execute("SELECT epoch FROM cdc_checkpoints WHERE consumer = 'g'") == [(2,)]
 
 
+def test_a_default_name_is_this_hosts_pid_and_only_such_a_name_is():
+    assert local_pid("web-7-1234", "web-7") == 1234
+    assert local_pid("web-7-1234", "web-8") is None
+    assert local_pid("web-7-x1234", "web-7") is None
+    assert local_pid("totals-a", "web-7") is None
+
+
+def test_a_consumer_takes_over_at_once_from_a_holder_whose_process_on_this_host_is_gone(rides):
+    client = rides.redis
+    host = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    lease, epochs = keys.lease_key("cdc:ride", "g"), keys.lease_epoch_key("cdc:ride", "g")
+    client.set(epochs, 5)
+    try:
+        for holder_name in (f"{host}-{alive.pid}", f"another-host-{gone.pid}", "totals-a"):
+            client.set(lease, f"{'0' * 12}:{holder_name}", px=60_000)
+            waiting = Consumer(client, ["cdc:ride"], "g")  # the default name: this host and this pid
+            waiting.create_group("0")
+            assert waiting.read() == [] and waiting.active_streams == [], f"took the lease of {holder_name}"
+        client.set(lease, f"{'0' * 12}:{host}-{gone.pid}", px=60_000)
+        started = time.monotonic()
+        taker = Consumer(client, ["cdc:ride"], "g")
+        taker.read()
+        assert taker.active_streams == ["cdc:ride"] and taker.epoch("cdc:ride") == 6
+        assert time.monotonic() - started < 1
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_another_consumer_takes_a_dead_ones_stream_within_the_lease_ttl(rides):
     backlog(rides, 20_000)
     first = rides.start_consumer("g", "--name", "a", "--count", "20")
@@ -145,10 +191,11 @@ RIDES = 60_000
 
 
 @pytest.mark.slow
-def test_the_group_recovers_within_two_seconds_of_every_kill_and_crash_and_stays_exact(rides):
+@pytest.mark.parametrize("named", [True, False], ids=["own-names", "default-names"])
+def test_the_group_recovers_within_two_seconds_of_every_kill_and_crash_and_stays_exact(rides, named):
     backlog(rides, RIDES)
     # small batches: enough work for many kills even on a fast machine; 1 batch in 200 crashes before commit
-    group = Supervisor(rides, "g", 2, {"CDC_FAULT_CRASH_BEFORE_COMMIT": "0.005"}, named=True, args=("--count", "20"))
+    group = Supervisor(rides, "g", 2, {"CDC_FAULT_CRASH_BEFORE_COMMIT": "0.005"}, named=named, args=("--count", "20"))
     progress = Progress(rides, "g")
     progress.start()
     group.start()
@@ -160,13 +207,13 @@ def test_the_group_recovers_within_two_seconds_of_every_kill_and_crash_and_stays
             if kills:  # the next kill once the group moved again after the last one
                 wait_for(lambda: progress.stall_after(*kills[-1]) < float("inf") or state(rides, "g") == expected,
                          60, "the group to move after a kill")
-            time.sleep(0.5)  # pacing: let it run a moment between kills
-            name = holder(rides, "g")
-            if name is None or state(rides, "g") == expected:
-                continue
+            time.sleep(0.3)  # pacing: let it run a moment between kills
             with group.lock:
+                index = holder_index(rides, "g", group)
+                if index is None or state(rides, "g") == expected:
+                    continue
                 epoch = lease_epoch(rides, "g")
-                group.procs[int(name.rsplit("-", 1)[1])].send_signal(signal.SIGKILL)
+                group.procs[index].send_signal(signal.SIGKILL)
                 group.kills += 1
             kills.append((time.monotonic(), epoch))
             assert time.monotonic() - progress.moves[0][0] < 240, "the group did not finish its backlog"
@@ -178,7 +225,7 @@ def test_the_group_recovers_within_two_seconds_of_every_kill_and_crash_and_stays
     crashes = [t for t, code in zip(group.exit_times, group.exits) if code == 86]
     stalls = sorted(progress.stall_after(*kill) for kill in kills)
     elapsed = progress.moves[-1][0] - progress.moves[0][0]
-    print(f"{len(kills)} kills, {len(crashes)} crashes before commit, {RIDES:,} rides in {elapsed:.1f}s "
+    print(f"{'own' if named else 'default'} names: {len(kills)} kills, {len(crashes)} crashes before commit, {RIDES:,} rides in {elapsed:.1f}s "
           f"({RIDES / elapsed:,.0f} entries/s); stall after a kill: median {stalls[len(stalls) // 2]:.2f}s, "
           f"max {stalls[-1]:.2f}s; longest stall overall {progress.longest_stall():.2f}s")
     assert len(kills) >= 5 and crashes, "the run must see several kills and crashes before commit"

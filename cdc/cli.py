@@ -414,7 +414,8 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
     consume.add_argument("--entity", required=True, help="the mapping whose streams to read (all its partitions)")
     consume.add_argument("--group", required=True, help="consumer group (also names the state and checkpoints it keeps)")
     consume.add_argument("--name", help="consumer name in the group (default: host-pid); a consumer restarted under "
-                                        "the same name takes its streams back at once")
+                                        "the same name takes its streams back at once, and a consumer on this host "
+                                        "takes a default-named one's streams at once when its pid is gone")
     consume.add_argument("--start", default="$", help="where a new group starts: $ (new entries only, the default), "
                                                       "0 (the whole stream), an entry ID or an ISO-8601 time")
     consume.add_argument("--handler", help="module:function applying entries in a PostgreSQL transaction with checkpoints")

@@ -12,8 +12,9 @@ claims every entry the group still has pending there, so nothing a dead holder
 left behind is overtaken by newer entries.
 
 Takeover times: a consumer restarted under the same name takes its streams back
-at once (`cdc.consume.lease`); another consumer takes a dead one's streams once
-its lease expires (`lease_ttl_ms`), noticing within `LEASE_POLL_S`. In shared
+at once, and so does a consumer on the same host when a default-named holder's
+process is gone (`cdc.consume.lease`); any other consumer takes a dead one's
+streams once its lease expires (`lease_ttl_ms`), noticing within `LEASE_POLL_S`. In shared
 mode, entries a dead consumer left pending are claimed once idle `claim_idle_ms`.
 """
 

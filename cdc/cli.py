@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 
-from .errors import CdcError, TransientError
+from .errors import CdcError, ConfigError, TransientError
 from .loader import load_callable
 from .sink.redisconn import connect_redis
 
@@ -137,6 +137,10 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
     from .consume.consumer import Consumer
 
+    for option in ("count", "lease_ttl_ms", "claim_idle_ms", "max_deliveries"):
+        if getattr(args, option) < 1:
+            raise ConfigError(f"--{option.replace('_', '-')} {getattr(args, option)}: must be at least 1",
+                              hint="see cdc consume --help for the defaults")
     settings, mappings = _load(args)
     mapping = _entity(mappings, args.entity)
     if bool(args.handler) == bool(args.sink):
@@ -332,6 +336,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
     from .reconcile.drift import render_table
     from .reconcile.job import describe, preflight, reconcile_spec
+    from .reconcile.progress import ProgressDisplay
     from .reconcile.spec import load_specs
     from .reconcile.truth import start_spark
 
@@ -350,16 +355,23 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     say(f"starting Spark ({settings.reconcile.master})")
-    spark = start_spark(settings.reconcile.master, settings.reconcile.jdbc_jar, settings.reconcile.driver_memory)
+    spark_started = time.monotonic()
+    rc = settings.reconcile
+    spark = start_spark(rc.master, rc.jdbc_jar, rc.driver_memory, rc.executor_memory, rc.executor_cores)
+    spark_seconds = time.monotonic() - spark_started
+    say(f"Spark started in {spark_seconds:.1f}s")
     results = []
     try:
         for spec, spec_targets in zip(specs, targets):
-            started = time.monotonic()
-            results.append(reconcile_spec(
-                settings, spec, spec_targets, spark, dry_run=args.dry_run, say=say,
-                progress=lambda done, total, spec=spec, t=started: _progress(
-                    f"{spec.name}: reading", done, total, time.monotonic() - t, unit="tasks"),
-            ))
+            display = ProgressDisplay(f"{spec.name}: reading", "partitions")
+            try:
+                result = reconcile_spec(settings, spec, spec_targets, spark, dry_run=args.dry_run, say=say,
+                                        progress=display.update)
+            finally:
+                display.close()
+            if not results:  # the first spec waited for the session: its time includes the start
+                result.spark_start_seconds, result.seconds = spark_seconds, result.seconds + spark_seconds
+            results.append(result)
     finally:
         spark.stop()
     report = [r.as_json(args.dry_run) for r in results]
@@ -369,8 +381,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         for r in results:
+            start = f"Spark start {r.spark_start_seconds:.1f}s, " if r.spark_start_seconds else ""
             print(f"{r.spec.name}: position {r.position}, {r.source_rows} source rows, {r.truth_keys} keys, "
-                  f"read {r.read_seconds:.1f}s, total {r.seconds:.1f}s")
+                  f"{start}read {r.read_seconds:.1f}s, total {r.seconds:.1f}s")
             for o in r.outcomes:
                 print(f"  {o.consumer}: {describe(o)}")
                 if not o.drift.clean:
@@ -394,6 +407,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consume_options(consume: argparse.ArgumentParser) -> None:
+    """`cdc consume`'s options; each help names its default (cdc.consume.consumer holds them)."""
+    from .consume import consumer as c
+
+    consume.add_argument("--entity", required=True, help="the mapping whose streams to read (all its partitions)")
+    consume.add_argument("--group", required=True, help="consumer group (also names the state and checkpoints it keeps)")
+    consume.add_argument("--name", help="consumer name in the group (default: host-pid); a consumer restarted under "
+                                        "the same name takes its streams back at once, and a consumer on this host "
+                                        "takes a default-named one's streams at once when its pid is gone")
+    consume.add_argument("--start", default="$", help="where a new group starts: $ (new entries only, the default), "
+                                                      "0 (the whole stream), an entry ID or an ISO-8601 time")
+    consume.add_argument("--handler", help="module:function applying entries in a PostgreSQL transaction with checkpoints")
+    consume.add_argument("--sink", help="schema.table to mirror the entity into, idempotently")
+    consume.add_argument("--shared", action="store_true",
+                         help="many consumers per stream instead of one lease holder each (only with --sink)")
+    consume.add_argument("--state-dsn", help="where state and checkpoints live (default: postgres.dsn)")
+    consume.add_argument("--count", type=int, default=c.COUNT, help=f"entries per batch (default {c.COUNT})")
+    consume.add_argument("--lease-ttl-ms", type=int, default=c.LEASE_TTL_MS,
+                         help="a stream's lease lasts this long unless renewed; another consumer takes a dead one's "
+                              f"streams after it (default {c.LEASE_TTL_MS})")
+    consume.add_argument("--claim-idle-ms", type=int, default=c.CLAIM_IDLE_MS,
+                         help="--shared: entries a consumer left pending this long are claimed by another "
+                              f"(default {c.CLAIM_IDLE_MS})")
+    consume.add_argument("--max-deliveries", type=int, default=c.MAX_DELIVERIES,
+                         help="an entry that failed this many deliveries goes to the dead-letter stream "
+                              f"cdc:dlq:<group> (default {c.MAX_DELIVERIES})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cdc", description="PostgreSQL logical replication to Redis Streams")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -411,18 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = command("run", cmd_run, "stream changes into Redis until SIGTERM/SIGINT")
     run.add_argument("--until-caught-up", action="store_true", help="exit once everything committed before start is in Redis")
     consume = command("consume", cmd_consume, "run a consumer of one entity's streams")
-    consume.add_argument("--entity", required=True)
-    consume.add_argument("--group", required=True, help="consumer group (also names the state it keeps)")
-    consume.add_argument("--name", help="consumer name (default: host-pid)")
-    consume.add_argument("--start", default="$", help="where a new group starts: $, 0, an entry ID or an ISO-8601 time")
-    consume.add_argument("--handler", help="module:function applying entries in a PostgreSQL transaction with checkpoints")
-    consume.add_argument("--sink", help="schema.table to mirror the entity into, idempotently")
-    consume.add_argument("--shared", action="store_true", help="many consumers per stream (only with --sink)")
-    consume.add_argument("--state-dsn", help="where state and checkpoints live (default: postgres.dsn)")
-    consume.add_argument("--count", type=int, default=100, help="entries per batch")
-    consume.add_argument("--claim-idle-ms", type=int, default=30_000)
-    consume.add_argument("--max-deliveries", type=int, default=5)
-    consume.add_argument("--lease-ttl-ms", type=int, default=10_000)
+    _consume_options(consume)
     trim = command("trim", cmd_trim, "trim streams up to what every consumer group has consumed")
     trim.add_argument("--entity", help="only this entity's streams")
     trim.add_argument("--max-len", type=int, help="hard cap on length (drops unconsumed entries, loudly)")

@@ -95,6 +95,9 @@ class ReconcileSettings:
     #: the PostgreSQL JDBC driver (Debian: libpostgresql-jdbc-java)
     jdbc_jar: str = "/usr/share/java/postgresql.jar"
     driver_memory: str = "2g"
+    #: on a cluster: each executor's memory (spark.executor.memory) and cores (spark.executor.cores); empty/0: Spark's own
+    executor_memory: str = ""
+    executor_cores: int = 0
     #: where the consumers' state and checkpoints live (empty: postgres.dsn; a spec's state.dsn wins)
     state_dsn: str = ""
     #: seconds to wait for the bridge to publish everything before the snapshot's position

@@ -6,35 +6,40 @@ import random
 import signal
 import subprocess
 import threading
+import time
 from decimal import Decimal
 
 class Supervisor(threading.Thread):
     """Keeps `n` consumer processes of a group running; counts how they ended."""
 
-    def __init__(self, env, group: str, n: int, extra_env: dict) -> None:
+    def __init__(self, env, group: str, n: int, extra_env: dict, *, named: bool = False,
+                 args: tuple[str, ...] = ("--count", "50", "--lease-ttl-ms", "1500")) -> None:
         super().__init__(daemon=True)
         self.env, self.group, self.n, self.extra_env = env, group, n, extra_env
+        self.named, self.args = named, args  # named: consumer i always restarts as --name <group>-<i>
         self.procs: list[subprocess.Popen] = []
         self.exits: list[int] = []
+        self.exit_times: list[float] = []
         self.kills = 0
         self.stopped = threading.Event()
         self.lock = threading.Lock()
 
-    def spawn(self) -> subprocess.Popen:
-        return self.env.start_consumer(self.group, "--count", "50", "--max-deliveries", "1000", "--lease-ttl-ms", "1500",
-                                       env=self.extra_env)
+    def spawn(self, i: int) -> subprocess.Popen:
+        name = ("--name", f"{self.group}-{i}") if self.named else ()
+        return self.env.start_consumer(self.group, *self.args, "--max-deliveries", "1000", *name, env=self.extra_env)
 
     def run(self) -> None:
         with self.lock:
-            self.procs = [self.spawn() for _ in range(self.n)]
+            self.procs = [self.spawn(i) for i in range(self.n)]
         while not self.stopped.is_set():
             with self.lock:
                 for i, proc in enumerate(self.procs):
                     code = proc.poll()
                     if code is not None:
                         self.exits.append(code)
-                        self.procs[i] = self.spawn()
-            self.stopped.wait(0.1)
+                        self.exit_times.append(time.monotonic())
+                        self.procs[i] = self.spawn(i)
+            self.stopped.wait(0.02)
 
     def kill_one(self, rng: random.Random) -> None:
         with self.lock:

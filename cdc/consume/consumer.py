@@ -10,6 +10,12 @@ time through a lease (`cdc.consume.lease`): per-key order then survives any numb
 consumers, one per partition stream. A consumer that acquires a stream first
 claims every entry the group still has pending there, so nothing a dead holder
 left behind is overtaken by newer entries.
+
+Takeover times: a consumer restarted under the same name takes its streams back
+at once, and so does a consumer on the same host when a default-named holder's
+process is gone (`cdc.consume.lease`); any other consumer takes a dead one's
+streams once its lease expires (`lease_ttl_ms`), noticing within `LEASE_POLL_S`. In shared
+mode, entries a dead consumer left pending are claimed once idle `claim_idle_ms`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ from .lease import Lease
 __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
 
 log = logging.getLogger("cdc.consumer")
+
+#: defaults, chosen so that a group stalls about two seconds when one of its consumers dies
+COUNT = 100
+BLOCK_MS = 1000
+CLAIM_IDLE_MS = 5_000
+MAX_DELIVERIES = 5
+LEASE_TTL_MS = 2_000
+#: how often, at most, leases are renewed and free ones sought (and shared mode reaps)
+LEASE_POLL_S = 0.25
 
 
 def transient(exc: BaseException) -> bool:
@@ -98,11 +113,11 @@ class Consumer:
         name: str | None = None,
         *,
         exclusive: bool = True,
-        count: int = 100,
-        block_ms: int = 1000,
-        claim_idle_ms: int = 30_000,
-        max_deliveries: int = 5,
-        lease_ttl_ms: int = 10_000,
+        count: int = COUNT,
+        block_ms: int = BLOCK_MS,
+        claim_idle_ms: int = CLAIM_IDLE_MS,
+        max_deliveries: int = MAX_DELIVERIES,
+        lease_ttl_ms: int = LEASE_TTL_MS,
     ) -> None:
         self.client = client
         self._cluster = not hasattr(client, "connection_pool")  # a RedisCluster has one pool per node
@@ -116,9 +131,9 @@ class Consumer:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self.dead_letter_stream = keys.dead_letter_key(group)
-        owner = f"{self.name}-{uuid.uuid4().hex[:8]}"
-        self.leases = {s: Lease(client, s, group, owner, lease_ttl_ms) for s in self.streams} if exclusive else {}
-        self._lease_check_every = lease_ttl_ms / 3000
+        instance = uuid.uuid4().hex[:12]  # this process: a restart under the same name takes the leases back
+        self.leases = {s: Lease(client, s, group, self.name, lease_ttl_ms, instance) for s in self.streams} if exclusive else {}
+        self._lease_check_every = min(lease_ttl_ms / 3000, LEASE_POLL_S)
         self._next_lease_check = 0.0
         self._next_reap = 0.0
         self._pending_phase: set[str] = set(self.streams)  # re-read own pending entries first
@@ -252,7 +267,7 @@ class Consumer:
             self._next_lease_check = now + self._lease_check_every
         elif not self.exclusive and now >= self._next_reap:
             self.reap()
-            self._next_reap = now + self.claim_idle_ms / 2000
+            self._next_reap = now + min(self.claim_idle_ms / 2000, 1.0)
         active = self.active_streams
         if not active:
             time.sleep(min(self.block_ms / 1000, self._lease_check_every))

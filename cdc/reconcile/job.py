@@ -53,6 +53,7 @@ class SpecResult:
     truth_keys: int = 0
     partitions: int = 0
     read_seconds: float = 0.0
+    spark_start_seconds: float = 0.0  # the Spark session's start, counted in the first spec's `seconds`
     seconds: float = 0.0
     skipped_null_keys: int = 0
     outcomes: list[ResetOutcome] = field(default_factory=list)
@@ -71,6 +72,7 @@ class SpecResult:
             "truth_keys": self.truth_keys,
             "partitions": self.partitions,
             "read_seconds": round(self.read_seconds, 3),
+            "spark_start_seconds": round(self.spark_start_seconds, 3),
             "seconds": round(self.seconds, 3),
             "source_rows_with_null_key": self.skipped_null_keys,
             "consumers": [
@@ -323,7 +325,8 @@ def reconcile_spec(
 def describe(outcome: ResetOutcome) -> str:
     behind = sum(1 for p in outcome.streams if p.behind)
     where = f"{behind} of {len(outcome.streams)} stream(s) behind the snapshot"
-    moved = f"{outcome.caught_up} entries caught up, {outcome.replayed} replayed, consumer paused {outcome.locked_seconds:.2f}s"
+    moved = (f"{outcome.caught_up} entries caught up, {outcome.replayed} replayed, "
+             f"consumer paused {outcome.locked_seconds:.2f}s while its checkpoints were locked")
     drift = outcome.drift
     found = "no drift" if drift.clean else f"{drift.keys_drifted} of {drift.keys_compared} keys drifted"
     verdict = {

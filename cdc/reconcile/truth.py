@@ -22,7 +22,6 @@ import os
 import pickle
 import shutil
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from datetime import date, datetime, timezone
 from decimal import Decimal
@@ -35,6 +34,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ..errors import CdcError, ConfigError
 from .exported_snapshot import session_init_statement
+from .progress import ReadTasks
 from .spec import ReconcileSpec
 from ..source.replication import quote_ident
 
@@ -221,8 +221,12 @@ def source_query(spec: ReconcileSpec, types: dict[str, tuple[int, int | None, in
     return f"(SELECT {', '.join(select)} FROM {source_from(spec)}) AS cdc_source"
 
 
-def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g"):
-    """A SparkSession with the PostgreSQL JDBC driver; missing pieces become one clear error."""
+def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g", executor_memory: str = "",
+                executor_cores: int = 0):
+    """A SparkSession with the PostgreSQL JDBC driver; missing pieces become one clear error.
+
+    The driver runs here (client mode). `spark.jars` names the driver's own copy of the JDBC
+    jar: the driver serves it, and each executor fetches it from the driver when it starts."""
     try:
         from pyspark.sql import SparkSession
     except ImportError:
@@ -238,7 +242,7 @@ def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g"):
         conf_dir = Path(tempfile.mkdtemp(prefix="cdc-spark-conf-"))
         (conf_dir / "log4j2.properties").write_text(_log4j_properties())
         os.environ["SPARK_CONF_DIR"] = str(conf_dir)
-    spark = (
+    builder = (
         SparkSession.builder.master(master)
         .appName("cdc-reconcile")
         .config("spark.jars", jdbc_jar)
@@ -246,37 +250,14 @@ def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g"):
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
     )
+    if executor_memory:
+        builder = builder.config("spark.executor.memory", executor_memory)
+    if executor_cores:
+        builder = builder.config("spark.executor.cores", str(executor_cores))
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
-
-
-class _TaskProgress(threading.Thread):
-    """Reports finished/total tasks of the running Spark stages until stopped."""
-
-    def __init__(self, spark, report: Callable[[int, int], None]) -> None:
-        super().__init__(name="spark-progress", daemon=True)
-        self.tracker = spark.sparkContext.statusTracker()
-        self.report = report
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        stages: dict[int, tuple[int, int]] = {}  # every stage seen: (finished, total) tasks
-        last = None
-        while not self.stopped.wait(0.5):
-            active = set(self.tracker.getActiveStageIds())
-            for stage_id, (_, total) in stages.items():
-                if stage_id not in active:
-                    stages[stage_id] = (total, total)  # finished
-            for stage_id in active:
-                info = self.tracker.getStageInfo(stage_id)
-                if info is not None:
-                    stages[stage_id] = (info.numCompletedTasks, info.numTasks)
-            now = (sum(d for d, _ in stages.values()), sum(t for _, t in stages.values()))
-            if now[1] and now != last:
-                self.report(*now)
-                last = now
 
 
 def compute_truth(
@@ -325,7 +306,7 @@ def compute_truth(
 
     truth = Truth(partitions=partitions)
     try:
-        _collect(spark, spec, sql, rounded, reference_snapshot, truth, progress)
+        _collect(spark, spec, sql, rounded, reference_snapshot, truth, progress and ReadTasks(spark, progress, partitions))
     except BaseException:
         truth.close()
         raise
@@ -333,14 +314,14 @@ def compute_truth(
 
 
 def _collect(spark, spec: ReconcileSpec, sql: str, rounded: list[str], reference_snapshot: str, truth: Truth,
-             progress: Callable[[int, int], None] | None) -> None:
+             watcher: ReadTasks | None) -> None:
     """Stream the aggregate's rows into `truth`, checking the snapshot and the rounding on the way."""
     overall_key = tuple(v for _, v in spec.overall) if spec.overall is not None else None
     snapshots: set[str] = set()
     rounded_cols: set[str] = set()
-    watcher = _TaskProgress(spark, progress) if progress else None
     if watcher:
         watcher.start()
+    read = False
     try:
         grouped_rows = 0
         overall_rows = None
@@ -365,10 +346,10 @@ def _collect(spark, spec: ReconcileSpec, sql: str, rounded: list[str], reference
             else:
                 overall_rows = row["__rows"]
                 truth.add(overall_key, values)
+        read = True
     finally:
         if watcher:
-            watcher.stopped.set()
-            watcher.join()
+            watcher.finish(read)
     truth.source_rows = overall_rows if overall_rows is not None else grouped_rows
     if overall_key is not None and overall_rows is None:  # no source rows: the overall row is all zeros
         truth.add(overall_key, tuple(_value(None, a.additive) for a in spec.values))

@@ -566,6 +566,13 @@ def test_cdc_reconcile_reports_repairs_and_exits_by_outcome(env):
         assert "NOT repaired (dry run)" in dry.stdout
         assert "rider_id" in dry.stdout and "difference" in dry.stdout
         assert "reading" in dry.stderr and "snapshot" in dry.stderr
+        # off a terminal: one progress line per change, a fixed total, the Spark start in the summary's total
+        reading = [line for line in dry.stderr.splitlines() if ": reading: " in line]
+        assert reading and len({re.search(r"/(\d+) partitions", line).group(1) for line in reading}) == 1
+        assert len(reading) == len(set(reading)) and " 0 partitions/s" not in dry.stderr
+        summary = re.search(r"Spark start ([\d.]+)s, read ([\d.]+)s, total ([\d.]+)s", dry.stdout)
+        assert summary and float(summary[3]) >= float(summary[1]) + float(summary[2]) - 0.1 and float(summary[1]) > 0
+        assert "consumer paused" in dry.stdout and "while its checkpoints were locked" in dry.stdout
         import orjson
 
         [doc] = orjson.loads(report.read_bytes())

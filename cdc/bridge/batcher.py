@@ -39,8 +39,9 @@ class Batcher:
     def add(self, batch: StreamBatch, fields: list, version: int, tx: Transaction) -> None:
         """Complete an entry with its source position fields and queue it in `batch` (fields taken over)."""
         seq = tx.seq
-        fields += (b"lsn", tx.lsn, b"seq", seq, b"xid", tx.xid, b"ts_ms", tx.ts, b"v", version)
-        batch.add(tx.prefix + f"{seq:010d}", fields)
+        fields += (b"lsn", tx.lsn, b"seq", seq, b"xid", tx.xid, b"ts_ms", tx.ts, b"v", version,
+                   tx.prefix + f"{seq:010d}")
+        batch.entries.append(fields)  # `StreamBatch.add`, inline: this runs once per entry
         if not self.pending:
             self.first_at = self.clock()
         self.pending += 1

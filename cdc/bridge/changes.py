@@ -1,8 +1,9 @@
 """The per-change work: a decoded change of a mapped table, projected, packed into its batch.
 
-This is the hot path, one call per change and mapping: `project` applies one
-mapping to a row, `Batcher.add` packs the entry with its position. Kept as plain
-functions over plain objects so a compiled version can replace them one by one.
+This is the hot path. Per change: `PgOutputDecoder.decode` reads the tuple,
+`route_row` hands it to each mapping's `Projector` (insert, update or delete),
+and `Batcher.add` packs the entry with its position. Kept as plain functions
+over plain objects so a compiled version can replace them one by one.
 Pure: no I/O.
 """
 
@@ -18,7 +19,7 @@ from .backfill import Windows
 from .batcher import Batcher
 from .transaction import Transaction
 
-__all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "project", "route_row", "route_truncate", "route_message"]
+__all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_truncate", "route_message"]
 
 INSERT, UPDATE, DELETE = ord("I"), ord("U"), ord("D")
 
@@ -54,15 +55,6 @@ def bind(relation: pg.Relation, mappings: list[Mapping], catalog: TypeCatalog, b
     ]
 
 
-def project(kind: int, msg, projector: Projector):
-    """One mapping applied to an Insert, Update or Delete: the entry, or None if it maps to nothing."""
-    if kind == INSERT:
-        return projector.insert(msg.new)
-    if kind == UPDATE:
-        return projector.update(msg.new, msg.old, msg.old_kind == "O")
-    return projector.delete(msg.old, msg.old_kind == "O")
-
-
 def route_row(kind: int, msg, targets: list[Target], tx: Transaction, batcher: Batcher, windows: Windows) -> None:
     """A change to a mapped table: noted in the backfill windows of its table, queued for each mapping."""
     if windows.tables:
@@ -71,12 +63,17 @@ def route_row(kind: int, msg, targets: list[Target], tx: Transaction, batcher: B
             for values in (msg.new if kind != DELETE else None, msg.old if kind != INSERT else None):
                 if values is not None:
                     windows.changed(keyed.table, keyed.key_values(values))
-    add = batcher.add
     for t in targets:
         t.read[0] += 1
-        out = project(kind, msg, t.projector)
+        projector = t.projector
+        if kind == INSERT:
+            out = projector.insert(msg.new)
+        elif kind == UPDATE:
+            out = projector.update(msg.new, msg.old, msg.old_kind == "O")
+        else:
+            out = projector.delete(msg.old, msg.old_kind == "O")
         if out is not None:
-            add(t.batches[out.partition], out.fields, t.version, tx)
+            batcher.add(t.batches[out.partition], out.fields, t.version, tx)
 
 
 def route_truncate(msg: pg.Truncate, targets: dict[int, list[Target]], tx: Transaction, batcher: Batcher,

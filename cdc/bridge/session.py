@@ -99,9 +99,12 @@ class Session:
     def run(self) -> None:
         bridge, t, batcher, tx, windows, targets = self.bridge, self.timers, self.batcher, self.tx, self.windows, self.targets
         read, decode, monotonic = self.stream.read, self.decode, time.monotonic
+        max_entries, max_delay = batcher.max_entries, batcher.max_delay
+        xlog, header, relid_at, relid = _W, _XLOG_HEADER, _XLOG_HEADER + 1, _RELID  # locals: read per message
         self.drive_backfill()  # resume what a previous session left unfinished
+        now = monotonic()
         while not bridge.stopping:
-            now = monotonic()
+            # `now`: taken after the previous read, a message's work ago
             if now >= t.guard:
                 self.guard(now)
             if batcher.pending:
@@ -114,19 +117,20 @@ class Session:
                     return
                 continue
             t.heard = now
-            if raw[0] != _W:
+            if raw[0] != xlog:
                 self.keepalive(raw)
                 continue
-            kind = raw[_XLOG_HEADER]
+            kind = raw[header]
             if kind == INSERT or kind == UPDATE or kind == DELETE:
                 bridge.changes_read += 1
-                tlist = targets.get(_RELID(raw, _XLOG_HEADER + 1)[0])
+                tlist = targets.get(relid(raw, relid_at)[0])
                 if tlist:
-                    route_row(kind, decode(raw[_XLOG_HEADER:]), tlist, tx, batcher, windows)
+                    route_row(kind, decode(raw[header:]), tlist, tx, batcher, windows)
                 tx.seq += 1
             else:
                 self.dispatch(kind, raw)
-            if batcher.pending and (batcher.pending >= batcher.max_entries or now - batcher.first_at >= batcher.max_delay):
+            pending = batcher.pending
+            if pending and (pending >= max_entries or now - batcher.first_at >= max_delay):
                 self.flush(wait=False)  # the rule of `Batcher.due`, inline on the hot path
                 self.report()
             elif now >= t.status:

@@ -285,19 +285,19 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 
 
 def _follow(conn, backfill_id: int) -> None:
-    """Draw one backfill's progress until every chunk is read."""
-    started = time.monotonic()
-    first = None
-    while True:
-        entity, status, done, total = conn.execute(
-            "SELECT entity, status, rows_done, rows_total FROM cdc_backfills WHERE id = %s", (backfill_id,)
-        ).fetchone()
-        first = done if first is None else first
-        _progress(entity, done, total or 0, time.monotonic() - started, done - first)
-        if status in ("done", "cancelled"):
-            break
-        time.sleep(0.2)  # polling the progress row: the work happens in the bridge
-    sys.stderr.write("\n")
+    """Show one backfill's progress until every chunk is read."""
+    from .ops.progress import ProgressDisplay
+
+    entity = conn.execute("SELECT entity FROM cdc_backfills WHERE id = %s", (backfill_id,)).fetchone()[0]
+    with ProgressDisplay(f"backfill {backfill_id} of {entity}") as display:
+        while True:
+            status, done, total = conn.execute(
+                "SELECT status, rows_done, rows_total FROM cdc_backfills WHERE id = %s", (backfill_id,)
+            ).fetchone()
+            display.update(done, total or 0)
+            if status in ("done", "cancelled"):
+                break
+            time.sleep(0.2)  # polling the progress row: the work happens in the bridge
     print(f"backfill {backfill_id}: {status}, {done} row(s) read")
 
 
@@ -383,14 +383,18 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .ops.status import collect, render
+    import shutil
+
+    from .ops.status import collect
+    from .ops.status_view import render
 
     settings, mappings = _load(args)
     status = collect(settings, mappings)
     if args.json:
         sys.stdout.write(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        sys.stdout.write(render(status))
+        terminal = sys.stdout.isatty()
+        sys.stdout.write(render(status, color=terminal, width=shutil.get_terminal_size().columns if terminal else None))
     return 0
 
 

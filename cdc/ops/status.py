@@ -1,4 +1,4 @@
-"""What `cdc status` shows: the slot's position and lag, and each stream's state."""
+"""What `cdc status` shows: the slot's position and lag, and each stream's state (`status_view` draws it)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source.replication import classify_pg_error
 
-__all__ = ["collect", "render"]
+__all__ = ["collect"]  # `cdc.ops.status_view.render` shows it
 
 SLOT_QUERY = """
 SELECT s.active, s.confirmed_flush_lsn::text, pg_current_wal_lsn()::text,
@@ -127,46 +127,3 @@ def _groups(client: redis.Redis, stream: str) -> list[dict]:
             "consumers": consumers, "dead_letters": client.xlen(keys.dead_letter_key(name)),
         })
     return groups
-
-
-def render(status: dict) -> str:
-    lines = []
-    slot = status["slot"]
-    if slot is None:
-        lines.append("slot: missing (run cdc init)")
-    else:
-        lag_s = "" if slot["lag_seconds"] is None else f" ({slot['lag_seconds']:.2f}s)"
-        lines.append(
-            f"slot {slot['name']}: {'active' if slot['active'] else 'inactive'}, confirmed {slot['confirmed_flush_lsn']}, "
-            f"current {slot['current_wal_lsn']}, lag {slot['lag_bytes']} bytes{lag_s}, "
-            f"retained WAL {slot['retained_wal_bytes']} bytes of max_slot_wal_keep_size {slot['max_slot_wal_keep_size']}, "
-            f"wal_status {slot['wal_status']}"
-        )
-    lines.append(f"{'entity':<14} {'stream':<24} {'length':>9} {'first entry':<25} {'last entry':<25} last lsn")
-    for s in status["streams"]:
-        lines.append(
-            f"{s['entity']:<14} {s['stream']:<24} {s['length']:>9} {s['first_time'] or '-':<25} "
-            f"{s['last_time'] or '-':<25} {s['last_lsn'] or '-'}"
-        )
-        if s["force_trimmed"]:
-            lines.append(f"{'':<14} WARNING: {s['force_trimmed']} unconsumed entries dropped by the hard trim cap")
-        for g in s["groups"]:
-            idle = "-" if g["oldest_pending_idle_ms"] is None else f"{g['oldest_pending_idle_ms'] / 1000:.1f}s"
-            lines.append(
-                f"{'':<14} group {g['group']}: lag {g['lag'] if g['lag'] is not None else '?'}, pending {g['pending']} "
-                f"(oldest idle {idle}), dead letters {g['dead_letters']}"
-            )
-            for c in g["consumers"]:
-                lines.append(f"{'':<16} consumer {c['name']}: pending {c['pending']}, idle {c['idle_ms'] / 1000:.1f}s")
-    for b in status.get("backfills", []):
-        rate = f", {b['rows_per_s']:,.0f} rows/s" if b["rows_per_s"] else ""
-        part = f" where {b['where']}" if b["where"] else ""
-        lines.append(f"backfill {b['id']} of {b['entity']}{part}: {b['status']}, {b['rows_done']}/{b['rows_total']} rows{rate}")
-    for r in status.get("reconciliations", []):
-        dry = " (dry run)" if r["dry_run"] else ""
-        why = f": {r['reason']}" if r["reason"] else ""
-        lines.append(
-            f"last reconciliation {r['spec']}/{r['consumer']}: {r['status']}{dry} at {r['finished_at']}, "
-            f"{r['keys_drifted']} of {r['keys_compared']} keys drifted, position {r['position']}{why}"
-        )
-    return "\n".join(lines) + "\n"

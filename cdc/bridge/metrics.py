@@ -1,8 +1,10 @@
-"""Prometheus metrics and health endpoints, with no dependency beyond the standard library.
+"""Prometheus metrics and health endpoints.
 
 Values are read when scraped: the bridge keeps plain counters on itself (cheap on
-the hot path) and registers functions that report them. `serve()` runs a small
-HTTP server in a daemon thread with ``/metrics``, ``/healthz`` and ``/readyz``.
+the hot path) and registers functions that report them; `Registry` is a
+`prometheus_client` custom collector that turns them into metric families at
+scrape time, and the library writes the exposition format. `serve()` runs a
+small HTTP server in a daemon thread with ``/metrics``, ``/healthz`` and ``/readyz``.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 __all__ = ["Histogram", "Registry", "serve"]
 
@@ -20,21 +25,8 @@ log = logging.getLogger("cdc.metrics")
 Labels = tuple[tuple[str, str], ...]
 
 
-def _labels(labels: Labels) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in labels)
-    return "{" + inner + "}"
-
-
-def _number(value: float) -> str:
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
 class Histogram:
-    """A cumulative histogram; `observe` is called from one thread, `render` from another."""
+    """A histogram observed from one thread without locks, read by the collector from another."""
 
     def __init__(self, buckets: Iterable[float]) -> None:
         self.bounds = sorted(buckets)
@@ -47,22 +39,29 @@ class Histogram:
         self.total += value
         self.count += 1
 
-    def lines(self, name: str) -> list[str]:
-        out, running = [], 0
+    def family(self, name: str, help: str) -> HistogramMetricFamily:
+        buckets, running = [], 0
         for bound, n in zip(self.bounds, self.counts):
             running += n
-            out.append(f'{name}_bucket{{le="{_number(bound)}"}} {running}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {repr(self.total)}")
-        out.append(f"{name}_count {self.count}")
-        return out
+            buckets.append((_le(bound), running))
+        buckets.append(("+Inf", self.count))
+        return HistogramMetricFamily(name, help, buckets=buckets, sum_value=self.total)
+
+
+def _le(bound: float) -> str:
+    return str(int(bound)) if bound == int(bound) else repr(float(bound))
+
+
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
 
 class Registry:
-    """Metric families, each a function returning {labels: value} (or a Histogram)."""
+    """Metric families, each a function returning {labels: value}, a value, None (left out) or a Histogram."""
 
     def __init__(self) -> None:
         self._families: list[tuple[str, str, str, Callable[[], object]]] = []
+        self.collectors = CollectorRegistry(auto_describe=False)
+        self.collectors.register(self)
 
     def add(self, name: str, kind: str, help: str, read: Callable[[], object]) -> None:
         self._families.append((name, kind, help, read))
@@ -76,8 +75,8 @@ class Registry:
     def histogram(self, name: str, help: str, histogram: Histogram) -> None:
         self.add(name, "histogram", help, lambda: histogram)
 
-    def render(self) -> str:
-        lines = []
+    def collect(self) -> Iterator[Metric]:
+        """The `prometheus_client` collector protocol: every family, read now."""
         for name, kind, help, read in self._families:
             try:
                 value = read()
@@ -86,16 +85,18 @@ class Registry:
                 continue
             if value is None:
                 continue
-            lines.append(f"# HELP {name} {help}")
-            lines.append(f"# TYPE {name} {kind}")
             if isinstance(value, Histogram):
-                lines.extend(value.lines(name))
-            elif isinstance(value, Mapping):
-                for labels, v in sorted(value.items()):
-                    lines.append(f"{name}{_labels(labels)} {_number(v)}")
-            else:
-                lines.append(f"{name} {_number(value)}")
-        return "\n".join(lines) + "\n"
+                yield value.family(name, help)
+                continue
+            items = sorted(value.items()) if isinstance(value, Mapping) else [((), value)]
+            label_names = [k for k, _ in items[0][0]] if items else []
+            family = _FAMILIES[kind](name, help, labels=label_names)
+            for labels, v in items:
+                family.add_metric([str(v) for _, v in labels], v)
+            yield family
+
+    def render(self) -> str:
+        return generate_latest(self.collectors).decode()
 
 
 def serve(
@@ -109,7 +110,7 @@ def serve(
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
             if self.path == "/metrics":
-                self._reply(200, registry.render(), "text/plain; version=0.0.4")
+                self._reply(200, registry.render(), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
                 self._reply(200, "ok\n")
             elif self.path == "/readyz":

@@ -202,6 +202,55 @@ def _parse_filter(raw: Any, place: str) -> tuple[Condition, ...]:
     return tuple(conditions)
 
 
+def _message_mapping(raw: dict, entity: str, stream: str | None, version: int) -> Mapping:
+    """A mapping of logical decoding messages (one with message_prefix)."""
+    prefix = raw["message_prefix"]
+    if not isinstance(prefix, str) or not prefix:
+        raise _fail(where(raw, "message_prefix"), "message_prefix must be a non-empty string")
+    extra = set(raw) - {"entity", "message_prefix", "stream", "version"}
+    if extra:
+        bad = sorted(extra)[0]
+        raise _fail(where(raw, bad), f"{bad!r} does not apply to a message mapping (one with message_prefix)")
+    return Mapping(
+        entity=entity, message_prefix=prefix, stream=stream or keys.DEFAULT_STREAM_TEMPLATE,
+        version=version, ops=frozenset({"m"}), before=False, where=where(raw),
+    )
+
+
+def _parse_key(raw: dict, fields: tuple[FieldSpec, ...]) -> tuple[str, ...]:
+    by_name = {f.name: f for f in fields}
+    key = _name_list(raw["key"], where(raw, "key"), "key")
+    for name in key:
+        spec = by_name.get(name)
+        if spec is None:
+            raise _fail(where(raw, "key"), f"key field {name!r} is not one of the mapping's fields", f"add it under fields: {name}: <column>")
+        if spec.column is None or spec.hash or spec.redact:
+            raise _fail(where(raw, "key"), f"key field {name!r} must come from a column, unhashed and unredacted")
+    return key
+
+
+def _parse_ops(raw: Any, place: str) -> frozenset[str]:
+    ops_list = _name_list(raw, place, "ops")
+    bad = [op for op in ops_list if op not in ALL_OPS]
+    if bad:
+        raise _fail(place, f"unknown operation {bad[0]!r}", "operations are c (insert), u (update), d (delete), t (truncate), r (snapshot read)")
+    return frozenset(ops_list)
+
+
+def _parse_partitions(praw: Any, pplace: str, key: tuple[str, ...]) -> tuple[int, tuple[str, ...]]:
+    """(count, the key fields the partition is computed from)."""
+    if not isinstance(praw, dict) or not isinstance(praw.get("count"), int) or isinstance(praw.get("count"), bool) or praw["count"] < 1:
+        raise _fail(pplace, "partitions needs a positive count", "for example: partitions: {count: 4, by: [rider]}")
+    unknown = set(praw) - {"count", "by"}
+    if unknown:
+        raise _fail(pplace, f"unknown partitions option {sorted(map(str, unknown))[0]!r}", "options are count and by")
+    partition_by = _name_list(praw.get("by", list(key)), pplace, "partitions.by")
+    for name in partition_by:
+        if name not in key:
+            raise _fail(pplace, f"partitions.by field {name!r} is not a key field", "partition by key fields so deletes land in the same stream")
+    return praw["count"], partition_by
+
+
 def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
     """Validate one mapping document (as loaded by `cdc.yamlsrc`) into a `Mapping`."""
     env = os.environ if env is None else env
@@ -223,17 +272,7 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
         raise _fail(where(raw, "stream"), "stream must be a key template", "for example: stream: 'cdc:{entity}'")
 
     if "message_prefix" in raw:
-        prefix = raw["message_prefix"]
-        if not isinstance(prefix, str) or not prefix:
-            raise _fail(where(raw, "message_prefix"), "message_prefix must be a non-empty string")
-        extra = set(raw) - {"entity", "message_prefix", "stream", "version"}
-        if extra:
-            bad = sorted(extra)[0]
-            raise _fail(where(raw, bad), f"{bad!r} does not apply to a message mapping (one with message_prefix)")
-        return Mapping(
-            entity=entity, message_prefix=prefix, stream=stream or keys.DEFAULT_STREAM_TEMPLATE,
-            version=version, ops=frozenset({"m"}), before=False, where=place,
-        )
+        return _message_mapping(raw, entity, stream, version)
 
     for required in ("table", "key", "fields"):
         if required not in raw:
@@ -243,22 +282,8 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
     if not isinstance(fields_raw, dict) or not fields_raw:
         raise _fail(where(raw, "fields"), "fields must map public names to source columns", "for example: fields: {id: id}")
     fields = tuple(_parse_field(name, spec, where(fields_raw, name), env) for name, spec in fields_raw.items())
-    by_name = {f.name: f for f in fields}
-    key = _name_list(raw["key"], where(raw, "key"), "key")
-    for name in key:
-        spec = by_name.get(name)
-        if spec is None:
-            raise _fail(where(raw, "key"), f"key field {name!r} is not one of the mapping's fields", f"add it under fields: {name}: <column>")
-        if spec.column is None or spec.hash or spec.redact:
-            raise _fail(where(raw, "key"), f"key field {name!r} must come from a column, unhashed and unredacted")
-
-    ops = frozenset(ALL_OPS)
-    if "ops" in raw:
-        ops_list = _name_list(raw["ops"], where(raw, "ops"), "ops")
-        bad = [op for op in ops_list if op not in ALL_OPS]
-        if bad:
-            raise _fail(where(raw, "ops"), f"unknown operation {bad[0]!r}", "operations are c (insert), u (update), d (delete), t (truncate), r (snapshot read)")
-        ops = frozenset(ops_list)
+    key = _parse_key(raw, fields)
+    ops = _parse_ops(raw["ops"], where(raw, "ops")) if "ops" in raw else frozenset(ALL_OPS)
     snapshot = raw.get("snapshot", "never")
     if snapshot not in ("initial", "never"):
         raise _fail(where(raw, "snapshot"), f"snapshot must be initial or never, not {snapshot!r}")
@@ -267,20 +292,7 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
         raise _fail(where(raw, "before"), "before must be true or false")
     conditions = _parse_filter(raw["filter"], where(raw, "filter")) if "filter" in raw else ()
 
-    partitions, partition_by = 1, ()
-    if "partitions" in raw:
-        praw = raw["partitions"]
-        pplace = where(raw, "partitions")
-        if not isinstance(praw, dict) or not isinstance(praw.get("count"), int) or isinstance(praw.get("count"), bool) or praw["count"] < 1:
-            raise _fail(pplace, "partitions needs a positive count", "for example: partitions: {count: 4, by: [rider]}")
-        unknown = set(praw) - {"count", "by"}
-        if unknown:
-            raise _fail(pplace, f"unknown partitions option {sorted(map(str, unknown))[0]!r}", "options are count and by")
-        partitions = praw["count"]
-        partition_by = _name_list(praw.get("by", list(key)), pplace, "partitions.by")
-        for name in partition_by:
-            if name not in key:
-                raise _fail(pplace, f"partitions.by field {name!r} is not a key field", "partition by key fields so deletes land in the same stream")
+    partitions, partition_by = _parse_partitions(raw["partitions"], where(raw, "partitions"), key) if "partitions" in raw else (1, ())
     if stream is None:
         stream = keys.PARTITIONED_STREAM_TEMPLATE if partitions > 1 else keys.DEFAULT_STREAM_TEMPLATE
     elif partitions > 1 and "{partition}" not in stream:

@@ -44,6 +44,11 @@ class Projected(NamedTuple):
     fields: list
 
 
+# Projected(partition, fields) on the hot path: one C call, not NamedTuple's Python-level __new__,
+# and no _partition() call for the usual single partition
+_new_projected = tuple.__new__
+
+
 def _base_oid(oid: int, catalog: TypeCatalog) -> int:
     seen = 0
     while seen < 32:
@@ -255,7 +260,7 @@ class Projector:
         fields = [b"op", b"c", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
         if unchanged:
             fields += [b"unchanged", orjson.dumps(unchanged)]
-        return Projected(self._partition(key), fields)
+        return _new_projected(Projected, (0 if self._partitions == 1 else self._partition(key), fields))
 
     def snapshot(self, row: Sequence[Any]) -> Projected | None:
         """A row read by a snapshot or backfill (op r)."""
@@ -263,7 +268,8 @@ class Projector:
             return None
         data, _ = self._row(row, None)
         key = {n: data[n] for n in self._key_order}
-        return Projected(self._partition(key), [b"op", b"r", b"key", orjson.dumps(key), b"data", orjson.dumps(data)])
+        fields = [b"op", b"r", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
+        return _new_projected(Projected, (0 if self._partitions == 1 else self._partition(key), fields))
 
     @property
     def table(self) -> tuple[str, str]:
@@ -287,7 +293,7 @@ class Projector:
             fields += [b"before", orjson.dumps(before)]
         if unchanged:
             fields += [b"unchanged", orjson.dumps(unchanged)]
-        return Projected(self._partition(key), fields)
+        return _new_projected(Projected, (0 if self._partitions == 1 else self._partition(key), fields))
 
     def delete(self, old: Sequence[Any], old_full: bool) -> Projected | None:
         if "d" not in self._ops or (self._filter and not self._passes(old)):
@@ -296,7 +302,7 @@ class Projector:
         fields = [b"op", b"d", b"key", orjson.dumps(key)]
         if self._before and old_full:
             fields += [b"before", orjson.dumps(self._row(old, None)[0])]
-        return Projected(self._partition(key), fields)
+        return _new_projected(Projected, (0 if self._partitions == 1 else self._partition(key), fields))
 
     def truncate(self) -> list[Projected]:
         if "t" not in self._ops:

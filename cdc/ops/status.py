@@ -1,4 +1,4 @@
-"""What `cdc status` shows: the slot's position and lag, and each stream's state."""
+"""What `cdc status` shows: the slot's position and lag, and each stream's state (`status_view` draws it)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source.replication import classify_pg_error
 
-__all__ = ["STALE_AFTER_S", "collect", "render"]
+__all__ = ["STALE_AFTER_S", "collect"]  # `cdc.ops.status_view.render` shows it
 
 #: a consumer that has not read for this long is listed as stale (`cdc status --stale-after-s`)
 STALE_AFTER_S = 3600.0
@@ -158,62 +158,3 @@ def _groups(client: redis.Redis, stream: str, stale_after_s: float = STALE_AFTER
             "consumers": consumers, "dead_letters": client.xlen(keys.dead_letter_key(name)),
         })
     return groups
-
-
-def render(status: dict) -> str:
-    lines = []
-    slot = status["slot"]
-    if slot is None:
-        lines.append("slot: missing (run cdc init)")
-    else:
-        lag_s = "" if slot["lag_seconds"] is None else f" ({slot['lag_seconds']:.2f}s)"
-        lines.append(
-            f"slot {slot['name']}: {'active' if slot['active'] else 'inactive'}, confirmed {slot['confirmed_flush_lsn']}, "
-            f"current {slot['current_wal_lsn']}, lag {slot['lag_bytes']} bytes{lag_s}, "
-            f"retained WAL {slot['retained_wal_bytes']} bytes of max_slot_wal_keep_size {slot['max_slot_wal_keep_size']}, "
-            f"wal_status {slot['wal_status']}"
-        )
-    lines += _bridge_lines(status.get("bridge") or {})
-    lines.append(f"{'entity':<14} {'stream':<24} {'length':>9} {'first entry':<25} {'last entry':<25} last lsn")
-    for s in status["streams"]:
-        lines.append(
-            f"{s['entity']:<14} {s['stream']:<24} {s['length']:>9} {s['first_time'] or '-':<25} "
-            f"{s['last_time'] or '-':<25} {s['last_lsn'] or '-'}"
-        )
-        if s["force_trimmed"]:
-            lines.append(f"{'':<14} WARNING: {s['force_trimmed']} unconsumed entries dropped by the hard trim cap")
-        for g in s["groups"]:
-            idle = "-" if g["oldest_pending_idle_ms"] is None else f"{g['oldest_pending_idle_ms'] / 1000:.1f}s"
-            lines.append(
-                f"{'':<14} group {g['group']}: lag {g['lag'] if g['lag'] is not None else '?'}, pending {g['pending']} "
-                f"(oldest idle {idle}), dead letters {g['dead_letters']}"
-            )
-            for c in g["consumers"]:
-                stale = " STALE: has not read for a long time (remove it: XGROUP DELCONSUMER)" if c.get("stale") else ""
-                lines.append(f"{'':<16} consumer {c['name']}: pending {c['pending']}, idle {c['idle_ms'] / 1000:.1f}s{stale}")
-    for b in status.get("backfills", []):
-        rate = f", {b['rows_per_s']:,.0f} rows/s" if b["rows_per_s"] else ""
-        part = f" where {b['where']}" if b["where"] else ""
-        lines.append(f"backfill {b['id']} of {b['entity']}{part}: {b['status']}, {b['rows_done']}/{b['rows_total']} rows{rate}")
-    for r in status.get("reconciliations", []):
-        dry = " (dry run)" if r["dry_run"] else ""
-        why = f": {r['reason']}" if r["reason"] else ""
-        lines.append(
-            f"last reconciliation {r['spec']}/{r['consumer']}: {r['status']}{dry} at {r['finished_at']}, "
-            f"{r['keys_drifted']} of {r['keys_compared']} keys drifted, position {r['position']}{why}"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _bridge_lines(bridge: dict) -> list[str]:
-    lines = []
-    if bridge.get("paused_for_memory"):
-        ratio = (f" at {bridge['memory_ratio']:.0%} of maxmemory with room for the next batch"
-                 if bridge.get("memory_ratio") is not None else "")
-        lines.append(f"bridge: PAUSED for Redis memory{ratio} since {bridge.get('paused_since') or '?'}: "
-                     "nothing is read until Redis has room (raise maxmemory, trim, or let consumers catch up)")
-    loss = bridge.get("data_loss")
-    if loss:
-        lines.append(f"bridge: REDIS DATA LOSS detected at {loss['detected_at'] or '?'}: entries of transactions committed in "
-                     f"({loss['from_lsn'] or 'unknown'}, {loss['to_lsn']}] are missing; the bridge stopped (exit 6)")
-    return lines

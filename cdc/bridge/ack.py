@@ -1,0 +1,76 @@
+"""The acknowledger: the one place that decides what LSN the slot may be told.
+
+Two rules: never past what Redis confirmed (the slot would forget changes Redis
+does not hold), and never inside an open backfill window (a replay must start
+before the window's low watermark to see the changes that filter its chunk).
+And the slot is told a position only once Redis itself records that it holds the
+source up to there (the flushed key `cdc check` and a restart compare against).
+
+Three positions:
+
+- ``ackable``: end LSN of the last complete transaction the slot may move to
+  once Redis holds everything before it;
+- ``durable``: what Redis confirmed holding (every entry up to there appended);
+- ``recorded``: what Redis records in the flushed key.
+
+Pure: decisions only; the loop does the writing and the telling.
+"""
+
+from __future__ import annotations
+
+from ..source.lsn import Lsn
+
+__all__ = ["Acknowledger"]
+
+
+class Acknowledger:
+    __slots__ = ("ackable", "durable", "recorded")
+
+    def __init__(self, durable: Lsn = Lsn(0)) -> None:
+        self.ackable = self.durable = self.recorded = durable
+
+    def resume(self) -> None:
+        """A new session starts from what Redis confirmed in the previous one."""
+        self.ackable = self.recorded = self.durable
+
+    def committed(self, end_lsn: Lsn, window_open: bool, nothing_unsent: bool) -> None:
+        """A transaction ended at `end_lsn`; `nothing_unsent`: no entry pending nor in flight."""
+        if not window_open:
+            self.ackable = end_lsn
+        if nothing_unsent and self.ackable > self.durable:
+            self.durable = self.ackable
+
+    def keepalive(self, wal_end: int, quiet: bool) -> None:
+        """The server has sent everything before `wal_end`; `quiet`: outside any transaction and
+        window, nothing pending nor in flight, so nothing of ours lies before it."""
+        if quiet and wal_end > self.ackable:
+            self.ackable = self.durable = Lsn(wal_end)
+
+    def confirmed(self, lsn: Lsn) -> None:
+        """Redis confirmed a batch sent with `lsn` as its mark (recorded by the same pipeline)."""
+        if lsn > self.recorded:
+            self.recorded = lsn
+        if lsn > self.durable:
+            self.durable = lsn
+
+    def drained(self) -> None:
+        """Nothing pending nor in flight: Redis holds everything up to the ackable position."""
+        if self.ackable > self.durable:
+            self.durable = self.ackable
+
+    def to_record(self, in_flight: bool) -> Lsn | None:
+        """The position to record in Redis before telling the slot, if any.
+
+        While a batch is in flight its connection is busy with its replies: nothing then.
+        """
+        if self.durable > self.recorded and not in_flight:
+            return self.durable
+        return None
+
+    def record(self, lsn: Lsn) -> None:
+        self.recorded = lsn
+
+    @property
+    def acked(self) -> Lsn:
+        """What the slot may be told: durable and recorded."""
+        return min(self.durable, self.recorded)

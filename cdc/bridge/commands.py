@@ -1,0 +1,80 @@
+"""The bridge's subcommands: `cdc run` and `cdc backfill`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import time
+
+from ..commands import entity_named, load_config
+from ..errors import CdcError
+
+__all__ = ["cmd_run", "cmd_backfill"]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..bridge.loop import Bridge
+
+    settings, mappings = load_config(args)
+    bridge = Bridge(settings, mappings, until_caught_up=args.until_caught_up)
+    log = logging.getLogger("cdc.bridge.loop")
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        log.info("received %s, finishing the batch", signal.Signals(signum).name)
+        bridge.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    started = time.monotonic()
+    log.info("bridge starting slot=%s entities=%s", settings.postgres.slot, ",".join(m.entity for m in mappings))
+    bridge.run()
+    log.info(
+        "bridge stopped entries_published=%d transactions=%d durable_lsn=%s seconds=%.1f",
+        bridge.entries_published, bridge.transactions, bridge.durable_lsn, time.monotonic() - started,
+    )
+    return 0
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    from ..ops.admin import connect
+    from ..bridge.backfill import BACKFILL_DDL, enqueue
+
+    settings, mappings = load_config(args)
+    with connect(settings) as conn:
+        conn.execute(BACKFILL_DDL)
+        if args.entity:
+            mapping = entity_named(mappings, args.entity)
+            backfill_id = enqueue(conn, settings.postgres.slot, mapping, args.where)
+            print(f"backfill {backfill_id} of {mapping.entity} queued; the running bridge (cdc run) publishes it as op r")
+            ids = [backfill_id]
+        elif args.watch:
+            ids = [r[0] for r in conn.execute(
+                "SELECT id FROM cdc_backfills WHERE slot = %s AND status IN ('pending', 'running') ORDER BY id",
+                (settings.postgres.slot,),
+            )]
+            if not ids:
+                print("no snapshot or backfill in progress")
+        else:
+            raise CdcError("give --entity to queue a backfill, or --watch to follow the ones in progress")
+        if args.wait or args.watch:
+            for backfill_id in ids:
+                _follow(conn, backfill_id)
+    return 0
+
+
+def _follow(conn, backfill_id: int) -> None:
+    """Show one backfill's progress until every chunk is read."""
+    from ..ops.progress import ProgressDisplay
+
+    entity = conn.execute("SELECT entity FROM cdc_backfills WHERE id = %s", (backfill_id,)).fetchone()[0]
+    with ProgressDisplay(f"backfill {backfill_id} of {entity}") as display:
+        while True:
+            status, done, total = conn.execute(
+                "SELECT status, rows_done, rows_total FROM cdc_backfills WHERE id = %s", (backfill_id,)
+            ).fetchone()
+            display.update(done, total or 0)
+            if status in ("done", "cancelled"):
+                break
+            time.sleep(0.2)  # polling the progress row: the work happens in the bridge
+    print(f"backfill {backfill_id}: {status}, {done} row(s) read")

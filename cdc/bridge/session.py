@@ -1,0 +1,312 @@
+"""One replication session of the bridge: the main loop and the stages it runs.
+
+The loop reads a message, hands it to its stage, and sends the batch when due:
+
+- `Transaction` (transaction.py) assembles Begin/Commit into positions;
+- `route_row` and friends (changes.py) project each change and pack its entry;
+- `Batcher` (batcher.py) holds the entries and says when they are due;
+- `InFlight` (inflight.py) sends one batch while the next is decoded;
+- `Acknowledger` (ack.py) decides what the slot may be told.
+
+The state of a session lives in those objects and in `Timers`; the `Bridge`
+(loop.py) keeps what outlives a session (counters, the acknowledged position).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+import psycopg
+
+from ..errors import SourceError, TransientError
+from ..mapping.projector import Projector
+from ..sink.publisher import Publisher
+from ..source import pgoutput as pg
+from ..source.catalog import load_types, table_shape
+from ..source.framing import parse_copy_data
+from ..source.replication import ReplicationStream
+from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows
+from .changes import DELETE, INSERT, UPDATE, Target, route_message, route_row, route_truncate
+from .inflight import InFlight
+from .snapshot import queue_chunk
+from .transaction import Transaction
+
+if TYPE_CHECKING:
+    from .loop import Bridge
+
+__all__ = ["Session", "ConnectionSilent"]
+
+log = logging.getLogger("cdc.bridge")
+
+_W = 0x77  # XLogData
+_XLOG_HEADER = 25
+_BEGIN, _COMMIT, _RELATION, _TRUNCATE, _MESSAGE = (ord(c) for c in "BCRTM")
+_IGNORED = frozenset(ord(c) for c in "OY")
+_RELID = struct.Struct(">I").unpack_from  # a change's relid, read before deciding to decode it
+_CAUGHT_UP_POLL_S = 0.1
+_GUARD_INTERVAL_S = 0.5
+
+
+class ConnectionSilent(TransientError):
+    """The replication connection went quiet past the receive timeout: deemed dead."""
+
+
+class Timers:
+    """When the loop next does each periodic thing, and when the server was last heard (monotonic s)."""
+
+    __slots__ = ("status", "poll", "guard", "slot_check", "heartbeat", "trim", "heard")
+
+    def __init__(self, now: float, slot_check_s: float, heartbeat_s: float, trim_s: float) -> None:
+        self.status = self.heard = now
+        self.poll = self.guard = 0.0
+        self.slot_check = now + slot_check_s
+        self.heartbeat = now + heartbeat_s if heartbeat_s else float("inf")
+        self.trim = now + trim_s if trim_s else float("inf")
+
+
+class Session:
+    """Streams one replication connection into Redis until stopped, caught up or failed."""
+
+    def __init__(self, bridge: Bridge, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection) -> None:
+        settings = bridge.settings
+        self.bridge = bridge
+        self.stream = stream
+        self.publisher = publisher
+        self.conn = conn  # the catalog connection: types, slot health, heartbeats, backfill chunks
+        self.status_interval = settings.batch.status_interval_s
+        self.receive_timeout = settings.postgres.receive_timeout_s
+        self.decode = pg.PgOutputDecoder().decode
+        self.targets: dict[int, list[Target]] = {}
+        self.batcher = bridge.batcher
+        self.batcher.clear()
+        self.messages = [(m.message_prefix, m.version, self.batcher.batch(m.stream_key())) for m in bridge.message_mappings]
+        self.tx = Transaction()
+        self.inflight = InFlight(publisher)
+        self.ack = bridge.ack
+        self.ack.resume()
+        self.windows = Windows()  # open backfill watermark windows
+        self.backfill = BackfillDriver(settings.postgres.slot, bridge.mappings, settings.batch.backfill_chunk_rows)
+        self.snapshot_projectors: dict[str, Projector] = {}
+        pgs = settings.postgres
+        self.timers = Timers(time.monotonic(), pgs.slot_check_interval_s, pgs.heartbeat_interval_s, settings.trim.interval_s)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        bridge, t, batcher, tx, windows, targets = self.bridge, self.timers, self.batcher, self.tx, self.windows, self.targets
+        read, decode, monotonic = self.stream.read, self.decode, time.monotonic
+        max_entries, max_delay = batcher.max_entries, batcher.max_delay
+        xlog, header, relid_at, relid = _W, _XLOG_HEADER, _XLOG_HEADER + 1, _RELID  # locals: read per message
+        self.drive_backfill()  # resume what a previous session left unfinished
+        now = monotonic()
+        while not bridge.stopping:
+            # `now`: taken after the previous read, a message's work ago
+            if now >= t.guard:
+                self.guard(now)
+            if batcher.pending:
+                raw = read(0)
+            else:
+                raw = read(max(0.0, min(t.status, t.poll or t.status) - monotonic()))
+            now = monotonic()
+            if raw is None:
+                if self.idle(now):
+                    return
+                continue
+            t.heard = now
+            if raw[0] != xlog:
+                self.keepalive(raw)
+                continue
+            kind = raw[header]
+            if kind == INSERT or kind == UPDATE or kind == DELETE:
+                bridge.changes_read += 1
+                tlist = targets.get(relid(raw, relid_at)[0])
+                if tlist:
+                    route_row(kind, decode(raw[header:]), tlist, tx, batcher, windows)
+                tx.seq += 1
+            else:
+                self.dispatch(kind, raw)
+            pending = batcher.pending
+            if pending and (pending >= max_entries or now - batcher.first_at >= max_delay):
+                self.flush(wait=False)  # the rule of `Batcher.due`, inline on the hot path
+                self.report()
+            elif now >= t.status:
+                self.report()
+        # stopping: finish the batch, acknowledge
+        self.flush(wait=True)
+        self.report()
+        log.info("stopped at %s", self.ack.durable)
+
+    def dispatch(self, kind: int, raw: bytes) -> None:
+        """Every message but a row change: transaction bounds, relations, truncates, logical messages."""
+        if kind in _IGNORED:
+            return
+        msg = self.decode(raw[_XLOG_HEADER:])
+        if kind == _BEGIN:
+            self.tx.begin(msg)
+        elif kind == _COMMIT:
+            self.bridge.transactions += 1
+            end = self.tx.commit(msg)
+            # while a window is open, a replay must start before its low watermark
+            self.ack.committed(end, bool(self.windows.open), not self.batcher.pending and not self.inflight.busy)
+        elif kind == _RELATION:
+            self.targets[msg.relid] = self.bridge.bind(msg, self.conn, self.batcher)
+        elif kind == _TRUNCATE:
+            self.bridge.changes_read += 1
+            route_truncate(msg, self.targets, self.tx, self.batcher, self.windows)
+            self.tx.seq += 1
+        elif kind == _MESSAGE:
+            self.message(msg)
+        else:
+            raise SourceError(f"unexpected pgoutput message {type(msg).__name__} (streaming and two-phase are not enabled)")
+
+    def message(self, msg: pg.Message) -> None:
+        if msg.prefix == WATERMARK_PREFIX:
+            self.watermark(msg)
+        elif msg.prefix == REQUEST_PREFIX:  # `cdc backfill` queued one
+            self.tx.seq += 1
+            self.drive_backfill()
+        else:
+            route_message(msg, self.messages, self.tx, self.batcher)
+
+    def keepalive(self, raw: bytes) -> None:
+        keepalive = parse_copy_data(raw)
+        quiet = not self.tx.open and not self.batcher.pending and not self.inflight.busy and not self.windows.open
+        self.ack.keepalive(keepalive.wal_end, quiet)
+        if keepalive.reply_requested:
+            self.report()
+
+    def idle(self, now: float) -> bool:
+        """The server has nothing to send: send what waits, keep the connection alive; True when caught up."""
+        t = self.timers
+        if self.batcher.pending or self.inflight.busy:
+            self.flush(wait=True)
+            self.report()
+        elif now >= t.status:
+            # ask for an answer when the server has been silent: a dead peer shows up
+            self.report(reply=now - t.heard > self.status_interval)
+        if now - t.heard > self.receive_timeout:
+            raise ConnectionSilent(f"no message from postgres in {self.receive_timeout:.0f}s; reconnecting")
+        bridge = self.bridge
+        if bridge.until_caught_up and not self.tx.open:
+            backfill = self.backfill
+            if self.ack.durable >= bridge.target_lsn and (backfill.idle or backfill.disabled) \
+                    and backfill.waiting_for is None and not self.windows.open:
+                self.report()
+                log.info("caught up at %s", self.ack.durable)
+                return True
+            if now >= t.poll:
+                self.report(reply=True)  # the answer tells how far the server has sent
+                t.poll = now + _CAUGHT_UP_POLL_S
+        return False
+
+    # -- sending and acknowledging -------------------------------------------------------
+
+    def settle(self) -> None:
+        """Wait for Redis to confirm the batch in flight; the slot may then move to it."""
+        sent = self.inflight.settle()
+        if sent is not None:
+            self.bridge.confirmed(sent)
+
+    def flush(self, wait: bool) -> None:
+        """Confirm the batch in flight, send the pending one; with `wait`, confirm that too.
+
+        Redis appends one batch while the next is decoded: at most one is in flight,
+        and the slot position moves only to what Redis confirmed.
+        """
+        self.settle()
+        batcher = self.batcher
+        if not batcher.pending:
+            self.ack.drained()
+            return
+        self.bridge.batch_sizes.observe(batcher.pending)
+        self.inflight.send(batcher, self.ack.ackable, int(self.tx.ts or 0), time.monotonic())
+        memory = self.bridge.memory
+        if memory is not None and memory.ratio is not None:
+            # Redis has a memory limit: look again before the next batch, not in half a
+            # second (a fast stream would overshoot the pause mark into refused writes)
+            self.timers.guard = 0.0
+        if wait:
+            self.settle()
+
+    def report(self, reply: bool = False) -> None:
+        """Tell the slot how far Redis holds the source, once Redis has recorded that itself."""
+        lsn = self.ack.to_record(self.inflight.busy)
+        if lsn is not None:
+            self.publisher.record_flushed(lsn)
+            self.ack.record(lsn)
+        acked = self.ack.acked
+        self.stream.send_status(acked, acked, acked, reply)
+        self.timers.status = time.monotonic() + self.status_interval
+
+    # -- guardrails and backfills -----------------------------------------------------------
+
+    def guard(self, now: float) -> None:
+        """Between messages: Redis memory, slot health, heartbeats, trimming, each when due."""
+        bridge, t = self.bridge, self.timers
+        t.guard = now + _GUARD_INTERVAL_S
+        bridge.last_heard = t.heard
+        if bridge.memory is not None and bridge.memory_paused():
+            # hold what is queued (a batch at most); send nothing more until Redis has room
+            self.settle()
+            self.report()
+            bridge.pause_while_memory_full(self.report, self.status_interval)
+            t.heard = time.monotonic()
+        if now >= t.slot_check:
+            t.slot_check = now + bridge.settings.postgres.slot_check_interval_s
+            bridge.check_slot(self.conn)
+        if now >= t.heartbeat:
+            heartbeat = bridge.settings.postgres.heartbeat_interval_s
+            t.heartbeat = now + heartbeat
+            if now - t.heard >= heartbeat and not bridge.heartbeat(self.conn):
+                t.heartbeat = float("inf")
+        if now >= t.trim:
+            bridge.trim_streams()
+            t.trim = time.monotonic() + bridge.settings.trim.interval_s
+
+    def drive_backfill(self) -> None:
+        self.bridge.drive_backfill(self.backfill, self.conn)
+
+    def watermark(self, msg: pg.Message) -> None:
+        """Open or close a backfill window; at the high watermark queue the chunk's unchanged rows.
+
+        The message takes the transaction's next seq, each queued row another.
+        """
+        info = orjson.loads(msg.content)
+        self.tx.seq += 1
+        chunk = info["chunk"]
+        if info["kind"] == "low":
+            self.windows.low(chunk, (info["schema"], info["table"]))
+            return
+        changed = self.windows.close(chunk)
+        if changed is None:
+            log.warning("backfill chunk %s: its low watermark was not seen; publishing it unfiltered", chunk)
+            changed = set()
+        projector = self.snapshot_projector(info["entity"])
+        if projector is None:
+            log.error("backfill chunk %s: entity %s is not mapped to an existing table; skipped", chunk, info["entity"])
+        else:
+            queued, skipped = queue_chunk(info, projector, changed, self.batcher, self.tx)
+            if queued:
+                self.bridge.backfill_rows[info["entity"]] += queued
+            self.bridge.backfill_skipped += skipped
+        if info["last"]:
+            log.info("backfill of %s complete at chunk %s", info["entity"], chunk)
+        self.backfill.seen(chunk)
+        self.drive_backfill()
+
+    def snapshot_projector(self, entity: str) -> Projector | None:
+        projector = self.snapshot_projectors.get(entity)
+        if projector is None:
+            mapping = next((m for m in self.bridge.mappings if m.entity == entity), None)
+            if mapping is None or mapping.table is None:
+                return None
+            shape = table_shape(self.conn, *mapping.table)
+            if shape is None:
+                return None
+            load_types(self.conn, self.bridge.catalog, [c.type_oid for c in shape.columns])
+            projector = self.snapshot_projectors[entity] = Projector(mapping, shape, self.bridge.catalog)
+        return projector

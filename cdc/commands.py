@@ -1,0 +1,42 @@
+"""What the ``cdc`` subcommands share: loading the config and mappings, finding an entity, a Redis client."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from .errors import CdcError, TransientError
+from .sink.redisconn import connect_redis
+
+__all__ = ["load_config", "entity_named", "redis_for"]
+
+
+def load_config(args: argparse.Namespace):
+    from .config import Settings
+    from .mapping.model import load_mappings
+
+    settings = Settings.from_file(args.config)
+    return settings, load_mappings(settings.mappings)
+
+
+def entity_named(mappings, name: str):
+    for m in mappings:
+        if m.entity == name:
+            return m
+    raise CdcError(f"no entity {name!r}", hint=f"entities: {', '.join(m.entity for m in mappings)}")
+
+
+@contextlib.contextmanager
+def redis_for(settings):
+    """A Redis client for a command; an unreachable Redis becomes one clear line."""
+    import redis
+
+    client = connect_redis(settings.redis)
+    try:
+        yield client
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise TransientError(f"redis unavailable: {exc}") from exc
+    except redis.RedisError as exc:
+        raise CdcError(f"redis refused: {exc}", hint="check the redis user's ACL and the keys it may use") from exc
+    finally:
+        client.close()

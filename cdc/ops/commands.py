@@ -1,0 +1,83 @@
+"""The operator subcommands: `cdc init`, `cdc check`, `cdc schema`, `cdc status`, `cdc trim`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import orjson
+
+from ..commands import load_config, redis_for
+from ..errors import CdcError
+
+__all__ = ["cmd_init", "cmd_check", "cmd_schema", "cmd_status", "cmd_trim"]
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from ..ops.admin import init
+
+    settings, mappings = load_config(args)
+    for line in init(settings, mappings):
+        print(line)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ..ops.admin import check
+
+    settings, mappings = load_config(args)
+    report = check(settings, mappings)
+    for line in report.ok:
+        print(f"ok: {line}")
+    for line in report.problems:
+        print(f"problem: {line}", file=sys.stderr)
+    if report.problems:
+        print(f"cdc check: {len(report.problems)} problem(s)", file=sys.stderr)
+        return 3
+    print(f"cdc check: {len(mappings)} mapping(s) valid")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from ..ops.admin import json_schemas
+
+    settings, mappings = load_config(args)
+    schemas = json_schemas(settings, mappings)
+    if args.entity:
+        if args.entity not in schemas:
+            raise CdcError(f"no entity {args.entity!r}", hint=f"entities: {', '.join(schemas)}")
+        schemas = schemas[args.entity]
+    sys.stdout.write(orjson.dumps(schemas, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import shutil
+
+    from ..ops.status import collect
+    from ..ops.status_view import render
+
+    settings, mappings = load_config(args)
+    status = collect(settings, mappings, args.stale_after_s)
+    if args.json:
+        sys.stdout.write(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        terminal = sys.stdout.isatty()
+        sys.stdout.write(render(status, color=terminal, width=shutil.get_terminal_size().columns if terminal else None))
+    return 0
+
+
+def cmd_trim(args: argparse.Namespace) -> int:
+    from ..sink.trim import TrimPolicy, trim_mapped
+
+    settings, mappings = load_config(args)
+    policy = TrimPolicy(
+        max_len=settings.trim.max_len if args.max_len is None else args.max_len,
+        max_age_s=settings.trim.max_age_s if args.max_age_s is None else args.max_age_s,
+    )
+    with redis_for(settings) as client:
+        for r in trim_mapped(client, mappings, policy, args.entity):
+            note = f", {r.forced} UNCONSUMED entries dropped by the hard cap" if r.forced else ""
+            where = f"kept from {r.safe_point}" if r.safe_point else "no consumer group: kept"
+            print(f"{r.stream}: trimmed {r.trimmed} ({where}){note}")
+    return 0

@@ -1,0 +1,125 @@
+"""The loop of one session, without servers: XLogData bytes in; entries sent and positions acknowledged out."""
+
+from __future__ import annotations
+
+import struct
+
+from cdc.bridge.loop import Bridge
+from cdc.bridge.session import Session
+from cdc.config import Settings
+from cdc.mapping.model import parse_mapping
+from cdc.source import pgoutput as po
+from cdc.source.lsn import Lsn
+from cdc.yamlsrc import load_yaml_documents
+from pgoutput_encoder import encode
+
+RIDE = "entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id, distance: distance_m}\n"
+RIDES = po.Relation(16400, "public", "rides", "d", (po.Column(True, "id", 20, -1), po.Column(False, "distance_m", 1700, -1)))
+
+
+def xlog(message: po.PgOutputMessage) -> bytes:
+    return b"w" + struct.pack(">QQq", 0, 0, 0) + encode(message)
+
+
+def keepalive(wal_end: int) -> bytes:
+    return b"k" + struct.pack(">QqB", wal_end, 0, 0)
+
+
+def transaction(final: int, ids: range) -> list[bytes]:
+    return ([xlog(po.Begin(Lsn(final), 0, 9))] + [xlog(po.Insert(16400, (str(i), "1.5"))) for i in ids]
+            + [xlog(po.Commit(0, Lsn(final), Lsn(final + 8), 0))])
+
+
+class Stream:
+    """Replays messages (None: nothing to read now), then stops the bridge; records what the slot is told."""
+
+    backend_pid = 0
+
+    def __init__(self, bridge: Bridge, messages: list[bytes | None], publisher: Publisher) -> None:
+        self.bridge, self.messages, self.publisher = bridge, list(messages), publisher
+        self.statuses: list[tuple[int, frozenset]] = []  # (flush LSN told, the entries Redis had confirmed then)
+
+    def read(self, timeout: float) -> bytes | None:
+        if self.messages:
+            return self.messages.pop(0)
+        self.bridge.stopping = True
+        return None
+
+    def send_status(self, write: int, flush: int, apply: int, reply: bool = False) -> None:
+        self.statuses.append((flush, frozenset(self.publisher.confirmed)))
+
+
+class Publisher:
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []  # the seqs of each batch sent
+        self.unconfirmed: list[tuple[int, int]] = []
+        self.confirmed: set[tuple[int, int]] = set()  # (commit LSN, seq) of every entry Redis confirmed
+        self.recorded: list[tuple[int, frozenset]] = []
+
+    def send(self, batches, flushed=None) -> None:
+        assert not self.unconfirmed, "one batch in flight at most"
+        entries = [e for b in batches for e in b.entries]
+        self.batches.append([e[e.index(b"seq") + 1] for e in entries])
+        self.unconfirmed = [(int(e[e.index(b"lsn") + 1]), e[e.index(b"seq") + 1]) for e in entries]
+
+    def confirm(self) -> int:
+        self.confirmed.update(self.unconfirmed)
+        self.unconfirmed = []
+        return 0
+
+    def record_flushed(self, lsn: int) -> None:
+        self.recorded.append((lsn, frozenset(self.confirmed)))
+
+
+def held(transactions: dict[int, int], lsn: int, confirmed: frozenset) -> bool:
+    """Redis holds every entry of every transaction (commit LSN: its changes) ending at or before `lsn`."""
+    return all((final, seq) in confirmed for final, n in transactions.items() if final + 8 <= lsn for seq in range(n))
+
+
+class Catalog:  # the catalog connection: no backfill table, no type look-ups needed
+    def execute(self, *args):
+        return self
+
+    def fetchone(self):
+        return (False,)
+
+    def fetchall(self):
+        return []
+
+
+def run(messages: list[bytes], max_entries: int) -> tuple[Bridge, Stream, Publisher]:
+    settings = Settings.from_dict({"http": {"port": 0}, "batch": {"max_entries": max_entries}})
+    bridge = Bridge(settings, [parse_mapping(load_yaml_documents(RIDE, "m.yaml")[0], {})])
+    publisher = Publisher()
+    stream = Stream(bridge, messages, publisher)
+    bridge._stream(Session(bridge, stream, publisher, Catalog()))
+    return bridge, stream, publisher
+
+
+def test_every_change_is_sent_once_and_the_slot_never_runs_ahead_of_redis():
+    messages = [xlog(RIDES)] + transaction(1000, range(0, 7)) + transaction(2000, range(7, 12))
+    bridge, stream, publisher = run(messages, max_entries=3)
+    assert [seq for batch in publisher.batches for seq in batch] == list(range(7)) + list(range(5))
+    assert max(map(len, publisher.batches)) <= 3, "a large transaction goes out in pieces"
+    for lsn, confirmed in stream.statuses + publisher.recorded:
+        assert held({1000: 7, 2000: 5}, lsn, confirmed), f"{lsn} told or recorded before Redis held it"
+    assert any(0 < lsn < 2008 for lsn, _ in stream.statuses), "acknowledged along the way, not only at the end"
+    assert stream.statuses[-1][0] == 2008 and bridge.durable_lsn == 2008
+    assert bridge.changes_read == 12 and bridge.transactions == 2 and bridge.entries_published == 12
+
+
+def test_a_keepalive_past_everything_sent_moves_the_slot_on():
+    pending = [xlog(RIDES)] + transaction(1000, range(2)) + [keepalive(5000)]
+    bridge, stream, _ = run(pending, max_entries=100)
+    assert bridge.durable_lsn == 1008, "entries were pending: the keepalive's position is not ours to take"
+    bridge, stream, _ = run(pending[:-1] + [None] + pending[-1:], max_entries=100)
+    assert bridge.durable_lsn == 5000 and stream.statuses[-1][0] == 5000
+
+
+def test_an_unmapped_table_publishes_nothing_but_its_commit_is_acknowledged():
+    other = po.Relation(16500, "public", "other", "d", (po.Column(True, "id", 20, -1),))
+    messages = [xlog(other), xlog(po.Begin(Lsn(3000), 0, 1)), xlog(po.Insert(16500, ("1",))),
+                xlog(po.Commit(0, Lsn(3000), Lsn(3008), 0))]
+    bridge, stream, publisher = run(messages, max_entries=100)
+    assert publisher.batches == [] and bridge.changes_read == 1 and stream.statuses[-1][0] == 3008
+    assert publisher.recorded[-1][0] == 3008, "Redis records how far it holds the source before the slot is told"

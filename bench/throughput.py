@@ -154,13 +154,12 @@ def main() -> int:
         (root / "mappings").mkdir()
         for name, text in MAPPINGS.items():
             (root / "mappings" / name).write_text(text)
-        config = write_config(root, "cdc.yaml", pg.dsn, rd.url, "bridge", "transaction")
         # each drain reads the same WAL from its own slot; the two paths alternate to share the noise
         drains = [(mode, write_config(root, f"cdc-{mode}-{i}.yaml", pg.dsn, rd.url, f"bridge_{mode}_{i}", mode))
                   for i in range(args.rounds) for mode in ("script", "transaction")]
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute(SCHEMA)
-            for slot in ("recv", "bridge", *(f"bridge_{mode}_{i}" for i in range(args.rounds) for mode in ("script", "transaction"))):
+            for slot in ("recv", *(f"bridge_{mode}_{i}" for i in range(args.rounds) for mode in ("script", "transaction"))):
                 conn.execute(f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')")
             print(f"committing {args.changes:,} changes ...", flush=True)
             t0 = time.monotonic()
@@ -189,6 +188,8 @@ def main() -> int:
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE")
             conn.execute("CHECKPOINT")
+        # the last drain's slot is at the end of the bulk changes: latency starts from there, steady
+        config, slot = drains[-1][1], f"bridge_transaction_{args.rounds - 1}"
         client.flushall()
         register(config)
         proc, _ = run_bridge(config, [])
@@ -196,7 +197,7 @@ def main() -> int:
             # wait until the walsender has skipped the WAL already acknowledged: latency is steady-state
             now_lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
             wait_for(lambda: conn.execute("SELECT active AND confirmed_flush_lsn >= %s FROM pg_replication_slots "
-                                          "WHERE slot_name = 'bridge'", (now_lsn,)).fetchone()[0],
+                                          "WHERE slot_name = %s", (now_lsn, slot)).fetchone()[0],
                      120, "the bridge to attach and catch up")
         latencies = steady_latency(pg.dsn, client, args.latency_rate, args.latency_seconds, total)
         proc.terminate()

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import orjson
 
-from .errors import CdcError, TransientError
+from . import redact
+from .cliargs import ABOUT, Formatter, Parser, check_position, check_positive, version
+from .errors import PublishError, TransientError, UsageError
+from .exits import RedactingFilter, report, silence_stdout
 from .loader import load_callable
 from .sink.redisconn import connect_redis
 
@@ -35,6 +38,8 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exc"] = record.exc_text
         return orjson.dumps(entry).decode()
 
 
@@ -44,6 +49,7 @@ def _setup_logging(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RedactingFilter())
     root = logging.getLogger("cdc")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -55,6 +61,8 @@ def _load(args: argparse.Namespace):
     from .mapping.model import load_mappings
 
     settings = Settings.from_file(args.config)
+    for secret in (settings.postgres.dsn, settings.redis.url, settings.reconcile.state_dsn):
+        redact.register(secret)
     return settings, load_mappings(settings.mappings)
 
 
@@ -110,7 +118,7 @@ def _entity(mappings, name: str):
     for m in mappings:
         if m.entity == name:
             return m
-    raise CdcError(f"no entity {name!r}", hint=f"entities: {', '.join(m.entity for m in mappings)}")
+    raise UsageError(f"--entity: no entity {name!r}", hint=f"entities: {', '.join(m.entity for m in mappings)}")
 
 
 @contextlib.contextmanager
@@ -124,7 +132,7 @@ def _redis(settings):
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise TransientError(f"redis unavailable: {exc}") from exc
     except redis.RedisError as exc:
-        raise CdcError(f"redis refused: {exc}", hint="check the redis user's ACL and the keys it may use") from exc
+        raise PublishError(f"redis refused: {exc}", hint="check the redis user's ACL and the keys it may use") from exc
     finally:
         client.close()
 
@@ -137,12 +145,15 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
     from .consume.consumer import Consumer
 
+    check_position(args.start, "--start")
+    check_positive(args, "count", "claim_idle_ms", "max_deliveries", "lease_ttl_ms")
+    redact.register(args.state_dsn)
     settings, mappings = _load(args)
     mapping = _entity(mappings, args.entity)
     if bool(args.handler) == bool(args.sink):
-        raise CdcError("give exactly one of --handler module:function or --sink schema.table")
+        raise UsageError("give exactly one of --handler module:function or --sink schema.table")
     if args.shared and args.handler:
-        raise CdcError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
+        raise UsageError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
     state_dsn = args.state_dsn or settings.postgres.dsn
     log = logging.getLogger("cdc.consume.consumer")
     stop = threading.Event()
@@ -184,6 +195,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
 def cmd_trim(args: argparse.Namespace) -> int:
     from .sink.trim import TrimPolicy, trim_mapped
 
+    check_positive(args, "max_len", "max_age_s", allow_zero=True)
     settings, mappings = _load(args)
     policy = TrimPolicy(
         max_len=settings.trim.max_len if args.max_len is None else args.max_len,
@@ -200,24 +212,28 @@ def cmd_trim(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from .consume.replay import replay_group
 
+    check_position(args.start, "--from")
     settings, mappings = _load(args)
     with _redis(settings) as client:
         try:
             for line in replay_group(client, _entity(mappings, args.entity).stream_keys(), args.group, args.start):
                 print(line)
         except ValueError as exc:
-            raise CdcError(str(exc)) from None
+            raise UsageError(str(exc)) from None
     return 0
 
 
 def cmd_read(args: argparse.Namespace) -> int:
     from .consume.replay import range_bound, read_range
 
+    check_position(args.start, "--from")
+    check_position(args.end, "--to")
+    check_positive(args, "limit", allow_zero=True)
     settings, mappings = _load(args)
     try:
         start, end = range_bound(args.start, "-"), range_bound(args.end, "+")
     except ValueError as exc:
-        raise CdcError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     with _redis(settings) as client:
         shown = 0
         for stream in _entity(mappings, args.entity).stream_keys():
@@ -246,7 +262,8 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         elif args.action == "show":
             rows = [r for r in dead_letters(client, args.group) if r["id"] in args.ids]
             if not rows:
-                raise CdcError(f"no dead letter {', '.join(args.ids)} for group {args.group}")
+                raise UsageError(f"no dead letter {', '.join(args.ids)} for group {args.group}",
+                                 hint=f"cdc dlq list --group {args.group} shows them")
             for row in rows:
                 if "entry" in row:
                     row["entry"] = orjson.loads(row["entry"])
@@ -277,7 +294,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
             if not ids:
                 print("no snapshot or backfill in progress")
         else:
-            raise CdcError("give --entity to queue a backfill, or --watch to follow the ones in progress")
+            raise UsageError("give --entity to queue a backfill, or --watch to follow the ones in progress")
         if args.wait or args.watch:
             for backfill_id in ids:
                 _follow(conn, backfill_id)
@@ -321,7 +338,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     schemas = json_schemas(settings, mappings)
     if args.entity:
         if args.entity not in schemas:
-            raise CdcError(f"no entity {args.entity!r}", hint=f"entities: {', '.join(schemas)}")
+            raise UsageError(f"--entity: no entity {args.entity!r}", hint=f"entities: {', '.join(schemas)}")
         schemas = schemas[args.entity]
     sys.stdout.write(orjson.dumps(schemas, option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
@@ -342,7 +359,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     if args.spec:
         specs = [s for s in specs if s.name in args.spec]
         if not specs:
-            raise CdcError(f"no spec named {', '.join(args.spec)}")
+            raise UsageError(f"--spec: no spec named {', '.join(args.spec)}",
+                             hint=f"specs: {', '.join(s.name for s in load_specs(Path(settings.reconcile.specs)))}")
 
     targets = [preflight(settings, mappings, spec) for spec in specs]  # mistakes show before Spark starts
 
@@ -395,14 +413,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cdc", description="PostgreSQL logical replication to Redis Streams")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="json", choices=["json", "text"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="cdc", description="PostgreSQL logical replication to Redis Streams, exactly once.",
+                    epilog="example: cdc --log-format text check --config cdc.yaml\n"
+                           "exit codes: see the README, section \"Exit codes\"", formatter_class=Formatter)
+    parser.add_argument("--version", action="version", version=f"cdc {version()}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="least severe log events shown on stderr")
+    parser.add_argument("--log-format", default="json", choices=["json", "text"],
+                        help="json: one JSON object per line; text: for people")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
-    def command(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
-        p.add_argument("--config", "-c", default="cdc.yaml", help="config file (default: cdc.yaml)")
+    def command(name: str, func, help: str, parent=sub, about: tuple[str, str] | None = None) -> argparse.ArgumentParser:
+        description, example = about or ABOUT[name]
+        p = parent.add_parser(name, help=help, description=description, epilog=f"example:\n  {example}",
+                              formatter_class=Formatter)
+        p.add_argument("--config", "-c", default="cdc.yaml", help="config file")
         p.set_defaults(func=func)
         return p
 
@@ -436,10 +461,21 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--from", dest="start", help="ISO-8601 time or entry ID (default: the beginning)")
     read.add_argument("--to", dest="end", help="ISO-8601 time or entry ID, inclusive (default: the end)")
     read.add_argument("--limit", type=int, default=0, help="stop after this many entries")
-    dlq = command("dlq", cmd_dlq, "list, show or replay a group's dead letters")
-    dlq.add_argument("action", choices=["list", "show", "replay"])
-    dlq.add_argument("ids", nargs="*", help="dead-letter IDs (show: required; replay: default all)")
-    dlq.add_argument("--group", required=True)
+    dlq = sub.add_parser("dlq", help="list, show or replay a group's dead letters", description=ABOUT["dlq"][0],
+                         epilog=f"example:\n  {ABOUT['dlq'][1]}", formatter_class=Formatter)
+    actions = dlq.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
+    for action, text, ids_help, example in (
+        ("list", "list the group's dead letters", None, "cdc dlq list --config cdc.yaml --group billing"),
+        ("show", "print dead letters as JSON", "dead-letter IDs", "cdc dlq show --config cdc.yaml --group billing 1795394575651-0"),
+        ("replay", "send dead letters back to their stream, for this group only", "dead-letter IDs (default: all)",
+         "cdc dlq replay --config cdc.yaml --group billing 1795394575651-0"),
+    ):
+        p = command(action, cmd_dlq, text, parent=actions, about=(f"{ABOUT['dlq'][0]} {action}: {text}.", example))
+        p.add_argument("--group", required=True, help="the consumer group")
+        if ids_help:
+            p.add_argument("ids", nargs="+" if action == "show" else "*", help=ids_help)
+        else:
+            p.set_defaults(ids=[])
     backfill = command("backfill", cmd_backfill, "re-publish an entity's table (op r) while streaming continues")
     backfill.add_argument("--entity", help="the entity to re-publish")
     backfill.add_argument("--where", help="SQL condition selecting part of the table")
@@ -459,20 +495,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _setup_logging(args.log_level, args.log_format)
+    """Run one command; every way it can end is an exit code from `cdc.exits` (never a traceback)."""
+    for name, value in os.environ.items():  # secrets given by environment: hidden from every message
+        if name.startswith("CDC_") and name.endswith(("_DSN", "_URL")):
+            redact.register(value)
     try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help, --version
+            return exc.code if isinstance(exc.code, int) else 0
+        _setup_logging(args.log_level, args.log_format)
         return args.func(args)
-    except CdcError as exc:
-        if os.environ.get("CDC_TRACEBACK"):
-            import traceback
-
-            traceback.print_exc()
-        print(f"cdc: error: {exc}", file=sys.stderr)
-        return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        silence_stdout()  # the reader went away (| head): what it read is what it wanted
+        return 0
+    except Exception as exc:
+        return report(exc)
 
 
 if __name__ == "__main__":

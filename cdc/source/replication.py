@@ -86,6 +86,9 @@ def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = 
             if needle in text:
                 return kind(f"cannot connect to postgres: {text}", hint=hint)
         return TransientError(f"postgres unavailable: {text}")
+    if isinstance(exc, psycopg.ProgrammingError) and ("connection info string" in text or "invalid dsn" in text
+                                                        or "invalid connection option" in text or "invalid URI" in text):
+        return ConfigError(f"invalid postgres connection string: {text}", hint="fix postgres.dsn (or --state-dsn)")
     if isinstance(exc, psycopg.Error):
         return SourceError(f"postgres error: {text}")
     if isinstance(exc, OSError):

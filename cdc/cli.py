@@ -276,11 +276,11 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 
 def cmd_backfill(args: argparse.Namespace) -> int:
     from .ops.admin import connect
-    from .bridge.backfill import BACKFILL_DDL, enqueue
+    from .bridge.backfill import enqueue, ensure_table
 
     settings, mappings = _load(args)
     with connect(settings) as conn:
-        conn.execute(BACKFILL_DDL)
+        ensure_table(conn)
         if args.entity:
             mapping = _entity(mappings, args.entity)
             backfill_id = enqueue(conn, settings.postgres.slot, mapping, args.where)

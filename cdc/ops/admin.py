@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import psycopg
 import redis
 
-from ..bridge.backfill import BACKFILL_DDL, enqueue
+from ..bridge.backfill import enqueue, ensure_table
 from ..source.catalog import load_types, table_shape
 from ..config import Settings
 from .. import keys
@@ -86,7 +86,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                     done.append(f"publication {pgs.publication} already covers the mapped tables")
             else:
                 done.append(f"publication {pgs.publication} already publishes all tables")
-            conn.execute(BACKFILL_DDL)
+            ensure_table(conn)
             slot = conn.execute(
                 "SELECT plugin, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)
             ).fetchone()
@@ -106,7 +106,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                 done.append(f"slot {pgs.slot} already exists")
                 confirmed = slot[1]
         except psycopg.Error as exc:
-            raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication) from exc
+            raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
     done.append(_register_redis(settings, Lsn.parse(confirmed)))
     return done
 

@@ -76,17 +76,19 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .ops.admin import check
+    from .ops.preflight import check
 
     settings, mappings = _load(args)
     report = check(settings, mappings)
     for line in report.ok:
         print(f"ok: {line}")
-    for line in report.problems:
-        print(f"problem: {line}", file=sys.stderr)
+    for line in report.warnings:
+        print(redact.redact(f"warning: {line}"), file=sys.stderr)
+    for problem in report.problems:
+        print(redact.redact(f"problem: {problem}"), file=sys.stderr)
     if report.problems:
         print(f"cdc check: {len(report.problems)} problem(s)", file=sys.stderr)
-        return 3
+        return report.exit_code
     print(f"cdc check: {len(mappings)} mapping(s) valid")
     return 0
 

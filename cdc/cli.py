@@ -150,12 +150,18 @@ def cmd_consume(args: argparse.Namespace) -> int:
     check_position(args.start, "--start")
     check_positive(args, "count", "claim_idle_ms", "max_deliveries", "lease_ttl_ms")
     redact.register(args.state_dsn)
+    if args.state_dsn is not None:
+        from .config import check_dsn
+
+        check_dsn(args.state_dsn, "--state-dsn")
     settings, mappings = _load(args)
     mapping = _entity(mappings, args.entity)
     if bool(args.handler) == bool(args.sink):
         raise UsageError("give exactly one of --handler module:function or --sink schema.table")
     if args.shared and args.handler:
         raise UsageError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
+    if args.sink is not None and not all(part.strip() for part in args.sink.split(".", 1)):
+        raise UsageError(f"--sink {args.sink!r} is not a table name", hint="write it as schema.table, e.g. public.ride_mirror")
     state_dsn = args.state_dsn or settings.postgres.dsn
     log = logging.getLogger("cdc.consume.consumer")
     stop = threading.Event()
@@ -199,6 +205,8 @@ def cmd_trim(args: argparse.Namespace) -> int:
 
     check_positive(args, "max_len", "max_age_s", allow_zero=True)
     settings, mappings = _load(args)
+    if args.entity is not None:
+        _entity(mappings, args.entity)
     policy = TrimPolicy(
         max_len=settings.trim.max_len if args.max_len is None else args.max_len,
         max_age_s=settings.trim.max_age_s if args.max_age_s is None else args.max_age_s,
@@ -271,6 +279,11 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                     row["entry"] = orjson.loads(row["entry"])
                 sys.stdout.write(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode() + "\n")
         else:
+            known = {r["id"] for r in dead_letters(client, args.group)}
+            unknown = [i for i in args.ids if i not in known]
+            if unknown:
+                raise UsageError(f"no dead letter {', '.join(unknown)} for group {args.group}",
+                                 hint=f"cdc dlq list --group {args.group} shows them")
             for line in replay_dead_letters(client, args.group, args.ids):
                 print(line)
     return 0
@@ -283,7 +296,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     settings, mappings = _load(args)
     with connect(settings) as conn:
         ensure_table(conn)
-        if args.entity:
+        if args.entity is not None:
             mapping = _entity(mappings, args.entity)
             backfill_id = enqueue(conn, settings.postgres.slot, mapping, args.where)
             print(f"backfill {backfill_id} of {mapping.entity} queued; the running bridge (cdc run) publishes it as op r")
@@ -337,8 +350,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from .ops.admin import json_schemas
 
     settings, mappings = _load(args)
+    if args.entity is not None:
+        mappings = [_entity(mappings, args.entity)]
     schemas = json_schemas(settings, mappings)
-    if args.entity:
+    if args.entity is not None:
         if args.entity not in schemas:
             raise UsageError(f"--entity: no entity {args.entity!r}", hint=f"entities: {', '.join(schemas)}")
         schemas = schemas[args.entity]

@@ -196,7 +196,7 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
     return section_cls(**values)
 
 
-def _check_dsn(value: str, what: str) -> None:
+def check_dsn(value: str, what: str) -> None:
     """A PostgreSQL connection string libpq can parse (a URI or key=value pairs)."""
     from psycopg import conninfo
 
@@ -229,8 +229,8 @@ def _check_redis_url(value: str, what: str) -> None:
 
 
 _CONNECTION_STRINGS = {
-    ("postgres", "dsn"): _check_dsn,
-    ("reconcile", "state_dsn"): _check_dsn,
+    ("postgres", "dsn"): check_dsn,
+    ("reconcile", "state_dsn"): check_dsn,
     ("redis", "url"): _check_redis_url,
 }
 

@@ -440,11 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="json: one JSON object per line; text: for people")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
-    def command(name: str, func, help: str, parent=sub, about: tuple[str, str] | None = None) -> argparse.ArgumentParser:
+    def command(name: str, func, help: str, parent=sub, about: tuple[str, str] | None = None,
+                config_default: str = "cdc.yaml") -> argparse.ArgumentParser:
         description, example = about or ABOUT[name]
         p = parent.add_parser(name, help=help, description=description, epilog=f"example:\n  {example}",
                               formatter_class=Formatter)
-        p.add_argument("--config", "-c", default="cdc.yaml", help="config file")
+        p.add_argument("--config", "-c", default=config_default, help="config file (default: cdc.yaml)")
         p.set_defaults(func=func)
         return p
 
@@ -480,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--limit", type=int, default=0, help="stop after this many entries")
     dlq = sub.add_parser("dlq", help="list, show or replay a group's dead letters", description=ABOUT["dlq"][0],
                          epilog=f"example:\n  {ABOUT['dlq'][1]}", formatter_class=Formatter)
+    # --config is accepted before the action (cdc dlq --config F list) and after it (cdc dlq list --config F)
+    dlq.add_argument("--config", "-c", default="cdc.yaml", help="config file (default: cdc.yaml)")
     actions = dlq.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
     for action, text, ids_help, example in (
         ("list", "list the group's dead letters", None, "cdc dlq list --config cdc.yaml --group billing"),
@@ -487,7 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("replay", "send dead letters back to their stream, for this group only", "dead-letter IDs (default: all)",
          "cdc dlq replay --config cdc.yaml --group billing 1795394575651-0"),
     ):
-        p = command(action, cmd_dlq, text, parent=actions, about=(f"{ABOUT['dlq'][0]} {action}: {text}.", example))
+        p = command(action, cmd_dlq, text, parent=actions, about=(f"{ABOUT['dlq'][0]} {action}: {text}.", example),
+                    config_default=argparse.SUPPRESS)
         p.add_argument("--group", required=True, help="the consumer group")
         if ids_help:
             p.add_argument("ids", nargs="+" if action == "show" else "*", help=ids_help)

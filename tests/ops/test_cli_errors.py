@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cdc import cli, errors
+from cdc.demo.local import free_port
 from cdc.exits import EXIT_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,3 +182,47 @@ def test_the_readme_exit_code_table_is_the_code():
              errors.TransientError: 75, errors.CdcError: 1}
     for kind, code in kinds.items():
         assert kind("x").exit_code == code and code in table, kind
+
+
+@pytest.mark.integration
+def test_each_kind_of_failure_exits_with_its_code(env):
+    env.init_rides("ride.yaml")
+    # a mapping's YAML syntax: 3, with file:line
+    broken = env.write_mapping("broken.yaml", "entity: x\ntable: [public.rides\n")
+    result = env.cdc("check")
+    assert result.returncode == 3 and result.stderr.startswith(f"cdc: error: {broken}:3: invalid YAML"), result.stderr
+    broken.unlink()
+    # the config's YAML syntax, and a malformed DSN: 2, with file:line
+    env.config_path.write_text("postgres: {dsn: 'x'\n")
+    result = env.cdc("status")
+    assert result.returncode == 2 and f"{env.config_path}:2: invalid YAML" in result.stderr
+    env.write_config(dsn="postgresql:/cdc_bridge:pw@db/app")
+    result = env.cdc("status")
+    assert result.returncode == 2 and f"{env.config_path}:1: postgres.dsn is not a valid connection string" in result.stderr
+    # a missing slot: 4; a server that does not answer: 75
+    env.write_config()
+    result = env.cdc("run", env={"CDC_POSTGRES_SLOT": "nosuchslot"})
+    assert result.returncode == 4 and "replication slot 'nosuchslot' does not exist" in result.stderr
+    env.write_config(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    result = env.cdc("trim")
+    assert result.returncode == 75 and result.stderr.startswith("cdc: error: redis unavailable")
+    # an argument: 2
+    env.write_config()
+    result = env.cdc("read", "--entity", "ride", "--from", "yesterday")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+
+
+@pytest.mark.integration
+def test_dlq_ids_are_accepted_after_the_options(env):
+    env.init_rides("ride.yaml")
+    env.redis.xadd("cdc:dlq:billing", {"source_stream": "cdc:ride", "source_id": "1-0", "deliveries": "5",
+                                       "error": "boom"}, id="1795394575651-0")
+    shown = env.cdc("dlq", "show", "--group", "billing", "1795394575651-0")  # cdc dlq --config F show ...
+    assert shown.returncode == 0 and '"error": "boom"' in shown.stdout, shown.stderr
+    config = str(env.config_path)
+    for argv in (["dlq", "show", "--config", config, "--group", "billing", "1795394575651-0"],
+                 ["dlq", "show", "--group", "billing", "1795394575651-0", "--config", config]):
+        shown = subprocess.run([sys.executable, "-m", "cdc", *argv], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and '"error": "boom"' in shown.stdout, shown.stderr
+    missing = env.cdc("dlq", "replay", "--group", "billing", "1-1")
+    assert missing.returncode == 2 and "no dead letter 1-1 for group billing" in missing.stderr

@@ -5,6 +5,7 @@ backfills included. A missing grant stops with the exact GRANT to run."""
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -101,3 +102,13 @@ def test_init_as_a_role_that_does_not_own_the_tables_says_who_must_run_it(env, t
     assert "must be owner of publication cdc" in failed.stderr
     assert "run cdc init as the owner" in failed.stderr and "REPLICATION" not in failed.stderr
     assert "Traceback" not in failed.stderr
+
+
+def test_sql_and_cdc_init_create_the_same_backfill_table():
+    from cdc.bridge.backfill import BACKFILL_DDL
+
+    def shape(text: str) -> str:
+        body = re.search(r"CREATE TABLE IF NOT EXISTS public\.cdc_backfills \((.*)\)", text, re.S)[1]
+        return " ".join(re.sub(r"--[^\n]*", "", body).split())
+
+    assert shape((SQL / "25_backfills.sql").read_text()) == shape(BACKFILL_DDL)

@@ -27,9 +27,11 @@ import redis
 
 from .. import keys
 from ..config import Settings
-from ..errors import CdcError, PrivilegeError, PublishError, SlotError, TransientError
+from ..bridge.guards import check_redis_has_flushed
+from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..sink.redisconn import connect_redis
+from ..source.lsn import Lsn
 from ..source.privileges import BACKFILL_GRANTS
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
@@ -54,20 +56,21 @@ class CheckReport:
 def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
     """Every problem `cdc run` and the consumers would meet, from both servers."""
     report = CheckReport()
-    _check_postgres(settings, mappings, report)
-    _check_redis(settings, mappings, report)
+    confirmed = _check_postgres(settings, mappings, report)
+    _check_redis(settings, mappings, report, confirmed)
     return report
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------------
 
-def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: CheckReport) -> None:
+def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: CheckReport) -> Lsn | None:
+    """The PostgreSQL half; returns the slot's confirmed position (None without a slot)."""
     pgs = settings.postgres
     try:
         conn = connect(settings)
     except CdcError as exc:
         report.problems.append(exc)
-        return
+        return None
     with conn:
         try:
             try:
@@ -79,9 +82,13 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
             _check_mappings(conn, mappings, superuser, report)
             _check_publication_and_slot(conn, settings, mappings, report)
             _check_backfills(conn, superuser, report)
+            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                               (pgs.slot,)).fetchone()
+            return Lsn.parse(row[0]) if row and row[0] else None
         except psycopg.Error as exc:
             report.problems.append(classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication,
                                                      role=conn.info.user))
+    return None
 
 
 def _check_role(conn: psycopg.Connection, report: CheckReport) -> bool:
@@ -219,7 +226,7 @@ def _where(url: str) -> str:
     return f"redis at {parts.hostname or parts.path}{':' + str(parts.port) if parts.port else ''}"
 
 
-def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckReport) -> None:
+def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckReport, confirmed: Lsn | None) -> None:
     where = _where(settings.redis.url)
     try:
         client = connect_redis(settings.redis)
@@ -230,8 +237,14 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         node = client.get_redis_connection(client.get_random_node()) if settings.redis.cluster else client
         node.ping()
         report.ok.append(f"{where} answers")
-        _check_durability(node, where, report)
+        _check_durability(node, where, settings.redis.wait_replicas, report)
         _check_acl(node, where, acl_probes(settings, mappings), report)
+        if confirmed is not None:  # what cdc run checks first on every connection
+            try:
+                check_redis_has_flushed(client, settings.postgres.slot, confirmed)
+                report.ok.append(f"{where} holds the source up to slot {settings.postgres.slot}'s position {confirmed}")
+            except DataLossError as exc:
+                report.problems.append(exc)
     except redis.AuthenticationError as exc:
         report.problems.append(PublishError(f"{where} refused the login: {exc}",
                                             hint="check the user and password in redis.url"))
@@ -244,8 +257,13 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         client.close()
 
 
-def _check_durability(node: redis.Redis, where: str, report: CheckReport) -> None:
+def _check_durability(node: redis.Redis, where: str, wait_replicas: int, report: CheckReport) -> None:
     persistence, memory = node.info("persistence"), node.info("memory")
+    replicas = node.info("replication").get("connected_slaves", 0)
+    if wait_replicas > replicas:
+        report.warnings.append(
+            f"{where} has {replicas} connected replica(s) but redis.wait_replicas is {wait_replicas}: "
+            "cdc run retries every batch until enough replicas connect")
     if not persistence.get("aof_enabled"):
         report.warnings.append(
             f"{where} runs without AOF (appendonly no): a restart loses entries the slot was already told "

@@ -79,7 +79,7 @@ def test_a_valid_setup_passes_with_every_check_named(rides, roles):
     result = check_as(rides, roles("ok"))
     assert result.returncode == 0, result.stderr
     for expected in ("wal_level is logical", "may replicate", "entity ride: public.rides", "slot", "may use cdc_backfills",
-                     "answers", "may run the"):
+                     "answers", "may run the", "holds the source up to slot"):
         assert expected in result.stdout, expected
     assert "warning:" not in result.stderr  # the test Redis has AOF and noeviction
 
@@ -181,6 +181,14 @@ def test_warnings_for_a_redis_that_would_lose_or_evict_data(rides):
     assert "runs without AOF (appendonly no)" in warnings[0] and "set appendonly yes" in warnings[0]
     assert "maxmemory-policy allkeys-lru" in warnings[1] and "evicts stream keys" in warnings[1]
     assert "set maxmemory-policy noeviction" in warnings[1]
+
+
+def test_a_redis_that_lost_what_the_slot_was_told(rides):
+    rides.redis.delete(f"cdc:bridge:{rides.slot}:flushed")  # as after a restart without persistence
+    result = check_as(rides)
+    assert result.returncode == 6
+    (line,) = problems(result)
+    assert "redis" in line and rides.slot in line
 
 
 def test_every_problem_at_once(rides, roles):

@@ -106,9 +106,17 @@ def test_garbage_for_every_argument_ends_in_one_error_line_and_exit_2(env, capsy
         raise Accepted()
 
     signal.signal(signal.SIGALRM, accepted)
+    garbage_configs = {"binary": b"\x00\xff\xfe garbage", "a list": b"[1, 2]\n", "unknown section": b"postgress: {}\n",
+                       "a wrong type": b"batch: {max_entries: lots}\n", "two documents": b"redis: {}\n---\nhttp: {}\n"}
+    extra = []
+    for name, content in garbage_configs.items():
+        path = env.tmp / f"{name}.yaml"
+        path.write_bytes(content)
+        extra += [([*words, "--config", str(path), *required(parser, "")], f"config: {name}")
+                  for words, parser in subcommands().items()]
     bad = []
     try:
-        for argv, what in cases(str(env.config_path)):
+        for argv, what in cases(str(env.config_path)) + extra:
             signal.alarm(20)
             try:
                 code = cli.main(["--log-format", "text", *argv] if argv and argv[0] != "--log-level" else argv)

@@ -131,6 +131,8 @@ def _redis(settings):
     client = connect_redis(settings.redis)
     try:
         yield client
+    except redis.AuthenticationError as exc:  # a ConnectionError to redis-py, but retrying will not fix it
+        raise PublishError(f"redis refused the login: {exc}", hint="check the user and password in redis.url") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise TransientError(f"redis unavailable: {exc}") from exc
     except redis.RedisError as exc:

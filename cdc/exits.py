@@ -51,10 +51,10 @@ def as_cdc_error(exc: BaseException) -> CdcError:
     import psycopg
     import redis
 
+    if isinstance(exc, redis.AuthenticationError):  # a ConnectionError to redis-py, but retrying will not fix it
+        return PublishError(f"redis refused the login: {exc}", hint="check the user and password in redis.url")
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return TransientError(f"redis unavailable: {exc}", hint="check redis.url and that Redis is running")
-    if isinstance(exc, redis.AuthenticationError):
-        return PublishError(f"redis refused the login: {exc}", hint="check the user and password in redis.url")
     if isinstance(exc, redis.RedisError):
         return PublishError(f"redis refused: {exc}", hint="check the redis user's ACL and the keys it may use")
     if isinstance(exc, psycopg.Error):

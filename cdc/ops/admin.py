@@ -17,7 +17,8 @@ from ..bridge.backfill import enqueue, ensure_table
 from ..source.catalog import load_types, table_shape
 from ..config import Settings
 from .. import keys
-from ..errors import MappingError, SourceError, TransientError
+from ..errors import MappingError, SourceError
+from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..sink.redisconn import connect_redis
 from ..mapping.model import Mapping
@@ -127,8 +128,8 @@ def _register_redis(settings: Settings, confirmed: Lsn) -> str:
             client.set(key, str(int(confirmed)))
             return f"redis held changes up to {current} only; accepted the loss up to {confirmed}"
         return f"redis already holds slot {settings.postgres.slot} up to {current}"
-    except redis.RedisError as exc:
-        raise TransientError(f"redis unavailable: {exc}") from exc
+    except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
+        raise as_cdc_error(exc) from exc
     finally:
         if client is not None:
             client.close()

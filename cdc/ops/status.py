@@ -13,7 +13,7 @@ from .. import keys
 from .admin import connect
 from ..config import Settings
 from ..sink.entry import reply_text
-from ..errors import TransientError
+from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
@@ -95,8 +95,8 @@ def collect(settings: Settings, mappings: Sequence[Mapping]) -> dict:
                 "force_trimmed": trim_stats.get(f"{stream}:forced", 0),
                 "groups": _groups(client, stream) if length or client.exists(stream) else [],
             })
-    except redis.RedisError as exc:
-        raise TransientError(f"redis unavailable: {exc}") from exc
+    except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
+        raise as_cdc_error(exc) from exc
     finally:
         publisher.close()
         client.close()

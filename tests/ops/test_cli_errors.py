@@ -214,6 +214,10 @@ def test_each_kind_of_failure_exits_with_its_code(env):
     env.write_config(redis_url=f"redis://127.0.0.1:{free_port()}/0")
     result = env.cdc("trim")
     assert result.returncode == 75 and result.stderr.startswith("cdc: error: redis unavailable")
+    # a wrong Redis password: 5, not transient
+    env.write_config(redis_url=f"redis://nosuchuser:pw@127.0.0.1:{env.redis_server.port}/0")
+    result = env.cdc("trim")
+    assert result.returncode == 5 and "redis refused the login" in result.stderr, result.stderr
     # an argument: 2
     env.write_config()
     result = env.cdc("read", "--entity", "ride", "--from", "yesterday")

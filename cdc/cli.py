@@ -432,6 +432,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # One flat declaration of the whole command line, read top to bottom: long, but splitting it
+    # would scatter each command's options away from its siblings'.
     parser = Parser(prog="cdc", description="PostgreSQL logical replication to Redis Streams, exactly once.",
                     epilog="example: cdc --log-format text check --config cdc.yaml\n"
                            "exit codes: see the README, section \"Exit codes\"", formatter_class=Formatter)

@@ -18,6 +18,7 @@ failing command would exit with; `CheckReport.exit_code` is the smallest among t
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -58,7 +59,22 @@ def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
     report = CheckReport()
     confirmed = _check_postgres(settings, mappings, report)
     _check_redis(settings, mappings, report, confirmed)
+    _check_http(settings, report)
     return report
+
+
+def _check_http(settings: Settings, report: CheckReport) -> None:
+    """cdc run serves /metrics on http.host:http.port and stops (exit 2) when it cannot bind it."""
+    http = settings.http
+    if not http.port:
+        return
+    try:
+        with socket.create_server((http.host, http.port)):
+            report.ok.append(f"http {http.host}:{http.port} is free for /metrics, /healthz, /readyz")
+    except OSError as exc:  # a warning: on a live system the running bridge itself holds the port
+        report.warnings.append(
+            f"http {http.host}:{http.port}: {exc.strerror}; unless the running bridge holds it, cdc run will stop "
+            "(exit 2): set http.port to a free port, or 0 to serve none")
 
 
 # -- PostgreSQL ------------------------------------------------------------------------------------

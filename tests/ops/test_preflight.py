@@ -4,6 +4,7 @@ reported first, with what, where and the fix, and the exit code of its kind; all
 from __future__ import annotations
 
 import contextlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,9 @@ def roles(env):
         env.execute(f'DROP ROLE "{name}"')
 
 
-def check_as(env, user: str | None = None, redis_url: str | None = None, **kwargs):
+def check_as(env, user: str | None = None, redis_url: str | None = None, extra: str = ""):
     dsn = env.postgres.dsn_for(user, dbname=env.dbname) if user else None
-    env.write_config(dsn=dsn, redis_url=redis_url, **kwargs)
+    env.write_config(extra, dsn=dsn, redis_url=redis_url)
     return env.cdc("check")
 
 
@@ -189,6 +190,15 @@ def test_a_redis_that_lost_what_the_slot_was_told(rides):
     assert result.returncode == 6
     (line,) = problems(result)
     assert "redis" in line and rides.slot in line
+
+
+def test_a_metrics_port_in_use_is_a_warning(rides):
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)):
+        result = check_as(rides, extra=f"http: {{host: 127.0.0.1, port: {port}}}\n")
+    assert result.returncode == 0, result.stderr  # the running bridge may be what holds it
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert f"http 127.0.0.1:{port}" in line and "cdc run will stop (exit 2)" in line and "set http.port" in line
 
 
 def test_every_problem_at_once(rides, roles):

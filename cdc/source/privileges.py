@@ -27,16 +27,15 @@ def fix_for(message: str, role: str, need: str = "SELECT") -> str:
     if m := _OWNER.search(message):
         return (f"run cdc init as the owner of {m['kind']} {m['name']} and of the mapped tables (a publication "
                 f"needs ownership); {role} runs cdc run, cdc check, cdc backfill, cdc status and cdc trim")
-    return "run: " + _statement(message, role, need)
-
-
-def _statement(message: str, role: str, need: str) -> str:
-    if "superuser or replication role" in message or "start WAL sender" in message or "replication slots" in message:
-        return f"ALTER ROLE {role} REPLICATION"
+    if any(text in message for text in ("superuser or replication role", "start WAL sender", "replication slots")):
+        return f"run: ALTER ROLE {role} REPLICATION"
     m = _DENIED.search(message)
     if m is None:
-        return f"sql/30_grants.sql, granting {role} what it grants cdc_bridge"
-    kind, name = m["kind"], m["name"]
+        return f"grant {role} what sql/30_grants.sql grants cdc_bridge"
+    return "run: " + _grant(m["kind"], m["name"], role, need)
+
+
+def _grant(kind: str, name: str, role: str, need: str) -> str:
     if kind in ("table", "relation") and name.endswith("cdc_backfills"):
         return BACKFILL_GRANTS.format(role=role)
     if kind == "sequence" and name.endswith("cdc_backfills_id_seq"):

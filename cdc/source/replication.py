@@ -81,6 +81,8 @@ def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = 
     if "publication" in text and "does not exist" in text:
         return SlotError(f"publication {publication!r} does not exist", hint="run: cdc init --config <file>")
     if isinstance(exc, pgerrors.InsufficientPrivilege):
+        if not role and getattr(exc, "pgconn", None) is not None and exc.pgconn.user:
+            role = exc.pgconn.user.decode()  # the role the refused statement ran as
         return PrivilegeError(f"postgres refused: {text}", hint=fix_for(text, role, need))
     if isinstance(exc, pgerrors.ObjectInUse):
         return TransientError(f"{text} (another bridge may be running on this slot)")

@@ -371,6 +371,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     from .reconcile.spec import load_specs
     from .reconcile.truth import start_spark
 
+    if args.report and not Path(args.report).resolve().parent.is_dir():
+        raise UsageError(f"--report {args.report}: folder {Path(args.report).resolve().parent} does not exist",
+                         hint="give a file in an existing folder")  # checked before Spark spends minutes
     settings, mappings = _load(args)
     if args.master:
         settings = dataclasses.replace(settings, reconcile=dataclasses.replace(settings.reconcile, master=args.master))

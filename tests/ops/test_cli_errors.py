@@ -21,7 +21,7 @@ NOT_SWEPT = {
     # free-form: any text is a valid name, so no value of it is garbage
     "--name": "any text names a consumer", "--group": "any text names a group",
     # only read once Spark has started (tests/reconcile covers the job's failures)
-    "--master": "read by Spark", "--report": "written after the Spark job",
+    "--master": "read by Spark (tests/reconcile covers a failing job)",
 }
 GARBAGE = {
     "--entity": ["nosuch", ""],
@@ -33,6 +33,7 @@ GARBAGE = {
     "--state-dsn": ["postgresql:/u:S3cret-state@db/app", "not a dsn", "postgresql://u:S3cret-state@h/db?nosuch=1"],
     "--where": ["1 =;", "no_such_column > 0"],
     "--spec": ["nosuch"],
+    "--report": ["/nonexistent/folder/report.json"],
     "--log-level": ["loud"],
     "--log-format": ["xml"],
 }

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 
 import orjson
 
+from . import redact
 from .bridge.commands import cmd_backfill, cmd_run
+from .cliargs import ABOUT, Formatter, Parser, version
 from .consume.commands import cmd_consume, cmd_dlq, cmd_read, cmd_replay
-from .errors import CdcError
+from .exits import RedactingFilter, report, silence_stdout
 from .ops.commands import cmd_check, cmd_init, cmd_schema, cmd_status, cmd_trim
 from .reconcile.commands import cmd_reconcile
 
@@ -36,6 +38,8 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exc"] = record.exc_text
         return orjson.dumps(entry).decode()
 
 
@@ -45,6 +49,7 @@ def _setup_logging(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RedactingFilter())
     root = logging.getLogger("cdc")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -80,14 +85,24 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cdc", description="PostgreSQL logical replication to Redis Streams")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-format", default="json", choices=["json", "text"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    # One flat declaration of the whole command line, read top to bottom: long, but splitting it
+    # would scatter each command's options away from its siblings'.
+    parser = Parser(prog="cdc", description="PostgreSQL logical replication to Redis Streams, exactly once.",
+                    epilog="example: cdc --log-format text check --config cdc.yaml\n"
+                           "exit codes: see the README, section \"Exit codes\"", formatter_class=Formatter)
+    parser.add_argument("--version", action="version", version=f"cdc {version()}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="least severe log events shown on stderr")
+    parser.add_argument("--log-format", default="json", choices=["json", "text"],
+                        help="json: one JSON object per line; text: for people")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
-    def command(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help)
-        p.add_argument("--config", "-c", default="cdc.yaml", help="config file (default: cdc.yaml)")
+    def command(name: str, func, help: str, parent=sub, about: tuple[str, str] | None = None,
+                config_default: str = "cdc.yaml") -> argparse.ArgumentParser:
+        description, example = about or ABOUT[name]
+        p = parent.add_parser(name, help=help, description=description, epilog=f"example:\n  {example}",
+                              formatter_class=Formatter)
+        p.add_argument("--config", "-c", default=config_default, help="config file (default: cdc.yaml)")
         p.set_defaults(func=func)
         return p
 
@@ -110,10 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
     read.add_argument("--from", dest="start", help="ISO-8601 time or entry ID (default: the beginning)")
     read.add_argument("--to", dest="end", help="ISO-8601 time or entry ID, inclusive (default: the end)")
     read.add_argument("--limit", type=int, default=0, help="stop after this many entries")
-    dlq = command("dlq", cmd_dlq, "list, show or replay a group's dead letters")
-    dlq.add_argument("action", choices=["list", "show", "replay"])
-    dlq.add_argument("ids", nargs="*", help="dead-letter IDs (show: required; replay: default all)")
-    dlq.add_argument("--group", required=True)
+    dlq = sub.add_parser("dlq", help="list, show or replay a group's dead letters", description=ABOUT["dlq"][0],
+                         epilog=f"example:\n  {ABOUT['dlq'][1]}", formatter_class=Formatter)
+    # --config is accepted before the action (cdc dlq --config F list) and after it (cdc dlq list --config F)
+    dlq.add_argument("--config", "-c", default="cdc.yaml", help="config file (default: cdc.yaml)")
+    actions = dlq.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
+    for action, text, ids_help, example in (
+        ("list", "list the group's dead letters", None, "cdc dlq list --config cdc.yaml --group billing"),
+        ("show", "print dead letters as JSON", "dead-letter IDs", "cdc dlq show --config cdc.yaml --group billing 1795394575651-0"),
+        ("replay", "send dead letters back to their stream, for this group only", "dead-letter IDs (default: all)",
+         "cdc dlq replay --config cdc.yaml --group billing 1795394575651-0"),
+    ):
+        p = command(action, cmd_dlq, text, parent=actions, about=(f"{ABOUT['dlq'][0]} {action}: {text}.", example),
+                    config_default=argparse.SUPPRESS)
+        p.add_argument("--group", required=True, help="the consumer group")
+        if ids_help:
+            p.add_argument("ids", nargs="+" if action == "show" else "*", help=ids_help)
+        else:
+            p.set_defaults(ids=[])
     backfill = command("backfill", cmd_backfill, "re-publish an entity's table (op r) while streaming continues")
     backfill.add_argument("--entity", help="the entity to re-publish")
     backfill.add_argument("--where", help="SQL condition selecting part of the table")
@@ -134,20 +163,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _setup_logging(args.log_level, args.log_format)
+    """Run one command; every way it can end is an exit code from `cdc.exits` (never a traceback)."""
+    for name, value in os.environ.items():  # secrets given by environment: hidden from every message
+        if name.startswith("CDC_") and name.endswith(("_DSN", "_URL")):
+            redact.register(value)
     try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help, --version
+            return exc.code if isinstance(exc.code, int) else 0
+        _setup_logging(args.log_level, args.log_format)
         return args.func(args)
-    except CdcError as exc:
-        if os.environ.get("CDC_TRACEBACK"):
-            import traceback
-
-            traceback.print_exc()
-        print(f"cdc: error: {exc}", file=sys.stderr)
-        return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        silence_stdout()  # the reader went away (| head): what it read is what it wanted
+        return 0
+    except Exception as exc:
+        return report(exc)
 
 
 if __name__ == "__main__":

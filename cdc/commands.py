@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from .errors import CdcError, TransientError
+from . import redact
+from .errors import PublishError, TransientError, UsageError
 from .sink.redisconn import connect_redis
 
 __all__ = ["load_config", "entity_named", "redis_for"]
@@ -16,6 +17,8 @@ def load_config(args: argparse.Namespace):
     from .mapping.model import load_mappings
 
     settings = Settings.from_file(args.config)
+    for secret in (settings.postgres.dsn, settings.redis.url, settings.reconcile.state_dsn):
+        redact.register(secret)
     return settings, load_mappings(settings.mappings)
 
 
@@ -23,7 +26,7 @@ def entity_named(mappings, name: str):
     for m in mappings:
         if m.entity == name:
             return m
-    raise CdcError(f"no entity {name!r}", hint=f"entities: {', '.join(m.entity for m in mappings)}")
+    raise UsageError(f"--entity: no entity {name!r}", hint=f"entities: {', '.join(m.entity for m in mappings)}")
 
 
 @contextlib.contextmanager
@@ -34,9 +37,11 @@ def redis_for(settings):
     client = connect_redis(settings.redis)
     try:
         yield client
+    except redis.AuthenticationError as exc:  # a ConnectionError to redis-py, but retrying will not fix it
+        raise PublishError(f"redis refused the login: {exc}", hint="check the user and password in redis.url") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise TransientError(f"redis unavailable: {exc}") from exc
     except redis.RedisError as exc:
-        raise CdcError(f"redis refused: {exc}", hint="check the redis user's ACL and the keys it may use") from exc
+        raise PublishError(f"redis refused: {exc}", hint="check the redis user's ACL and the keys it may use") from exc
     finally:
         client.close()

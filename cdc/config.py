@@ -189,18 +189,59 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
     for key, f in fields.items():
         env_name = f"CDC_{name}_{key}".upper()
         value = _override(env, env_name, raw.get(key, f.default))
+        origin = env_name if env_name in env else (env_name + "_FILE" if env.get(env_name + "_FILE") else where(raw, key))
         try:
             values[key] = _coerce(value, type(f.default))
         except (TypeError, ValueError):
-            origin = env_name if env_name in env else where(raw, key)
             raise ConfigError(
                 f"{origin}: {name}.{key} must be {_KIND_NAMES[type(f.default)]}, got {value!r}"
             ) from None
         choices = _CHOICES.get((name, key))
         if choices and values[key] not in choices:
-            origin = env_name if env_name in env else where(raw, key)
             raise ConfigError(f"{origin}: {name}.{key} must be one of {', '.join(choices)}, got {value!r}")
+        check = _CONNECTION_STRINGS.get((name, key))
+        if check is not None and values[key]:
+            check(values[key], f"{origin}: {name}.{key}")
     return section_cls(**values)
+
+
+def check_dsn(value: str, what: str) -> None:
+    """A PostgreSQL connection string libpq can parse (a URI or key=value pairs)."""
+    from psycopg import conninfo
+
+    try:
+        conninfo.conninfo_to_dict(value)
+    except Exception as exc:  # psycopg.ProgrammingError: libpq's own words
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "cannot be parsed"
+        raise ConfigError(f"{what} is not a valid connection string: {reason}",
+                          hint="write it as postgresql://user@host:5432/dbname (password in CDC_POSTGRES_DSN_FILE)") from None
+
+
+def _check_redis_url(value: str, what: str) -> None:
+    """A Redis URL redis-py accepts: redis://, rediss:// or unix://, with a host and a numeric database."""
+    from urllib.parse import urlsplit
+
+    hint = "write it as redis://user:password@host:6379/0, or rediss:// for TLS, unix:///path.sock for a socket"
+    try:
+        url = urlsplit(value)
+        url.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError as exc:
+        raise ConfigError(f"{what} is not a valid URL: {exc}", hint=hint) from None
+    if url.scheme not in ("redis", "rediss", "unix"):
+        got = f"scheme {url.scheme + '://'!r}" if url.scheme else "no scheme"
+        raise ConfigError(f"{what} has {got}; Redis URLs start with redis://, rediss:// or unix://", hint=hint)
+    if url.scheme != "unix" and not url.hostname:
+        raise ConfigError(f"{what} names no host", hint=hint)
+    db = url.path.lstrip("/") if url.scheme != "unix" else ""
+    if db and not db.isdigit():
+        raise ConfigError(f"{what}: database {db!r} is not a number", hint=hint)
+
+
+_CONNECTION_STRINGS = {
+    ("postgres", "dsn"): check_dsn,
+    ("reconcile", "state_dsn"): check_dsn,
+    ("redis", "url"): _check_redis_url,
+}
 
 
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

@@ -1,7 +1,8 @@
 """One exception tree, grouped by what the operator must do.
 
-The CLI turns any `CdcError` into one line on stderr and the error's `exit_code`;
-anything else is a bug and keeps its traceback.
+The CLI turns any `CdcError` into one line on stderr and the error's `exit_code`
+(the table is in the README, "Exit codes"); anything else is a bug, reported as
+one line with exit code 1 (``CDC_TRACEBACK=1`` shows its traceback).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "CdcError",
     "ConfigError",
+    "UsageError",
     "MappingError",
     "SourceError",
     "SlotError",
@@ -39,6 +41,10 @@ class ConfigError(CdcError):
     """The configuration file or environment is wrong: fix the config."""
 
     exit_code = 2
+
+
+class UsageError(ConfigError):
+    """The command line is wrong: an unknown option, a bad value, a missing argument."""
 
 
 class MappingError(CdcError):

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from .errors import CdcError, ConfigError
 
 __all__ = ["Located", "LocatedDict", "LocatedList", "load_yaml_documents", "where", "yaml_files"]
 
@@ -44,6 +44,7 @@ def where(value: object, key: object = None) -> str:
 
 class _Loader(yaml.SafeLoader):
     source = "<string>"
+    error: type[CdcError] = ConfigError  # what a mistake in this file is (a mapping's: MappingError)
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> LocatedDict:
@@ -56,9 +57,9 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> LocatedDict:
         try:
             hash(key)
         except TypeError:
-            raise ConfigError(f"{loader.source}:{key_node.start_mark.line + 1}: a key must be a plain value") from None
+            raise loader.error(f"{loader.source}:{key_node.start_mark.line + 1}: a key must be a plain value") from None
         if key in result:
-            raise ConfigError(
+            raise loader.error(
                 f"{loader.source}:{key_node.start_mark.line + 1}: duplicate key {key!r}",
                 hint="each key may appear once in a mapping",
             )
@@ -77,21 +78,22 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
-def load_yaml_documents(text: str, source: str) -> list[Any]:
-    """Every document in `text`; syntax errors become a ConfigError with file:line."""
+def load_yaml_documents(text: str, source: str, error: type[CdcError] = ConfigError) -> list[Any]:
+    """Every document in `text`; syntax errors become `error` (a ConfigError by default) with file:line."""
 
     class Loader(_Loader):
         pass
 
     Loader.source = source
+    Loader.error = error
     try:
         return [doc for doc in yaml.load_all(text, Loader=Loader) if doc is not None]
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{source}{line}: invalid YAML: {exc.problem or exc}") from None
+        raise error(f"{source}{line}: invalid YAML: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+        raise error(f"{source}: invalid YAML: {exc}") from None
 
 
 def yaml_files(path: Path, what: str, hint: str) -> list[Path]:
@@ -104,9 +106,11 @@ def yaml_files(path: Path, what: str, hint: str) -> list[Path]:
     raise ConfigError(f"{what} path {path} does not exist", hint=hint)
 
 
-def load_yaml_file(path: Path) -> list[Any]:
+def load_yaml_file(path: Path, error: type[CdcError] = ConfigError) -> list[Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    return load_yaml_documents(text, str(path))
+        raise error(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})", hint="save the file as UTF-8") from None
+    return load_yaml_documents(text, str(path), error)

@@ -29,10 +29,11 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PrivilegeError
 from ..mapping.model import Mapping
+from ..source.privileges import fix_for
 
-__all__ = ["BACKFILL_DDL", "WATERMARK_PREFIX", "BackfillDriver", "Windows", "enqueue"]
+__all__ = ["BACKFILL_DDL", "WATERMARK_PREFIX", "BackfillDriver", "Windows", "enqueue", "ensure_table"]
 
 log = logging.getLogger("cdc.backfill")
 
@@ -58,6 +59,29 @@ CREATE TABLE IF NOT EXISTS public.cdc_backfills (
 """
 
 
+def ensure_table(conn: psycopg.Connection) -> None:
+    """Create `cdc_backfills` unless it exists (sql/25_backfills.sql creates it too).
+
+    Only a missing table is created: CREATE ... IF NOT EXISTS would need the CREATE
+    privilege on the schema even when the table is there, which the bridge's role lacks.
+    """
+    if conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0]:
+        return
+    try:
+        conn.execute(BACKFILL_DDL)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise PrivilegeError(
+            f"table public.cdc_backfills does not exist, and role {conn.info.user} may not create it: "
+            f"{str(exc).strip().splitlines()[0]}",
+            hint="run cdc init as the tables' owner (or apply sql/25_backfills.sql), then sql/30_grants.sql",
+        ) from None
+
+
+def _refused(exc: psycopg.Error, conn: psycopg.Connection, need: str) -> PrivilegeError:
+    text = str(exc).strip().splitlines()[0]
+    return PrivilegeError(f"postgres refused: {text}", hint=fix_for(text, conn.info.user, need))
+
+
 def enqueue(conn: psycopg.Connection, slot: str, mapping: Mapping, where: str | None = None) -> int:
     """Ask the bridge on `slot` to (re)publish `mapping`'s table as `r` entries."""
     if mapping.table is None:
@@ -69,14 +93,22 @@ def enqueue(conn: psycopg.Connection, slot: str, mapping: Mapping, where: str | 
             sql.SQL("SELECT count(*) FROM {}.{}").format(sql.Identifier(schema), sql.Identifier(table))
             + sql.SQL(where_sql)
         ).fetchone()[0]
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise _refused(exc, conn, "SELECT") from None
+    except psycopg.OperationalError:
+        raise
     except psycopg.Error as exc:
-        raise ConfigError(f"backfill of {mapping.entity}: cannot read {schema}.{table}{where_sql}: {str(exc).strip()}") from None
-    with conn.transaction():
-        backfill_id = conn.execute(
-            "INSERT INTO cdc_backfills (slot, entity, where_sql, rows_total) VALUES (%s, %s, %s, %s) RETURNING id",
-            (slot, mapping.entity, where, total),
-        ).fetchone()[0]
-        conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (REQUEST_PREFIX, str(backfill_id)))
+        raise ConfigError(f"backfill of {mapping.entity}: cannot read {schema}.{table}{where_sql}: "
+                          f"{str(exc).strip().splitlines()[0]}", hint="fix --where (an SQL condition on the table's columns)") from None
+    try:
+        with conn.transaction():
+            backfill_id = conn.execute(
+                "INSERT INTO cdc_backfills (slot, entity, where_sql, rows_total) VALUES (%s, %s, %s, %s) RETURNING id",
+                (slot, mapping.entity, where, total),
+            ).fetchone()[0]
+            conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (REQUEST_PREFIX, str(backfill_id)))
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise _refused(exc, conn, "INSERT") from None
     return backfill_id
 
 

@@ -8,7 +8,7 @@ import signal
 import time
 
 from ..commands import entity_named, load_config
-from ..errors import CdcError
+from ..errors import UsageError
 
 __all__ = ["cmd_run", "cmd_backfill"]
 
@@ -38,12 +38,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_backfill(args: argparse.Namespace) -> int:
     from ..ops.admin import connect
-    from ..bridge.backfill import BACKFILL_DDL, enqueue
+    from ..bridge.backfill import enqueue, ensure_table
 
     settings, mappings = load_config(args)
     with connect(settings) as conn:
-        conn.execute(BACKFILL_DDL)
-        if args.entity:
+        ensure_table(conn)
+        if args.entity is not None:
             mapping = entity_named(mappings, args.entity)
             backfill_id = enqueue(conn, settings.postgres.slot, mapping, args.where)
             print(f"backfill {backfill_id} of {mapping.entity} queued; the running bridge (cdc run) publishes it as op r")
@@ -56,7 +56,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
             if not ids:
                 print("no snapshot or backfill in progress")
         else:
-            raise CdcError("give --entity to queue a backfill, or --watch to follow the ones in progress")
+            raise UsageError("give --entity to queue a backfill, or --watch to follow the ones in progress")
         if args.wait or args.watch:
             for backfill_id in ids:
                 _follow(conn, backfill_id)

@@ -274,6 +274,9 @@ class Bridge:
             backfill.tick(catalog_conn)
         except psycopg.OperationalError as exc:
             raise classify_pg_error(exc) from exc
+        except psycopg.errors.InsufficientPrivilege as exc:
+            # snapshots and backfills must not silently stop: the operator grants, then runs again
+            raise classify_pg_error(exc, role=catalog_conn.info.user, need="SELECT, UPDATE") from exc
         except psycopg.Error as exc:
             log.warning("backfill paused: %s", str(exc).strip())
             backfill.disabled = True

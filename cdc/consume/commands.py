@@ -10,8 +10,10 @@ import sys
 
 import orjson
 
+from .. import redact
+from ..cliargs import check_position, check_positive
 from ..commands import entity_named, load_config, redis_for
-from ..errors import CdcError, ConfigError
+from ..errors import UsageError
 from ..loader import load_callable
 
 __all__ = ["cmd_consume", "cmd_replay", "cmd_read", "cmd_dlq"]
@@ -25,16 +27,24 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
     from ..consume.consumer import Consumer
 
+    check_position(args.start, "--start")
     for option in ("count", "lease_ttl_ms", "claim_idle_ms", "max_deliveries"):
         if getattr(args, option) < 1:
-            raise ConfigError(f"--{option.replace('_', '-')} {getattr(args, option)}: must be at least 1",
-                              hint="see cdc consume --help for the defaults")
+            raise UsageError(f"--{option.replace('_', '-')} {getattr(args, option)}: must be at least 1",
+                             hint="see cdc consume --help for the defaults")
+    redact.register(args.state_dsn)
+    if args.state_dsn is not None:
+        from ..config import check_dsn
+
+        check_dsn(args.state_dsn, "--state-dsn")
     settings, mappings = load_config(args)
     mapping = entity_named(mappings, args.entity)
     if bool(args.handler) == bool(args.sink):
-        raise CdcError("give exactly one of --handler module:function or --sink schema.table")
+        raise UsageError("give exactly one of --handler module:function or --sink schema.table")
     if args.shared and args.handler:
-        raise CdcError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
+        raise UsageError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
+    if args.sink is not None and not all(part.strip() for part in args.sink.split(".", 1)):
+        raise UsageError(f"--sink {args.sink!r} is not a table name", hint="write it as schema.table, e.g. public.ride_mirror")
     state_dsn = args.state_dsn or settings.postgres.dsn
     log = logging.getLogger("cdc.consume.consumer")
     stop = threading.Event()
@@ -76,24 +86,28 @@ def cmd_consume(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from ..consume.replay import replay_group
 
+    check_position(args.start, "--from")
     settings, mappings = load_config(args)
     with redis_for(settings) as client:
         try:
             for line in replay_group(client, entity_named(mappings, args.entity).stream_keys(), args.group, args.start):
                 print(line)
         except ValueError as exc:
-            raise CdcError(str(exc)) from None
+            raise UsageError(str(exc)) from None
     return 0
 
 
 def cmd_read(args: argparse.Namespace) -> int:
     from ..consume.replay import range_bound, read_range
 
+    check_position(args.start, "--from")
+    check_position(args.end, "--to")
+    check_positive(args, "limit", allow_zero=True)
     settings, mappings = load_config(args)
     try:
         start, end = range_bound(args.start, "-"), range_bound(args.end, "+")
     except ValueError as exc:
-        raise CdcError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     with redis_for(settings) as client:
         shown = 0
         for stream in entity_named(mappings, args.entity).stream_keys():
@@ -122,12 +136,18 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         elif args.action == "show":
             rows = [r for r in dead_letters(client, args.group) if r["id"] in args.ids]
             if not rows:
-                raise CdcError(f"no dead letter {', '.join(args.ids)} for group {args.group}")
+                raise UsageError(f"no dead letter {', '.join(args.ids)} for group {args.group}",
+                                 hint=f"cdc dlq list --group {args.group} shows them")
             for row in rows:
                 if "entry" in row:
                     row["entry"] = orjson.loads(row["entry"])
                 sys.stdout.write(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode() + "\n")
         else:
+            known = {r["id"] for r in dead_letters(client, args.group)}
+            unknown = [i for i in args.ids if i not in known]
+            if unknown:
+                raise UsageError(f"no dead letter {', '.join(unknown)} for group {args.group}",
+                                 hint=f"cdc dlq list --group {args.group} shows them")
             for line in replay_dead_letters(client, args.group, args.ids):
                 print(line)
     return 0

@@ -305,7 +305,7 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
 
 
 def _documents(path: Path) -> Iterable[Any]:
-    for doc in load_yaml_file(path):
+    for doc in load_yaml_file(path, MappingError):
         if isinstance(doc, list):
             yield from doc
         else:

@@ -1,25 +1,25 @@
 """Setting up and checking the source: publication, slot, mapped tables, JSON Schema.
 
-`init` is idempotent and reports each thing it did; `check` binds every mapping
-to the live schema with the same `Projector` the stream uses and collects every
-problem rather than stopping at the first.
+`init` is idempotent and reports each thing it did; `cdc check` lives in
+`cdc.ops.preflight` and binds every mapping with `_bind_live`, the same `Projector`
+the stream uses.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import psycopg
 import redis
 
-from ..bridge.backfill import BACKFILL_DDL, enqueue
+from ..bridge.backfill import enqueue, ensure_table
 from ..bridge.guards import clear_data_loss
 from ..source.catalog import load_types, table_shape
 from ..config import Settings
 from .. import keys
-from ..errors import CdcError, MappingError, SourceError, TransientError
+from ..errors import MappingError, SourceError
+from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..sink.redisconn import connect_redis
 from ..mapping.model import Mapping
@@ -27,7 +27,7 @@ from ..mapping.projector import Projector
 from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident
 from ..source.values import TypeCatalog, json_schema_for
 
-__all__ = ["CheckReport", "check", "init", "json_schemas"]
+__all__ = ["connect", "init", "json_schemas"]
 
 log = logging.getLogger("cdc.admin")
 
@@ -87,7 +87,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                     done.append(f"publication {pgs.publication} already covers the mapped tables")
             else:
                 done.append(f"publication {pgs.publication} already publishes all tables")
-            conn.execute(BACKFILL_DDL)
+            ensure_table(conn)
             slot = conn.execute(
                 "SELECT plugin, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)
             ).fetchone()
@@ -107,7 +107,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                 done.append(f"slot {pgs.slot} already exists")
                 confirmed = slot[1]
         except psycopg.Error as exc:
-            raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication) from exc
+            raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
     done.append(_register_redis(settings, Lsn.parse(confirmed)))
     return done
 
@@ -131,17 +131,11 @@ def _register_redis(settings: Settings, confirmed: Lsn) -> str:
             clear_data_loss(client, settings.postgres.slot)
             return f"redis held changes up to {current} only; accepted the loss up to {confirmed}"
         return f"redis already holds slot {settings.postgres.slot} up to {current}"
-    except redis.RedisError as exc:
-        raise TransientError(f"redis unavailable: {exc}") from exc
+    except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
+        raise as_cdc_error(exc) from exc
     finally:
         if client is not None:
             client.close()
-
-
-@dataclass
-class CheckReport:
-    ok: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
 
 
 def _bind_live(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> Projector:
@@ -151,50 +145,6 @@ def _bind_live(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog)
         raise MappingError(f"{mapping.where}: entity {mapping.entity!r}: table {schema}.{name} does not exist", hint="create it or fix table:")
     load_types(conn, catalog, [c.type_oid for c in shape.columns])
     return Projector(mapping, shape, catalog)
-
-
-def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
-    """Validate the server and every mapping against the live schema."""
-    report = CheckReport()
-    pgs = settings.postgres
-    catalog = TypeCatalog()
-    with connect(settings) as conn:
-        try:
-            try:
-                _wal_level(conn)
-                report.ok.append("wal_level is logical")
-            except CdcError as exc:
-                report.problems.append(str(exc))
-            for m in mappings:
-                if m.table is None:
-                    report.ok.append(f"entity {m.entity}: logical messages with prefix {m.message_prefix!r} -> {m.stream_key()}")
-                    continue
-                try:
-                    _bind_live(conn, m, catalog)
-                    report.ok.append(f"entity {m.entity}: {m.qualified_table} -> {', '.join(m.stream_keys())}")
-                except CdcError as exc:
-                    report.problems.append(str(exc))
-            pub = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (pgs.publication,)).fetchone()
-            if pub is None:
-                report.problems.append(f"publication {pgs.publication!r} does not exist; run: cdc init --config <file>")
-            elif not pub[0]:
-                published = {
-                    (r[0], r[1])
-                    for r in conn.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (pgs.publication,))
-                }
-                for s, t in _tables(mappings):
-                    if (s, t) not in published:
-                        report.problems.append(f"table {s}.{t} is not in publication {pgs.publication!r}; run: cdc init --config <file>")
-            slot = conn.execute("SELECT plugin FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
-            if slot is None:
-                report.problems.append(f"replication slot {pgs.slot!r} does not exist; run: cdc init --config <file>")
-            elif slot[0] != "pgoutput":
-                report.problems.append(f"replication slot {pgs.slot!r} uses plugin {slot[0]!r}, not pgoutput")
-            else:
-                report.ok.append(f"slot {pgs.slot} (pgoutput) exists")
-        except psycopg.Error as exc:
-            raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication) from exc
-    return report
 
 
 def _json_text(schema: dict) -> dict:

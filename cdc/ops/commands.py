@@ -7,8 +7,10 @@ import sys
 
 import orjson
 
-from ..commands import load_config, redis_for
-from ..errors import CdcError
+from .. import redact
+from ..cliargs import check_positive
+from ..commands import entity_named, load_config, redis_for
+from ..errors import UsageError
 
 __all__ = ["cmd_init", "cmd_check", "cmd_schema", "cmd_status", "cmd_trim"]
 
@@ -23,17 +25,19 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ..ops.admin import check
+    from ..ops.preflight import check
 
     settings, mappings = load_config(args)
     report = check(settings, mappings)
     for line in report.ok:
         print(f"ok: {line}")
-    for line in report.problems:
-        print(f"problem: {line}", file=sys.stderr)
+    for line in report.warnings:
+        print(redact.redact(f"warning: {line}"), file=sys.stderr)
+    for problem in report.problems:
+        print(redact.redact(f"problem: {problem}"), file=sys.stderr)
     if report.problems:
         print(f"cdc check: {len(report.problems)} problem(s)", file=sys.stderr)
-        return 3
+        return report.exit_code
     print(f"cdc check: {len(mappings)} mapping(s) valid")
     return 0
 
@@ -42,10 +46,12 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from ..ops.admin import json_schemas
 
     settings, mappings = load_config(args)
+    if args.entity is not None:
+        mappings = [entity_named(mappings, args.entity)]
     schemas = json_schemas(settings, mappings)
-    if args.entity:
+    if args.entity is not None:
         if args.entity not in schemas:
-            raise CdcError(f"no entity {args.entity!r}", hint=f"entities: {', '.join(schemas)}")
+            raise UsageError(f"--entity: no entity {args.entity!r}", hint=f"entities: {', '.join(schemas)}")
         schemas = schemas[args.entity]
     sys.stdout.write(orjson.dumps(schemas, option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
@@ -70,7 +76,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_trim(args: argparse.Namespace) -> int:
     from ..sink.trim import TrimPolicy, trim_mapped
 
+    check_positive(args, "max_len", "max_age_s", allow_zero=True)
     settings, mappings = load_config(args)
+    if args.entity is not None:
+        entity_named(mappings, args.entity)
     policy = TrimPolicy(
         max_len=settings.trim.max_len if args.max_len is None else args.max_len,
         max_age_s=settings.trim.max_age_s if args.max_age_s is None else args.max_age_s,

@@ -13,7 +13,7 @@ from .. import keys
 from .admin import connect
 from ..config import Settings
 from ..sink.entry import reply_text
-from ..errors import TransientError
+from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
@@ -104,8 +104,8 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
             {"stream": s["stream"], "group": g["group"], "consumer": c["name"], "idle_ms": c["idle_ms"], "pending": c["pending"]}
             for s in result["streams"] for g in s["groups"] for c in g["consumers"] if c["stale"]
         ]
-    except redis.RedisError as exc:
-        raise TransientError(f"redis unavailable: {exc}") from exc
+    except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
+        raise as_cdc_error(exc) from exc
     finally:
         publisher.close()
         client.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 
 from ..commands import load_config
-from ..errors import CdcError
+from ..errors import UsageError
 
 __all__ = ["cmd_reconcile"]
 
@@ -24,6 +24,9 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     from ..reconcile.spec import load_specs
     from ..reconcile.truth import start_spark
 
+    if args.report and not Path(args.report).resolve().parent.is_dir():
+        raise UsageError(f"--report {args.report}: folder {Path(args.report).resolve().parent} does not exist",
+                         hint="give a file in an existing folder")  # checked before Spark spends minutes
     settings, mappings = load_config(args)
     if args.master:
         settings = dataclasses.replace(settings, reconcile=dataclasses.replace(settings.reconcile, master=args.master))
@@ -31,7 +34,8 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     if args.spec:
         specs = [s for s in specs if s.name in args.spec]
         if not specs:
-            raise CdcError(f"no spec named {', '.join(args.spec)}")
+            raise UsageError(f"--spec: no spec named {', '.join(args.spec)}",
+                             hint=f"specs: {', '.join(s.name for s in load_specs(Path(settings.reconcile.specs)))}")
 
     targets = [preflight(settings, mappings, spec) for spec in specs]  # mistakes show before Spark starts
 

@@ -15,6 +15,7 @@ from psycopg import errors as pgerrors
 
 from ..errors import CdcError, ConfigError, PrivilegeError, SlotError, SourceError, TransientError
 from .framing import standby_status_update
+from .privileges import fix_for
 
 __all__ = ["SESSION_OPTIONS", "ReplicationStream", "classify_pg_error", "quote_ident", "quote_literal", "proto_version_for"]
 
@@ -59,8 +60,12 @@ _PERMANENT_CONNECT = (
 )
 
 
-def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = "") -> CdcError:
-    """Turn a psycopg error into what the operator must do: retry it, or fix something."""
+def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = "", role: str = "",
+                      need: str = "SELECT") -> CdcError:
+    """Turn a psycopg error into what the operator must do: retry it, or fix something.
+
+    A refused privilege names the exact GRANT for `role` (`need`: the privilege the caller used).
+    """
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, CdcError):
         return exc
@@ -76,7 +81,9 @@ def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = 
     if "publication" in text and "does not exist" in text:
         return SlotError(f"publication {publication!r} does not exist", hint="run: cdc init --config <file>")
     if isinstance(exc, pgerrors.InsufficientPrivilege):
-        return PrivilegeError(f"postgres refused: {text}", hint="grant the bridge's role REPLICATION and SELECT on mapped tables (see sql/)")
+        if not role and getattr(exc, "pgconn", None) is not None and exc.pgconn.user:
+            role = exc.pgconn.user.decode()  # the role the refused statement ran as
+        return PrivilegeError(f"postgres refused: {text}", hint=fix_for(text, role, need))
     if isinstance(exc, pgerrors.ObjectInUse):
         return TransientError(f"{text} (another bridge may be running on this slot)")
     if isinstance(exc, (pgerrors.AdminShutdown, pgerrors.CannotConnectNow, pgerrors.CrashShutdown)):
@@ -86,6 +93,9 @@ def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = 
             if needle in text:
                 return kind(f"cannot connect to postgres: {text}", hint=hint)
         return TransientError(f"postgres unavailable: {text}")
+    if isinstance(exc, psycopg.ProgrammingError) and ("connection info string" in text or "invalid dsn" in text
+                                                        or "invalid connection option" in text or "invalid URI" in text):
+        return ConfigError(f"invalid postgres connection string: {text}", hint="fix postgres.dsn (or --state-dsn)")
     if isinstance(exc, psycopg.Error):
         return SourceError(f"postgres error: {text}")
     if isinstance(exc, OSError):

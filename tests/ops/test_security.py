@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 
 from cdc.demo.local import free_port, wait_for
+from conftest import SQL
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +18,7 @@ PASSWORD = "s3cret-Bridge-pw-7781"
 
 def test_bridge_runs_least_privileged_with_password_from_a_file(env, tmp_path):
     # the tables' owner creates publication and slot
-    env.init_rides("ride.yaml", "rider.yaml", sql=("00_roles.sql", "10_rocket_rides.sql", "30_grants.sql"), riders=1)
+    env.init_rides("ride.yaml", "rider.yaml", sql=tuple(sorted(p.name for p in SQL.glob("*.sql"))), riders=1)  # all of sql/
     env.execute(f"ALTER ROLE cdc_bridge PASSWORD '{PASSWORD}'")
     role = env.execute("SELECT rolsuper, rolreplication, rolcreaterole, rolcreatedb FROM pg_roles WHERE rolname = 'cdc_bridge'")
     assert role == [(False, True, False, False)]

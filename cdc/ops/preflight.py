@@ -1,0 +1,333 @@
+"""`cdc check`: the complete preflight, every problem at once.
+
+Whatever `cdc run` (or a consumer, `cdc backfill`, `cdc status`, `cdc trim`) would reject
+at start or at its first change is found here first, without changing anything:
+
+- PostgreSQL: wal_level, the role's REPLICATION attribute, USAGE and SELECT on every
+  mapped table, each mapping bound to the live table with the stream's own code, the
+  publication and the slot, what snapshots and backfills need (`cdc_backfills` and its
+  grants, `pg_logical_emit_message`);
+- Redis: reachable, the login, and the ACL's verdict on every command the bridge and
+  consumers send, with the keys they send it to, asked with ``ACL DRYRUN`` (Redis 7),
+  which runs nothing; warnings for a Redis that would lose acknowledged entries (no AOF)
+  or evict keys (a ``maxmemory-policy`` other than ``noeviction``).
+
+Each problem is a `CdcError` (what, where, the fix) whose exit code is the one the
+failing command would exit with; `CheckReport.exit_code` is the smallest among them.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import psycopg
+import redis
+
+from .. import keys
+from ..config import Settings
+from ..bridge.guards import check_redis_has_flushed
+from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
+from ..mapping.model import Mapping
+from ..sink.redisconn import connect_redis
+from ..source.lsn import Lsn
+from ..source.privileges import BACKFILL_GRANTS
+from ..source.replication import classify_pg_error
+from ..source.values import TypeCatalog
+from .admin import _bind_live, _tables, _wal_level, connect
+
+__all__ = ["CheckReport", "acl_probes", "check"]
+
+_ANY_SHA = "0" * 40  # EVALSHA is judged by the ACL before the script is looked up
+
+
+@dataclass
+class CheckReport:
+    ok: list[str] = field(default_factory=list)
+    problems: list[CdcError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return min((p.exit_code for p in self.problems), default=0)
+
+
+def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
+    """Every problem `cdc run` and the consumers would meet, from both servers."""
+    report = CheckReport()
+    confirmed = _check_postgres(settings, mappings, report)
+    _check_redis(settings, mappings, report, confirmed)
+    _check_http(settings, report)
+    return report
+
+
+def _check_http(settings: Settings, report: CheckReport) -> None:
+    """cdc run serves /metrics on http.host:http.port and stops (exit 2) when it cannot bind it."""
+    http = settings.http
+    if not http.port:
+        return
+    try:
+        with socket.create_server((http.host, http.port)):
+            report.ok.append(f"http {http.host}:{http.port} is free for /metrics, /healthz, /readyz")
+    except OSError as exc:  # a warning: on a live system the running bridge itself holds the port
+        report.warnings.append(
+            f"http {http.host}:{http.port}: {exc.strerror}; unless the running bridge holds it, cdc run will stop "
+            "(exit 2): set http.port to a free port, or 0 to serve none")
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------------
+
+def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: CheckReport) -> Lsn | None:
+    """The PostgreSQL half; returns the slot's confirmed position (None without a slot)."""
+    pgs = settings.postgres
+    try:
+        conn = connect(settings)
+    except CdcError as exc:
+        report.problems.append(exc)
+        return None
+    with conn:
+        try:
+            try:
+                _wal_level(conn)
+                report.ok.append("wal_level is logical")
+            except CdcError as exc:
+                report.problems.append(exc)
+            superuser = _check_role(conn, report)
+            _check_mappings(conn, mappings, superuser, report)
+            _check_publication_and_slot(conn, settings, mappings, report)
+            _check_backfills(conn, superuser, report)
+            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                               (pgs.slot,)).fetchone()
+            return Lsn.parse(row[0]) if row and row[0] else None
+        except psycopg.Error as exc:
+            report.problems.append(classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication,
+                                                     role=conn.info.user))
+    return None
+
+
+def _check_role(conn: psycopg.Connection, report: CheckReport) -> bool:
+    role = conn.info.user
+    replication, superuser = conn.execute(
+        "SELECT rolreplication, rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()
+    if replication or superuser:
+        report.ok.append(f"role {role} may replicate")
+    else:
+        report.problems.append(PrivilegeError(
+            f"postgres role {role} lacks the REPLICATION attribute: cdc run cannot read the slot",
+            hint=f"run: ALTER ROLE {role} REPLICATION"))
+    return superuser
+
+
+def _check_mappings(conn: psycopg.Connection, mappings: Sequence[Mapping], superuser: bool, report: CheckReport) -> None:
+    catalog = TypeCatalog()
+    role = conn.info.user
+    for m in mappings:
+        if m.table is None:
+            report.ok.append(f"entity {m.entity}: logical messages with prefix {m.message_prefix!r} -> {m.stream_key()}")
+            continue
+        try:
+            _bind_live(conn, m, catalog)
+        except CdcError as exc:
+            report.problems.append(exc)
+            continue
+        schema, table = m.table
+        usage, select = (True, True) if superuser else conn.execute(
+            "SELECT has_schema_privilege(%s, 'USAGE'), has_table_privilege(format('%%I.%%I', %s::text, %s::text), 'SELECT')",
+            (schema, schema, table)).fetchone()
+        if not usage:
+            report.problems.append(PrivilegeError(
+                f"{m.where}: entity {m.entity}: role {role} may not use schema {schema}",
+                hint=f"run: GRANT USAGE ON SCHEMA {schema} TO {role}"))
+        elif not select:
+            report.problems.append(PrivilegeError(
+                f"{m.where}: entity {m.entity}: role {role} may not read {schema}.{table} "
+                "(snapshots, backfills and cdc reconcile read it)",
+                hint=f"run: GRANT SELECT ON TABLE {schema}.{table} TO {role}"))
+        else:
+            report.ok.append(f"entity {m.entity}: {m.qualified_table} -> {', '.join(m.stream_keys())}")
+
+
+def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, mappings: Sequence[Mapping],
+                                report: CheckReport) -> None:
+    pgs = settings.postgres
+    init = "run: cdc init --config <file> (as the tables' owner)"
+    pub = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (pgs.publication,)).fetchone()
+    if pub is None:
+        report.problems.append(SlotError(f"publication {pgs.publication!r} does not exist", hint=init))
+    elif not pub[0]:
+        published = {tuple(r) for r in conn.execute(
+            "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (pgs.publication,))}
+        for s, t in _tables(mappings):
+            if (s, t) not in published:
+                report.problems.append(SlotError(f"table {s}.{t} is not in publication {pgs.publication!r}", hint=init))
+    slot = conn.execute("SELECT plugin FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
+    if slot is None:
+        report.problems.append(SlotError(f"replication slot {pgs.slot!r} does not exist", hint=init))
+    elif slot[0] != "pgoutput":
+        report.problems.append(SlotError(f"replication slot {pgs.slot!r} uses plugin {slot[0]!r}, not pgoutput",
+                                         hint="drop it or choose another postgres.slot"))
+    else:
+        report.ok.append(f"slot {pgs.slot} (pgoutput) exists")
+
+
+def _check_backfills(conn: psycopg.Connection, superuser: bool, report: CheckReport) -> None:
+    """What snapshots (cdc run) and backfills (cdc backfill) need: the table, its grants, logical messages."""
+    role = conn.info.user
+    if not conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0]:
+        report.problems.append(SlotError(
+            "table public.cdc_backfills does not exist: snapshots and backfills cannot run",
+            hint="run: cdc init --config <file> (as the tables' owner), or apply sql/25_backfills.sql"))
+        return
+    if superuser:
+        report.ok.append("snapshots and backfills: cdc_backfills is usable")
+        return
+    rights = conn.execute(
+        "SELECT has_table_privilege('public.cdc_backfills', 'SELECT'), has_table_privilege('public.cdc_backfills', 'UPDATE'), "
+        "has_table_privilege('public.cdc_backfills', 'INSERT'), has_sequence_privilege('public.cdc_backfills_id_seq', 'USAGE'), "
+        "has_function_privilege('pg_logical_emit_message(boolean, text, text)', 'EXECUTE')").fetchone()
+    grants = BACKFILL_GRANTS.format(role=role)
+    if not (rights[0] and rights[1]):
+        report.problems.append(PrivilegeError(
+            f"role {role} may not read and update public.cdc_backfills: cdc run stops at the first snapshot or backfill",
+            hint=f"run: {grants}"))
+    elif not (rights[2] and rights[3]):
+        report.problems.append(PrivilegeError(
+            f"role {role} may not insert into public.cdc_backfills: cdc backfill is refused", hint=f"run: {grants}"))
+    else:
+        report.ok.append(f"snapshots and backfills: role {role} may use cdc_backfills")
+    if not rights[4]:
+        report.problems.append(PrivilegeError(
+            f"role {role} may not call pg_logical_emit_message: no heartbeats, snapshots or backfills",
+            hint=f"run: GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO {role}"))
+
+
+# -- Redis -----------------------------------------------------------------------------------------
+
+def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[str, tuple[str, ...]]]:
+    """(who sends it, command) for every command the bridge, consumers, status and trim send, with their keys."""
+    group, consumer = "<group>", "<consumer>"
+    flushed = keys.flushed_key(settings.postgres.slot)
+    probes: list[tuple[str, tuple[str, ...]]] = [
+        ("cdc run", ("PING",)), ("cdc run", ("INFO", "memory")), ("cdc run", ("SCRIPT", "LOAD", "return 1")),
+        ("cdc run", ("GET", flushed)), ("cdc run", ("SET", flushed, "0")), ("cdc status", ("SCAN", "0")),
+        ("cdc trim", ("HINCRBY", keys.TRIM_STATS, "f", "1")), ("cdc status", ("HGETALL", keys.TRIM_STATS)),
+        ("consumers", ("XADD", keys.dead_letter_key(group), "*", "f", "v")),
+        ("consumers", ("MULTI",)), ("consumers", ("EXEC",)),
+        ("cdc run", ("HSET", keys.bridge_state_key(settings.postgres.slot), "f", "v")),
+        ("cdc run", ("HDEL", keys.bridge_state_key(settings.postgres.slot), "f")),
+        ("cdc status", ("HGETALL", keys.bridge_state_key(settings.postgres.slot))),
+    ]
+    if settings.redis.append == "transaction":  # appends: MULTI/EXEC under WATCH of the marks and the record
+        probes += [("cdc run", ("MULTI",)), ("cdc run", ("EXEC",)), ("cdc run", ("WATCH", flushed)),
+                   ("cdc run", ("MGET", flushed))]
+    else:
+        probes.append(("cdc run", ("EVAL", "return 1", "1", flushed)))
+    if settings.redis.wait_replicas:
+        probes.append(("cdc run", ("WAIT", "1", "0")))
+    for m in mappings:
+        for s in m.stream_keys():
+            mark, lease, epoch = keys.mark_key(s), keys.lease_key(s, group), keys.lease_epoch_key(s, group)
+            probes += [
+                *((("cdc run", ("XADD", s, "*", "f", "v")), ("cdc run", ("SET", mark, "0")),
+                   ("cdc run", ("WATCH", mark)), ("cdc run", ("MGET", mark)))
+                  if settings.redis.append == "transaction" else
+                  (("cdc run", ("EVALSHA", _ANY_SHA, "2", s, mark)), ("cdc run", ("EVAL", "return 1", "2", s, mark)))),
+                ("cdc status", ("XINFO", "STREAM", s)), ("cdc status", ("XINFO", "GROUPS", s)),
+                ("cdc status", ("XLEN", s)), ("cdc status", ("XREVRANGE", s, "+", "-", "COUNT", "1")),
+                ("cdc status", ("GET", mark)), ("cdc trim", ("XPENDING", s, group)),
+                ("cdc trim", ("XTRIM", s, "MINID", "0")), ("cdc trim", ("HGETALL", keys.holds_key(s))),
+                ("consumers", ("XGROUP", "CREATE", s, group, "$", "MKSTREAM")),
+                ("consumers", ("XREADGROUP", "GROUP", group, consumer, "COUNT", "1", "STREAMS", s, ">")),
+                ("consumers", ("XACK", s, group, "0-1")), ("consumers", ("XAUTOCLAIM", s, group, consumer, "1", "0-0")),
+                ("consumers", ("XCLAIM", s, group, consumer, "1", "0-1")), ("consumers", ("XRANGE", s, "-", "+")),
+                ("consumers", ("EVALSHA", _ANY_SHA, "2", lease, epoch)), ("consumers", ("SET", lease, "x", "PX", "1")),
+                ("consumers", ("PEXPIRE", lease, "1")), ("consumers", ("DEL", lease)), ("consumers", ("INCR", epoch)),
+                ("consumers", ("HINCRBY", keys.failures_key(s, group), "0-1", "1")),
+                ("consumers", ("HDEL", keys.failures_key(s, group), "0-1")),
+            ]
+    return probes
+
+
+def _where(url: str) -> str:
+    parts = urlsplit(url)
+    return f"redis at {parts.hostname or parts.path}{':' + str(parts.port) if parts.port else ''}"
+
+
+def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckReport, confirmed: Lsn | None) -> None:
+    where = _where(settings.redis.url)
+    try:
+        client = connect_redis(settings.redis)
+    except CdcError as exc:
+        report.problems.append(exc)
+        return
+    try:
+        node = client.get_redis_connection(client.get_random_node()) if settings.redis.cluster else client
+        node.ping()
+        report.ok.append(f"{where} answers")
+        _check_durability(node, where, settings.redis.wait_replicas, report)
+        _check_acl(node, where, acl_probes(settings, mappings), report)
+        if confirmed is not None:  # what cdc run checks first on every connection
+            try:
+                check_redis_has_flushed(client, settings.postgres.slot, confirmed)
+                report.ok.append(f"{where} holds the source up to slot {settings.postgres.slot}'s position {confirmed}")
+            except DataLossError as exc:
+                report.problems.append(exc)
+    except redis.AuthenticationError as exc:
+        report.problems.append(PublishError(f"{where} refused the login: {exc}",
+                                            hint="check the user and password in redis.url"))
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        report.problems.append(TransientError(f"{where} is unreachable: {exc}",
+                                              hint="check redis.url and that Redis is running"))
+    except redis.RedisError as exc:
+        report.problems.append(PublishError(f"{where} refused: {exc}", hint="check the redis user's ACL"))
+    finally:
+        client.close()
+
+
+def _check_durability(node: redis.Redis, where: str, wait_replicas: int, report: CheckReport) -> None:
+    persistence, memory = node.info("persistence"), node.info("memory")
+    replicas = node.info("replication").get("connected_slaves", 0)
+    if wait_replicas > replicas:
+        report.warnings.append(
+            f"{where} has {replicas} connected replica(s) but redis.wait_replicas is {wait_replicas}: "
+            "cdc run retries every batch until enough replicas connect")
+    if not persistence.get("aof_enabled"):
+        report.warnings.append(
+            f"{where} runs without AOF (appendonly no): a restart loses entries the slot was already told "
+            "Redis holds (cdc run then stops with exit 6); set appendonly yes (deploy/redis/redis.conf)")
+    policy = memory.get("maxmemory_policy", "noeviction")
+    if policy != "noeviction":
+        what = "stream keys and high-water marks" if policy.startswith("allkeys") else "leases and holds (keys with a TTL)"
+        report.warnings.append(
+            f"{where} has maxmemory-policy {policy}: when full it evicts {what}; set maxmemory-policy noeviction "
+            "(the bridge pauses at redis.pause_at_memory_fraction instead)")
+
+
+def _check_acl(node: redis.Redis, where: str, probes: list[tuple[str, tuple[str, ...]]], report: CheckReport) -> None:
+    try:
+        user = node.execute_command("ACL", "WHOAMI")
+        user = user.decode() if isinstance(user, bytes) else str(user)
+        pipe = node.pipeline(transaction=False)
+        for _, command in probes:
+            pipe.execute_command("ACL", "DRYRUN", user, *command)
+        verdicts = pipe.execute(raise_on_error=False)
+    except redis.ResponseError as exc:  # NoPermissionError, or a Redis older than 7 (no ACL DRYRUN)
+        if isinstance(exc, redis.exceptions.NoPermissionError) or "unknown" in str(exc).lower():
+            report.warnings.append(
+                f"{where}: cannot ask the ACL which commands are allowed ({exc}); allow +acl|whoami +acl|dryrun "
+                "(Redis 7) to let cdc check verify them")
+            return
+        raise
+    refused: dict[tuple[str, str], str] = {}
+    for (who, command), verdict in zip(probes, verdicts):
+        text = verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+        if text != "OK":
+            refused.setdefault((command[0].lower(), who), text)
+    for (command, who), text in refused.items():
+        report.problems.append(PublishError(
+            f"{where}: redis user {user!r} may not run {command.upper()} ({who} sends it): {text}",
+            hint=f"add +{command} and the keys ~cdc:* ~{{cdc:* to the user's ACL (see deploy/redis/redis.conf)"))
+    if not refused:
+        report.ok.append(f"{where}: user {user!r} may run the {len({c[0] for _, c in probes})} commands cdc sends")

@@ -63,6 +63,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ..ops.status import collect
     from ..ops.status_view import render
 
+    check_positive(args, "stale_after_s")
     settings, mappings = load_config(args)
     status = collect(settings, mappings, args.stale_after_s)
     if args.json:

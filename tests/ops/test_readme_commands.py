@@ -28,7 +28,7 @@ SKIPPED = {
     "cd examples/node-consumer": "needs npm packages from the registry (tests/consume/test_node_consumer.py runs it)",
     "--master spark://": "needs a Spark cluster",
 }
-LONG_RUNNING = ("cdc run ", "cdc consume ")  # they run until SIGTERM: started, seen working, stopped
+LONG_RUNNING = ("cdc run ", "cdc consume ", ".venv/bin/cdc run ", ".venv/bin/cdc consume ")  # they run until SIGTERM: started, seen working, stopped
 DEAD_LETTER = "1795394575651-0"  # the ID the dlq examples name
 
 
@@ -97,7 +97,7 @@ def test_every_readme_shell_example_runs_as_written(demo):
                 proc = subprocess.Popen(["bash", "-c", "exec " + command], cwd=demo.tmp, env=shell_env,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 background.append(proc)
-                if command.startswith("cdc run "):
+                if command.startswith(("cdc run ", ".venv/bin/cdc run ")):
                     wait_for(demo.slot_active, 60, f"{command} to attach to the slot")
                     wait_for(lambda: demo.redis.xlen("cdc:ride") >= 20, 60, "the rides in the stream")
                 else:

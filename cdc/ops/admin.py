@@ -27,7 +27,7 @@ from ..mapping.projector import Projector
 from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident
 from ..source.values import TypeCatalog, json_schema_for
 
-__all__ = ["CheckReport", "check", "init", "json_schemas"]
+__all__ = ["CheckReport", "bind_live", "check", "init", "json_schemas"]
 
 log = logging.getLogger("cdc.admin")
 
@@ -144,7 +144,7 @@ class CheckReport:
     problems: list[str] = field(default_factory=list)
 
 
-def _bind_live(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> Projector:
+def bind_live(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> Projector:
     schema, name = mapping.table
     shape = table_shape(conn, schema, name)
     if shape is None:
@@ -170,7 +170,7 @@ def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
                     report.ok.append(f"entity {m.entity}: logical messages with prefix {m.message_prefix!r} -> {m.stream_key()}")
                     continue
                 try:
-                    _bind_live(conn, m, catalog)
+                    bind_live(conn, m, catalog)
                     report.ok.append(f"entity {m.entity}: {m.qualified_table} -> {', '.join(m.stream_keys())}")
                 except CdcError as exc:
                     report.problems.append(str(exc))
@@ -237,7 +237,7 @@ def _entity_schema(mapping: Mapping, projector: Projector | None, catalog: TypeC
         "description": f"one Redis stream entry of entity {mapping.entity} (mapping version {mapping.version}); every field is a string",
         "type": "object",
         "properties": {
-            "op": {"enum": sorted(mapping.ops | ({"r"} if mapping.table else set()))},
+            "op": {"enum": sorted(mapping.ops | ({"r", "x"} if mapping.table else set()))},  # x: cdc recover
             "key": _json_text({"type": "object", "properties": key_props, "required": list(mapping.key), "additionalProperties": False}),
             "data": _json_text(record),
             "before": _json_text({"type": "object", "properties": props, "additionalProperties": False}),
@@ -270,7 +270,7 @@ def json_schemas(settings: Settings, mappings: Sequence[Mapping]) -> dict[str, d
                         },
                     }
                     continue
-                result[m.entity] = _entity_schema(m, _bind_live(conn, m, catalog), catalog)
+                result[m.entity] = _entity_schema(m, bind_live(conn, m, catalog), catalog)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
     return result

@@ -135,6 +135,7 @@ def _rebuild(conn, client, publisher: Publisher, projector: Projector, base: int
     """
     mapping = projector.mapping
     streams = mapping.stream_keys()
+    started = time.monotonic()
     for stream, mark in publisher.marks(streams).items():
         if mark is not None and mark[0] >= base:
             raise CdcError(f"stream {stream} already holds entries at or after the snapshot ({Lsn(mark[0])})",
@@ -164,7 +165,8 @@ def _rebuild(conn, client, publisher: Publisher, projector: Projector, base: int
             say(f"{mapping.entity}: {rows} rows")
     out.flush()
     note = "" if "d" in mapping.ops else " (its ops leave out d: keys gone from the table are not deleted)"
-    say(f"{mapping.entity}: rebuilt {len(streams)} stream(s): {deletes} deleted keys (d), the marker (x), {rows} rows (r){note}")
+    say(f"{mapping.entity}: rebuilt {len(streams)} stream(s): {deletes} deleted keys (d), the marker (x), {rows} rows (r)"
+        f" in {time.monotonic() - started:.1f}s{note}")
 
 
 def _entries(conn: psycopg.Connection, projector: Projector):

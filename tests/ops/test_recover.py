@@ -205,3 +205,36 @@ def test_a_partitioned_entity_is_rebuilt_at_one_position_and_a_table_sink_ends_e
     finally:
         sink.close()
     assert mirror(env) == table(env)
+
+
+@pytest.mark.slow
+def test_a_recovery_killed_midway_keeps_the_bridge_out_and_completes_when_run_again(env):
+    env.init_rides("ride.yaml", riders=1)
+    env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 60000) g")
+    env.cdc("run", "--until-caught-up", check=True)
+    env.execute("SELECT pg_drop_replication_slot(%s)", (env.slot,))
+    env.execute("DELETE FROM rides WHERE id % 10 = 0")  # 6000 rows the stream still holds
+    env.cdc("init", check=True)
+    client = env.redis
+    recovering = env._start("recover", "recover", env=None)
+    # the 6000 deletes and the marker are in, and some of the rows
+    wait_for(lambda: client.xlen("cdc:ride") > 60000 + 6001 + 4000, 120, "the rebuild to be under way", interval=0.01)
+    assert recovering.poll() is None, "the rebuild ended before it could be killed: give the table more rows"
+    recovering.send_signal(signal.SIGKILL)
+    recovering.wait(30)
+    partial = client.xlen("cdc:ride")
+    assert partial < 60000 + 6001 + 54000
+
+    result = env.cdc("run", "--until-caught-up")  # a bridge cannot write into a half-rebuilt stream
+    assert result.returncode == 6 and "redis lost entries: it holds changes up to 0/0" in result.stderr
+    assert client.xlen("cdc:ride") == partial
+
+    result = env.cdc("recover")
+    assert result.returncode == 0, result.stderr
+    assert "ride: rebuilt 1 stream(s): 0 deleted keys (d), the marker (x), 54000 rows (r)" in result.stdout
+    env.execute("DELETE FROM rides WHERE id = 1")
+    env.cdc("run", "--until-caught-up", check=True)
+    entries = read_stream(client, "cdc:ride")
+    positions = [(int(e["lsn"]), int(e["seq"])) for e in entries]
+    assert positions == sorted(set(positions))
+    assert replay(entries, reset_at_marker=False) == replay(entries, reset_at_marker=True) == table(env)

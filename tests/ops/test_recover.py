@@ -11,7 +11,7 @@ import orjson
 import pytest
 import redis
 
-from cdc.demo.local import LocalRedis, wait_for
+from cdc.demo.local import LocalRedis, free_port, wait_for
 from conftest import read_stream
 from ride_consumers import state, truth
 
@@ -238,3 +238,13 @@ def test_a_recovery_killed_midway_keeps_the_bridge_out_and_completes_when_run_ag
     positions = [(int(e["lsn"]), int(e["seq"])) for e in entries]
     assert positions == sorted(set(positions))
     assert replay(entries, reset_at_marker=False) == replay(entries, reset_at_marker=True) == table(env)
+
+
+def test_recover_with_redis_away_is_one_line_without_the_password(env):
+    env.init_rides("ride.yaml")
+    secret = "s3cret-Redis-pw"
+    env.write_config(redis_url=f"redis://cdc:{secret}@127.0.0.1:{free_port()}/0")
+    result = env.cdc("recover")
+    assert result.returncode == 75
+    assert result.stderr.startswith("cdc: error: redis unavailable") and result.stderr.count("\n") == 1
+    assert secret not in result.stdout + result.stderr and "Traceback" not in result.stderr

@@ -79,7 +79,9 @@ class _Appender:
 
     def add(self, stream: str, fields: list, seq: int) -> None:
         fields += [b"lsn", self.lsn, b"seq", seq, b"xid", "0", b"ts_ms", self.ts, b"v", self.version]
-        batch = self.batches.get(stream) or self.batches.setdefault(stream, StreamBatch(stream))
+        batch = self.batches.get(stream)
+        if batch is None:
+            batch = self.batches[stream] = StreamBatch(stream)
         batch.add(position(self.base, seq), fields)
         self.pending += 1
         if self.pending >= BATCH:

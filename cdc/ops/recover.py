@@ -194,6 +194,15 @@ def _fence(client, settings: Settings, say: Callable[[str], None]) -> tuple[str 
     return lost_from, lost_to
 
 
+def _still_fenced(client, slot: str) -> None:
+    """A bridge that got past its data-loss check just before the fence, and attached after the second
+    look at the slot, has recorded a position with its first append: the rebuild cannot be trusted."""
+    held = client.get(keys.flushed_key(slot))
+    if held is None or int(held) != 0:
+        raise CdcError("a bridge wrote to redis during the rebuild",
+                       hint="stop every bridge on this slot, then run cdc recover again")
+
+
 def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str], None]) -> None:
     """Rebuild every mapped table's streams (see the module's docstring); `say` prints one line per step."""
     slot = settings.postgres.slot
@@ -220,6 +229,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                         _rebuild(conn, client, publisher, bind_live(conn, m, catalog), base, marker, say)
                     conn.execute("COMMIT")
                     _idle_slot(conn, slot)
+                    _still_fenced(client, slot)
                     publisher.record_flushed(confirmed)
                 finally:
                     publisher.close()

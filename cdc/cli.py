@@ -22,7 +22,7 @@ from .bridge.commands import cmd_backfill, cmd_run
 from .cliargs import ABOUT, Formatter, Parser, version
 from .consume.commands import cmd_consume, cmd_dlq, cmd_read, cmd_replay
 from .exits import RedactingFilter, report, silence_stdout
-from .ops.commands import cmd_check, cmd_init, cmd_schema, cmd_status, cmd_trim
+from .ops.commands import cmd_check, cmd_init, cmd_recover, cmd_schema, cmd_status, cmd_trim
 from .reconcile.commands import cmd_reconcile
 
 __all__ = ["main"]
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     command("init", cmd_init, "create the publication and the logical slot (idempotent)")
+    command("recover", cmd_recover, "after Redis lost data: rebuild every mapped stream to replay to its table (bridge stopped)")
     command("check", cmd_check, "validate the server and every mapping against the live schema")
     run = command("run", cmd_run, "stream changes into Redis until SIGTERM/SIGINT")
     run.add_argument("--until-caught-up", action="store_true", help="exit once everything committed before start is in Redis")

@@ -30,6 +30,10 @@ ABOUT: dict[str, tuple[str, str]] = {
     "trim": ("Trim each stream up to the oldest entry any consumer group still needs; optional hard caps "
              "drop unconsumed entries, loudly.",
              "cdc trim --config cdc.yaml --entity ride"),
+    "recover": ("After Redis lost data: rebuild every mapped stream (deletes for vanished keys, a rebuilt marker "
+                "op x, then every row as op r) so that replaying it gives exactly its table. The bridge must be "
+                "stopped.",
+                "cdc recover --config cdc.yaml"),
     "replay": ("Create a consumer group at, or rewind it to, a time or an entry ID (XGROUP SETID).",
                "cdc replay --config cdc.yaml --entity ride --group audit --from 2026-11-21T00:00:00Z"),
     "read": ("Print an entity's entries between two times or entry IDs (inclusive) as JSON lines.",

@@ -74,7 +74,7 @@ class PublishError(CdcError):
 
 
 class DataLossError(PublishError):
-    """Redis no longer holds entries the slot was told it holds: restore or re-snapshot."""
+    """Redis no longer holds entries the slot was told it holds: restore it, or rebuild the streams (cdc recover)."""
 
     exit_code = 6
 

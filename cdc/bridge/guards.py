@@ -79,7 +79,7 @@ class SlotWatch:
             raise SlotError(
                 f"replication slot {self.slot!r} was invalidated (wal_status lost): the WAL it needed was removed, "
                 "so changes were lost to it",
-                hint=f"recover: SELECT pg_drop_replication_slot('{self.slot}'); then cdc init, and re-snapshot "
+                hint=f"recover: SELECT pg_drop_replication_slot('{self.slot}'); then cdc init, and cdc recover to re-snapshot "
                 "the mapped tables into the streams; raise max_slot_wal_keep_size to avoid it",
             )
         health = SlotHealth(status, int(retained or 0), int(lag or 0), Lsn.parse(confirmed) if confirmed else Lsn(0), _size(keep))
@@ -196,12 +196,12 @@ def _check_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> None:
             f"redis has no record of slot {slot!r}: it may have lost its data (changes up to {confirmed} "
             "were acknowledged to postgres)",
             hint="if this Redis is new or was emptied on purpose, run cdc init to register it; "
-            "otherwise restore Redis or re-snapshot the mapped tables",
+            "otherwise restore Redis, or stop the bridge and run cdc recover to rebuild the streams",
         )
     flushed = Lsn(int(raw))
     if flushed < confirmed:
         raise DataLossError(
             f"redis lost entries: it holds changes up to {flushed}, but slot {slot!r} was acknowledged up to {confirmed}; "
             f"entries of transactions committed in ({flushed}, {confirmed}] are missing from the streams",
-            hint="restore Redis from a backup holding them, or re-snapshot the mapped tables; run cdc init to accept the loss",
+            hint="restore Redis from a backup holding them, or stop the bridge and run cdc recover to rebuild the streams",
         )

@@ -57,7 +57,7 @@ class TableSink(StateConnection):
         with self.transaction() as conn, conn.cursor() as cur:
             rows = []
             for e in entries:
-                if e.op == "t":
+                if e.op in ("t", "x"):  # x: the stream was rebuilt; the rows after it are the whole table
                     if rows:
                         cur.executemany(upsert, rows)
                         rows = []

@@ -103,7 +103,7 @@ def ride_totals(conn: psycopg.Connection, entries: list, consumer: str) -> None:
             add(int(e.before["rider"]), -Decimal(e.before["distance"]))
             if e.op == "u":
                 add(int(e.data["rider"]), Decimal(e.data["distance"]))
-        elif e.op == "t":
+        elif e.op in ("t", "x"):  # x: the stream was rebuilt (cdc recover); its rows follow as r
             deltas.clear()
             conn.execute("DELETE FROM consumer_states WHERE consumer = %s", (consumer,))
     if deltas:

@@ -1,7 +1,7 @@
 """Setting up and checking the source: publication, slot, mapped tables, JSON Schema.
 
 `init` is idempotent and reports each thing it did; `cdc check` lives in
-`cdc.ops.preflight` and binds every mapping with `_bind_live`, the same `Projector`
+`cdc.ops.preflight` and binds every mapping with `bind_live`, the same `Projector`
 the stream uses.
 """
 
@@ -27,7 +27,7 @@ from ..mapping.projector import Projector
 from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident
 from ..source.values import TypeCatalog, json_schema_for
 
-__all__ = ["connect", "init", "json_schemas"]
+__all__ = ["bind_live", "connect", "init", "json_schemas"]
 
 log = logging.getLogger("cdc.admin")
 
@@ -138,7 +138,7 @@ def _register_redis(settings: Settings, confirmed: Lsn) -> str:
             client.close()
 
 
-def _bind_live(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> Projector:
+def bind_live(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> Projector:
     schema, name = mapping.table
     shape = table_shape(conn, schema, name)
     if shape is None:
@@ -187,7 +187,7 @@ def _entity_schema(mapping: Mapping, projector: Projector | None, catalog: TypeC
         "description": f"one Redis stream entry of entity {mapping.entity} (mapping version {mapping.version}); every field is a string",
         "type": "object",
         "properties": {
-            "op": {"enum": sorted(mapping.ops | ({"r"} if mapping.table else set()))},
+            "op": {"enum": sorted(mapping.ops | ({"r", "x"} if mapping.table else set()))},  # x: cdc recover
             "key": _json_text({"type": "object", "properties": key_props, "required": list(mapping.key), "additionalProperties": False}),
             "data": _json_text(record),
             "before": _json_text({"type": "object", "properties": props, "additionalProperties": False}),
@@ -220,7 +220,7 @@ def json_schemas(settings: Settings, mappings: Sequence[Mapping]) -> dict[str, d
                         },
                     }
                     continue
-                result[m.entity] = _entity_schema(m, _bind_live(conn, m, catalog), catalog)
+                result[m.entity] = _entity_schema(m, bind_live(conn, m, catalog), catalog)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
     return result

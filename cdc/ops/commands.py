@@ -1,4 +1,4 @@
-"""The operator subcommands: `cdc init`, `cdc check`, `cdc schema`, `cdc status`, `cdc trim`."""
+"""The operator subcommands: `cdc init`, `cdc check`, `cdc schema`, `cdc status`, `cdc trim`, `cdc recover`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ..cliargs import check_positive
 from ..commands import entity_named, load_config, redis_for
 from ..errors import UsageError
 
-__all__ = ["cmd_init", "cmd_check", "cmd_schema", "cmd_status", "cmd_trim"]
+__all__ = ["cmd_init", "cmd_check", "cmd_schema", "cmd_status", "cmd_trim", "cmd_recover"]
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -90,4 +90,12 @@ def cmd_trim(args: argparse.Namespace) -> int:
             note = f", {r.forced} UNCONSUMED entries dropped by the hard cap" if r.forced else ""
             where = f"kept from {r.safe_point}" if r.safe_point else "no consumer group: kept"
             print(f"{r.stream}: trimmed {r.trimmed} ({where}){note}")
+    return 0
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    from ..ops.recover import recover
+
+    settings, mappings = load_config(args)
+    recover(settings, mappings, lambda line: print(line, flush=True))
     return 0

@@ -36,7 +36,7 @@ from ..source.lsn import Lsn
 from ..source.privileges import BACKFILL_GRANTS
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
-from .admin import _bind_live, _tables, _wal_level, connect
+from .admin import bind_live, _tables, _wal_level, connect
 
 __all__ = ["CheckReport", "acl_probes", "check"]
 
@@ -128,7 +128,7 @@ def _check_mappings(conn: psycopg.Connection, mappings: Sequence[Mapping], super
             report.ok.append(f"entity {m.entity}: logical messages with prefix {m.message_prefix!r} -> {m.stream_key()}")
             continue
         try:
-            _bind_live(conn, m, catalog)
+            bind_live(conn, m, catalog)
         except CdcError as exc:
             report.problems.append(exc)
             continue

@@ -37,6 +37,7 @@ class ExportedSnapshot:
 
     def __init__(self, dsn: str, label: str = "reconcile") -> None:
         self.dsn = dsn
+        self.label = label  # the cdc command taking the snapshot
         self.slot = f"cdc_{label}_{os.getpid()}_{int(time.time() * 1000) % 10**9}".replace("-", "_")
         self.conn: psycopg.Connection | None = None
         self.position = Lsn(0)
@@ -55,7 +56,7 @@ class ExportedSnapshot:
             err = classify_pg_error(exc)
             if "replication slots are in use" in str(exc) or "max_replication_slots" in str(exc):
                 err = SourceError(f"cannot take the snapshot: {str(exc).strip()}",
-                                  hint="raise max_replication_slots by one for the reconciliation's temporary slot")
+                                  hint=f"raise max_replication_slots by one for the temporary slot of cdc {self.label}")
             raise err from None
         if row is None or row[2] is None:
             self.close()

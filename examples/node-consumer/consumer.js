@@ -76,7 +76,7 @@ async function main() {
       if (entry.op === 'c' || entry.op === 'r') total += thousandths(data.distance);
       else if (entry.op === 'u') total += thousandths(data.distance) - thousandths(before.distance);
       else if (entry.op === 'd') total -= thousandths(before.distance);
-      else if (entry.op === 't') total = 0n;
+      else if (entry.op === 't' || entry.op === 'x') total = 0n; // x: the stream was rebuilt (cdc recover)
     }
     const ids = entries.map((e) => e[0]);
     try {

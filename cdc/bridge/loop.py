@@ -247,7 +247,7 @@ class Bridge:
             publisher.ping()
             health = self.check_slot(catalog_conn)
             try:
-                check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
+                held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
                                           reserve=publisher.memory_reserve)
             except redis.RedisError as exc:
@@ -256,7 +256,7 @@ class Bridge:
             stream.start(0, messages=True)  # logical messages carry backfill watermarks too
             self.state = "streaming"
             try:
-                self._stream(Session(self, stream, publisher, catalog_conn))
+                self._stream(Session(self, stream, publisher, catalog_conn, held))
             except ConnectionSilent:
                 self._stale_pid = stream.backend_pid
                 raise

@@ -28,6 +28,7 @@ from ..sink.publisher import Publisher
 from ..source import pgoutput as pg
 from ..source.catalog import load_types, table_shape
 from ..source.framing import parse_copy_data
+from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
 from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows
 from .changes import DELETE, INSERT, UPDATE, Target, route_message, route_row, route_truncate
@@ -71,7 +72,8 @@ class Timers:
 class Session:
     """Streams one replication connection into Redis until stopped, caught up or failed."""
 
-    def __init__(self, bridge: Bridge, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection) -> None:
+    def __init__(self, bridge: Bridge, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection,
+                 held: Lsn) -> None:
         settings = bridge.settings
         self.bridge = bridge
         self.stream = stream
@@ -87,7 +89,7 @@ class Session:
         self.tx = Transaction()
         self.inflight = InFlight(publisher)
         self.ack = bridge.ack
-        self.ack.resume()
+        self.ack.resume(held)  # what Redis records now, not what an earlier session remembered
         self.windows = Windows()  # open backfill watermark windows
         self.backfill = BackfillDriver(settings.postgres.slot, bridge.mappings, settings.batch.backfill_chunk_rows)
         self.snapshot_projectors: dict[str, Projector] = {}

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 import orjson
 import psycopg
 
-from ..errors import SourceError, TransientError
+from ..errors import SourceError
 from ..mapping.projector import Projector
 from ..sink.publisher import Publisher
 from ..source import pgoutput as pg
 from ..source.catalog import load_types, table_shape
+from ..source.deadline import ConnectionSilent, bounded
 from ..source.framing import parse_copy_data
 from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
@@ -50,10 +51,6 @@ _IGNORED = frozenset(ord(c) for c in "OY")
 _RELID = struct.Struct(">I").unpack_from  # a change's relid, read before deciding to decode it
 _CAUGHT_UP_POLL_S = 0.1
 _GUARD_INTERVAL_S = 0.5
-
-
-class ConnectionSilent(TransientError):
-    """The replication connection went quiet past the receive timeout: deemed dead."""
 
 
 class Timers:
@@ -112,7 +109,8 @@ class Session:
             if batcher.pending:
                 raw = read(0)
             else:
-                raw = read(max(0.0, min(t.status, t.poll or t.status) - monotonic()))
+                # wake up for the status update, the caught-up poll, or the silence limit
+                raw = read(max(0.0, min(t.status, t.poll or t.status, t.heard + self.receive_timeout) - monotonic()))
             now = monotonic()
             if raw is None:
                 if self.idle(now):
@@ -306,9 +304,10 @@ class Session:
             mapping = next((m for m in self.bridge.mappings if m.entity == entity), None)
             if mapping is None or mapping.table is None:
                 return None
-            shape = table_shape(self.conn, *mapping.table)
-            if shape is None:
-                return None
-            load_types(self.conn, self.bridge.catalog, [c.type_oid for c in shape.columns])
+            with bounded(self.conn, self.receive_timeout, "reading a table's shape"):
+                shape = table_shape(self.conn, *mapping.table)
+                if shape is None:
+                    return None
+                load_types(self.conn, self.bridge.catalog, [c.type_oid for c in shape.columns])
             projector = self.snapshot_projectors[entity] = Projector(mapping, shape, self.bridge.catalog)
         return projector

@@ -40,6 +40,7 @@ from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg
 from ..source.values import TypeCatalog
 from .ack import Acknowledger
 from .backfill import BackfillDriver
+from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
 from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
@@ -70,6 +71,7 @@ class Bridge:
         batch = settings.batch
         self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0)
         self.ack = Acknowledger()
+        self.backoff = Backoff()
         self._stale_pid = 0  # backend of our own replication connection that went silent
         self.catalog = TypeCatalog()
         # counters, readable in repr and by status reporting
@@ -117,6 +119,7 @@ class Bridge:
             self.published_by_stream[name] += n
         self.entries_published += sent.count
         self.ack.confirmed(sent.ack)
+        self.backoff.progressed()
 
     # -- retrying sessions -------------------------------------------------------------
 
@@ -124,7 +127,7 @@ class Bridge:
         """Run sessions, retrying transient failures with jittered exponential backoff."""
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientError),
-            wait=tenacity.wait_exponential_jitter(initial=0.2, max=5.0),
+            wait=lambda state: self.backoff.next(time.monotonic()),
             stop=lambda state: self.stopping,
             sleep=self._sleep,
             before_sleep=self._before_retry,
@@ -258,6 +261,7 @@ class Bridge:
             try:
                 stream.start(0, messages=True)  # logical messages carry backfill watermarks too
                 self.state = "streaming"
+                self.backoff.streaming(time.monotonic())
                 self._stream(Session(self, stream, publisher, catalog_conn, held))
             except Exception:
                 # over a connection that went silent, the server still sees our walsender holding the

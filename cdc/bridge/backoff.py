@@ -2,8 +2,8 @@
 
 Jittered exponential backoff: 0.2 s, doubling up to 5 s, plus up to 1 s of
 jitter (never past 5 s). The count starts over after a session that got
-somewhere: Redis confirmed a batch in it, or it streamed for at least the longest
-wait. So a fault in a working bridge is retried at once, while a failure that
+somewhere: Redis confirmed a write of it (a batch, or the record of how far it
+holds the source), or it streamed for at least the longest wait. So a fault in a working bridge is retried at once, while a failure that
 repeats before anything is published still backs off. Pure: the caller says when
 a session started streaming and when it published, and asks for each wait.
 """
@@ -30,7 +30,7 @@ class Backoff:
         self.published = False
 
     def progressed(self) -> None:
-        """Redis confirmed a batch of this session."""
+        """Redis confirmed a write of this session: a batch, or the record of a position."""
         self.published = True
 
     def next(self, now: float) -> float:

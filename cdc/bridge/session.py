@@ -238,6 +238,7 @@ class Session:
         if lsn is not None:
             self.publisher.record_flushed(lsn)
             self.ack.record(lsn)
+            self.bridge.backoff.progressed()
         acked = self.ack.acked
         self.stream.send_status(acked, acked, acked, reply)
         self.timers.status = time.monotonic() + self.status_interval

@@ -170,6 +170,10 @@ def test_faults_at_random_moments_raise_no_false_alarm_and_lose_nothing(rig):
     print(f"workload: {workload.committed} transactions committed, {workload.reconnects} reconnections")
     for name, times in recovery.items():
         assert max(times) <= RECOVERY_BOUND_S.get(name, DEFAULT_BOUND_S), (name, times)
+    logs = "".join(path.read_text() for path in rig.logs)
+    assert f"no message from postgres in {RECEIVE_TIMEOUT_S}s" in logs or "no answer from postgres" in logs
+    assert "ended our stale walsender" in logs, "a frozen replication connection's walsender is released"
+    assert f"no answer from redis in {RECEIVE_TIMEOUT_S}s" in logs
 
     # everything committed reaches Redis, once, in order; the bridge stops cleanly
     end = rig.env.current_wal()

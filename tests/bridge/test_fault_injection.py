@@ -20,8 +20,10 @@ from collections import defaultdict
 
 import psycopg
 import pytest
+import redis
 
 from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
+from cdc.source.lsn import Lsn
 from conftest import Env
 from proxy import FreezableProxy
 from test_crash_recovery import RIDER_MAPPING, assert_streams_exact
@@ -240,3 +242,38 @@ def _new_walsender(env, old: int | None) -> int | None:
     """The pid of the walsender holding the slot, if it is not `old`."""
     pid = env.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (env.slot,))[0][0]
     return pid if pid and pid != old else None
+
+
+def test_a_redis_restored_from_an_older_snapshot_is_a_real_loss_named_exactly(env, servers_root):
+    """The other side of the rule: a real loss is still caught, with the range it lost."""
+    snapshotted = LocalRedis(servers_root / "snapshot-redis", appendonly=False)
+    snapshotted.start()
+    try:
+        env.write_config(redis_url=snapshotted.url)
+        env.init_rides("ride.yaml", riders=1)
+        client = redis.Redis.from_url(snapshotted.url)
+        env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 10) g")
+        env.cdc("run", "--until-caught-up", check=True)
+        client.save()  # the snapshot Redis will come back from
+        held = int(client.get(f"cdc:bridge:{env.slot}:flushed"))
+        env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 5) g")
+        env.cdc("run", "--until-caught-up", check=True)
+        assert client.xlen("cdc:ride") == 15
+        acked = env.confirmed_flush()
+        assert acked > held
+        client.close()
+        snapshotted.proc.send_signal(signal.SIGKILL)
+        snapshotted.proc.wait(10)
+        snapshotted.proc = None
+        snapshotted.start()  # from the snapshot: the last 5 rides and the record after them are gone
+        client = redis.Redis.from_url(snapshotted.url)
+        assert client.xlen("cdc:ride") == 10
+        result = env.cdc("run", "--until-caught-up")
+        assert result.returncode == 6, result.stderr
+        held_text, acked_text = str(Lsn(held)), str(Lsn(acked))
+        assert f"redis lost entries: it holds changes up to {held_text}, but slot '{env.slot}' was acknowledged " \
+               f"up to {acked_text}; entries of transactions committed in ({held_text}, {acked_text}]" in result.stderr
+        assert client.xlen("cdc:ride") == 10, "nothing is written past a detected loss"
+        client.close()
+    finally:
+        snapshotted.stop()

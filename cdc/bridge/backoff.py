@@ -3,9 +3,10 @@
 Jittered exponential backoff: 0.2 s, doubling up to 5 s, plus up to 1 s of
 jitter (never past 5 s). The count starts over after a session that got
 somewhere: Redis confirmed a write of it (a batch, or the record of how far it
-holds the source), or it streamed for at least the longest wait. So a fault in a working bridge is retried at once, while a failure that
-repeats before anything is published still backs off. Pure: the caller says when
-a session started streaming and when it published, and asks for each wait.
+holds the source), or it streamed for at least the longest wait. So a fault in a
+working bridge is retried at once, while a failure that repeats before anything
+is written still backs off. Pure: the caller says when a session started
+streaming and when it wrote, and asks for each wait.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
 from ..source.catalog import load_types
+from ..source.deadline import bounded
 from ..source.lsn import Lsn
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
 from ..source.values import TypeCatalog
@@ -46,7 +47,6 @@ from .changes import Target, bind
 from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
-from ..source.deadline import bounded
 from .session import Session
 
 __all__ = ["Bridge"]
@@ -72,7 +72,7 @@ class Bridge:
         self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0)
         self.ack = Acknowledger()
         self.backoff = Backoff()
-        self._stale_pid = 0  # backend of our own replication connection that went silent
+        self._stale_pid = 0  # backend of a failed session's replication connection, maybe still holding the slot
         self.catalog = TypeCatalog()
         # counters, readable in repr and by status reporting
         self.changes_read = 0

@@ -257,6 +257,7 @@ class Bridge:
                                           reserve=publisher.memory_reserve)
             except redis.RedisError as exc:
                 raise TransientError(f"redis unavailable: {exc}") from exc
+            publisher.replicated()  # the record a session starts from must be on the replicas too
             self._release_stale_walsender(catalog_conn)
             try:
                 stream.start(0, messages=True)  # logical messages carry backfill watermarks too

@@ -6,6 +6,12 @@ before the window's low watermark to see the changes that filter its chunk).
 And the slot is told a position only once Redis itself records that it holds the
 source up to there (the flushed key `cdc check` and a restart compare against).
 
+So the slot's confirmed position never passes the record without a real loss:
+the slot is told only what this session saw Redis record, and a session starts
+from the record Redis holds, never from what an earlier session remembered (a
+position made durable by a keepalive but not recorded before the session ended,
+or one a Redis restored from an older state no longer holds).
+
 Three positions:
 
 - ``ackable``: end LSN of the last complete transaction the slot may move to
@@ -29,9 +35,9 @@ class Acknowledger:
     def __init__(self, durable: Lsn = Lsn(0)) -> None:
         self.ackable = self.durable = self.recorded = durable
 
-    def resume(self) -> None:
-        """A new session starts from what Redis confirmed in the previous one."""
-        self.ackable = self.recorded = self.durable
+    def resume(self, held: Lsn) -> None:
+        """A new session starts from `held`, the record Redis holds now (read after the loss check)."""
+        self.ackable = self.durable = self.recorded = held
 
     def committed(self, end_lsn: Lsn, window_open: bool, nothing_unsent: bool) -> None:
         """A transaction ended at `end_lsn`; `nothing_unsent`: no entry pending nor in flight."""

@@ -178,18 +178,22 @@ def clear_data_loss(client: redis.Redis, slot: str) -> None:
     client.hdel(keys.bridge_state_key(slot), *DATA_LOSS_FIELDS)
 
 
-def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> None:
-    """Stop if Redis holds less than the slot was told it holds (lost writes); record the loss for status."""
+def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> Lsn:
+    """Stop if Redis holds less than the slot was told it holds (lost writes); record the loss for status.
+
+    Returns the position Redis records holding: a new session starts from it.
+    """
     try:
-        _check_flushed(client, slot, confirmed)
+        held = _check_flushed(client, slot, confirmed)
     except DataLossError as exc:
-        held = client.get(keys.flushed_key(slot))
-        _record_data_loss(client, slot, None if held is None else Lsn(int(held)), confirmed, exc.message)
+        raw = client.get(keys.flushed_key(slot))
+        _record_data_loss(client, slot, None if raw is None else Lsn(int(raw)), confirmed, exc.message)
         raise
     clear_data_loss(client, slot)
+    return held
 
 
-def _check_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> None:
+def _check_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> Lsn:
     raw = client.get(keys.flushed_key(slot))
     if raw is None:
         raise DataLossError(
@@ -205,3 +209,4 @@ def _check_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> None:
             f"entries of transactions committed in ({flushed}, {confirmed}] are missing from the streams",
             hint="restore Redis from a backup holding them, or stop the bridge and run cdc recover to rebuild the streams",
         )
+    return flushed

@@ -35,17 +35,19 @@ from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
 from ..source.catalog import load_types
+from ..source.deadline import bounded
 from ..source.lsn import Lsn
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
 from ..source.values import TypeCatalog
 from .ack import Acknowledger
 from .backfill import BackfillDriver
+from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
 from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
-from .session import ConnectionSilent, Session
+from .session import Session
 
 __all__ = ["Bridge"]
 
@@ -69,7 +71,8 @@ class Bridge:
         batch = settings.batch
         self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0)
         self.ack = Acknowledger()
-        self._stale_pid = 0  # backend of our own replication connection that went silent
+        self.backoff = Backoff()
+        self._stale_pid = 0  # backend of a failed session's replication connection, maybe still holding the slot
         self.catalog = TypeCatalog()
         # counters, readable in repr and by status reporting
         self.changes_read = 0
@@ -116,6 +119,7 @@ class Bridge:
             self.published_by_stream[name] += n
         self.entries_published += sent.count
         self.ack.confirmed(sent.ack)
+        self.backoff.progressed()
 
     # -- retrying sessions -------------------------------------------------------------
 
@@ -123,7 +127,7 @@ class Bridge:
         """Run sessions, retrying transient failures with jittered exponential backoff."""
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(TransientError),
-            wait=tenacity.wait_exponential_jitter(initial=0.2, max=5.0),
+            wait=lambda state: self.backoff.next(time.monotonic()),
             stop=lambda state: self.stopping,
             sleep=self._sleep,
             before_sleep=self._before_retry,
@@ -227,37 +231,42 @@ class Bridge:
         publisher = Publisher(
             rs.url, cluster=rs.cluster, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
             wait_timeout_ms=rs.wait_timeout_ms, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)),
-            append=rs.append,
+            append=rs.append, socket_timeout=self.redis_timeout,
         )
-        client = connect_redis(rs)
-        stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication)
+        client = connect_redis(rs, socket_timeout=self.redis_timeout)
+        stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication, timeout=pgs.receive_timeout_s)
         try:
             try:
-                level = catalog_conn.execute("SHOW wal_level").fetchone()[0]
-                if level != "logical":
-                    raise SourceError(
-                        f"postgres wal_level is {level!r}, logical decoding needs 'logical'",
-                        hint="set wal_level = logical in postgresql.conf and restart PostgreSQL",
-                    )
-                if self.until_caught_up and self.target_lsn is None:
-                    self.target_lsn = Lsn.parse(catalog_conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
-                    log.info("catching up to %s", self.target_lsn)
+                with self._bounded(catalog_conn, "checking settings"):
+                    level = catalog_conn.execute("SHOW wal_level").fetchone()[0]
+                    if level != "logical":
+                        raise SourceError(
+                            f"postgres wal_level is {level!r}, logical decoding needs 'logical'",
+                            hint="set wal_level = logical in postgresql.conf and restart PostgreSQL",
+                        )
+                    if self.until_caught_up and self.target_lsn is None:
+                        self.target_lsn = Lsn.parse(catalog_conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+                        log.info("catching up to %s", self.target_lsn)
             except psycopg.Error as exc:
                 raise classify_pg_error(exc) from exc
             publisher.ping()
             health = self.check_slot(catalog_conn)
             try:
-                check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
+                held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
                                           reserve=publisher.memory_reserve)
             except redis.RedisError as exc:
                 raise TransientError(f"redis unavailable: {exc}") from exc
+            publisher.replicated()  # the record a session starts from must be on the replicas too
             self._release_stale_walsender(catalog_conn)
-            stream.start(0, messages=True)  # logical messages carry backfill watermarks too
-            self.state = "streaming"
             try:
-                self._stream(Session(self, stream, publisher, catalog_conn))
-            except ConnectionSilent:
+                stream.start(0, messages=True)  # logical messages carry backfill watermarks too
+                self.state = "streaming"
+                self.backoff.streaming(time.monotonic())
+                self._stream(Session(self, stream, publisher, catalog_conn, held))
+            except Exception:
+                # over a connection that went silent, the server still sees our walsender holding the
+                # slot (until its wal_sender_timeout); the next session ends it
                 self._stale_pid = stream.backend_pid
                 raise
         finally:
@@ -266,12 +275,24 @@ class Bridge:
             client.close()
             catalog_conn.close()
 
+    @property
+    def redis_timeout(self) -> float:
+        """How long a Redis reply may take before the connection is deemed dead (a WAIT may take its own timeout)."""
+        rs = self.settings.redis
+        wait = rs.wait_timeout_ms / 1000 + 1 if rs.wait_replicas else 0
+        return max(self.settings.postgres.receive_timeout_s, wait)
+
+    def _bounded(self, catalog_conn: psycopg.Connection, what: str):
+        """A call on the catalog connection, cut after `receive_timeout_s` without an answer."""
+        return bounded(catalog_conn, self.settings.postgres.receive_timeout_s, what)
+
     def drive_backfill(self, backfill: BackfillDriver, catalog_conn: psycopg.Connection) -> None:
         """Write the next snapshot chunk into the WAL if a backfill is waiting (see `cdc.bridge.backfill`)."""
         if backfill.disabled:
             return
         try:
-            backfill.tick(catalog_conn)
+            with self._bounded(catalog_conn, "a backfill chunk"):
+                backfill.tick(catalog_conn)
         except psycopg.OperationalError as exc:
             raise classify_pg_error(exc) from exc
         except psycopg.errors.InsufficientPrivilege as exc:
@@ -297,14 +318,16 @@ class Bridge:
 
     def check_slot(self, catalog_conn: psycopg.Connection) -> SlotHealth:
         try:
-            return self.slot_watch.check(catalog_conn)
+            with self._bounded(catalog_conn, "checking the slot"):
+                return self.slot_watch.check(catalog_conn)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
 
     def heartbeat(self, catalog_conn: psycopg.Connection) -> bool:
         """Emit a heartbeat message; False (and stop trying) when not permitted."""
         try:
-            SlotWatch.heartbeat(catalog_conn)
+            with self._bounded(catalog_conn, "a heartbeat"):
+                SlotWatch.heartbeat(catalog_conn)
             return True
         except psycopg.errors.InsufficientPrivilege as exc:
             log.warning("heartbeats disabled: %s", str(exc).strip())
@@ -317,7 +340,7 @@ class Bridge:
         from ..sink.trim import TrimPolicy, trim_mapped
 
         policy = TrimPolicy(max_len=self.settings.trim.max_len, max_age_s=self.settings.trim.max_age_s)
-        client = connect_redis(self.settings.redis)
+        client = connect_redis(self.settings.redis, socket_timeout=self.redis_timeout)
         try:
             for result in trim_mapped(client, self.mappings, policy):
                 self.entries_trimmed += result.trimmed
@@ -338,10 +361,11 @@ class Bridge:
             return
         pid, self._stale_pid = self._stale_pid, 0
         try:
-            row = catalog_conn.execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s AND active_pid = %s",
-                (self.settings.postgres.slot, pid),
-            ).fetchone()
+            with self._bounded(catalog_conn, "ending the stale walsender"):
+                row = catalog_conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s AND active_pid = %s",
+                    (self.settings.postgres.slot, pid),
+                ).fetchone()
         except psycopg.Error as exc:
             log.warning("could not end the stale walsender %d: %s", pid, exc)
             return
@@ -358,7 +382,8 @@ class Bridge:
         if not mappings:
             return []
         try:
-            load_types(catalog_conn, self.catalog, [c.type_oid for c in relation.columns])
+            with self._bounded(catalog_conn, "loading types"):
+                load_types(catalog_conn, self.catalog, [c.type_oid for c in relation.columns])
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         targets = bind(relation, mappings, self.catalog, batcher, self.read_by_entity)

@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING
 import orjson
 import psycopg
 
-from ..errors import SourceError, TransientError
+from ..errors import SourceError
 from ..mapping.projector import Projector
 from ..sink.publisher import Publisher
 from ..source import pgoutput as pg
 from ..source.catalog import load_types, table_shape
+from ..source.deadline import ConnectionSilent, bounded
 from ..source.framing import parse_copy_data
+from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
 from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows
 from .changes import DELETE, INSERT, UPDATE, Target, route_message, route_row, route_truncate
@@ -51,10 +53,6 @@ _CAUGHT_UP_POLL_S = 0.1
 _GUARD_INTERVAL_S = 0.5
 
 
-class ConnectionSilent(TransientError):
-    """The replication connection went quiet past the receive timeout: deemed dead."""
-
-
 class Timers:
     """When the loop next does each periodic thing, and when the server was last heard (monotonic s)."""
 
@@ -71,7 +69,8 @@ class Timers:
 class Session:
     """Streams one replication connection into Redis until stopped, caught up or failed."""
 
-    def __init__(self, bridge: Bridge, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection) -> None:
+    def __init__(self, bridge: Bridge, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection,
+                 held: Lsn) -> None:
         settings = bridge.settings
         self.bridge = bridge
         self.stream = stream
@@ -87,7 +86,7 @@ class Session:
         self.tx = Transaction()
         self.inflight = InFlight(publisher)
         self.ack = bridge.ack
-        self.ack.resume()
+        self.ack.resume(held)  # what Redis records now, not what an earlier session remembered
         self.windows = Windows()  # open backfill watermark windows
         self.backfill = BackfillDriver(settings.postgres.slot, bridge.mappings, settings.batch.backfill_chunk_rows)
         self.snapshot_projectors: dict[str, Projector] = {}
@@ -110,7 +109,8 @@ class Session:
             if batcher.pending:
                 raw = read(0)
             else:
-                raw = read(max(0.0, min(t.status, t.poll or t.status) - monotonic()))
+                # wake up for the status update, the caught-up poll, or the silence limit
+                raw = read(max(0.0, min(t.status, t.poll or t.status, t.heard + self.receive_timeout) - monotonic()))
             now = monotonic()
             if raw is None:
                 if self.idle(now):
@@ -238,6 +238,7 @@ class Session:
         if lsn is not None:
             self.publisher.record_flushed(lsn)
             self.ack.record(lsn)
+            self.bridge.backoff.progressed()
         acked = self.ack.acked
         self.stream.send_status(acked, acked, acked, reply)
         self.timers.status = time.monotonic() + self.status_interval
@@ -304,9 +305,10 @@ class Session:
             mapping = next((m for m in self.bridge.mappings if m.entity == entity), None)
             if mapping is None or mapping.table is None:
                 return None
-            shape = table_shape(self.conn, *mapping.table)
-            if shape is None:
-                return None
-            load_types(self.conn, self.bridge.catalog, [c.type_oid for c in shape.columns])
+            with bounded(self.conn, self.receive_timeout, "reading a table's shape"):
+                shape = table_shape(self.conn, *mapping.table)
+                if shape is None:
+                    return None
+                load_types(self.conn, self.bridge.catalog, [c.type_oid for c in shape.columns])
             projector = self.snapshot_projectors[entity] = Projector(mapping, shape, self.bridge.catalog)
         return projector

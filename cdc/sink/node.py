@@ -124,6 +124,9 @@ class Node:
                 if len(replies) == n:
                     return replies, skipped
                 reader.feed(self._recv(conn))
+        except TimeoutError as exc:  # the socket timeout: a silent connection
+            self.drop()
+            raise TransientError(f"no answer from redis in {conn.socket_timeout:g}s; reconnecting") from exc
         except Exception as exc:
             self.drop()
             raise classify(exc) from exc

@@ -272,6 +272,15 @@ class Publisher:
             result[stream] = split_position(reply) if reply else None
         return result
 
+    def replicated(self) -> None:
+        """With `wait_replicas`: return once that many replicas hold everything written so far.
+
+        A batch Redis applied but its replicas did not acknowledge leaves the record
+        ahead of them; a session starting from the record waits for them first.
+        """
+        if self.wait_replicas:
+            self._check_tail(self._route(self.flushed_key or "cdc").round_trip(self._wait()))
+
     def ping(self) -> None:
         node = self._route(self.flushed_key or "cdc")
         reply = node.round_trip([hiredis.pack_command((b"PING",))])[0]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import select
+import time
 
 import psycopg
 from psycopg import errors as pgerrors
 
 from ..errors import CdcError, ConfigError, PrivilegeError, SlotError, SourceError, TransientError
+from .deadline import ConnectionSilent, bounded
 from .framing import standby_status_update
 from .privileges import fix_for
 
@@ -106,8 +108,10 @@ def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = 
 class ReplicationStream:
     """A started pgoutput stream: `read()` CopyData payloads, `send_status()` feedback."""
 
-    def __init__(self, dsn: str, slot: str, publication: str) -> None:
+    def __init__(self, dsn: str, slot: str, publication: str, timeout: float = 30.0) -> None:
         self.dsn = dsn
+        #: how long starting, or sending feedback, may wait on a server that does not answer
+        self.timeout = timeout
         self.slot = slot
         self.publication = publication
         self.conn: psycopg.Connection | None = None
@@ -133,9 +137,10 @@ class ReplicationStream:
             if messages:
                 options.append("messages 'true'")
             lsn = f"{start_lsn >> 32:X}/{start_lsn & 0xFFFFFFFF:X}"
-            self.conn.execute(
-                f"START_REPLICATION SLOT {quote_ident(self.slot)} LOGICAL {lsn} ({', '.join(options)})"
-            )
+            with bounded(self.conn, self.timeout, "starting replication"):
+                self.conn.execute(
+                    f"START_REPLICATION SLOT {quote_ident(self.slot)} LOGICAL {lsn} ({', '.join(options)})"
+                )
             self.conn.pgconn.nonblocking = 1
         except Exception as exc:
             self.close()
@@ -191,7 +196,10 @@ class ReplicationStream:
         pgconn = self.conn.pgconn
         try:
             pgconn.put_copy_data(standby_status_update(write, flush, apply, reply_requested=reply))
+            deadline = time.monotonic() + self.timeout
             while pgconn.flush() == 1:
+                if time.monotonic() >= deadline:
+                    raise ConnectionSilent(f"postgres took no feedback in {self.timeout:g}s; reconnecting")
                 select.select([], [pgconn.socket], [], 1.0)
         except psycopg.Error as exc:
             raise self._fail(exc) from exc

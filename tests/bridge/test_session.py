@@ -92,7 +92,7 @@ def run(messages: list[bytes], max_entries: int) -> tuple[Bridge, Stream, Publis
     bridge = Bridge(settings, [parse_mapping(load_yaml_documents(RIDE, "m.yaml")[0], {})])
     publisher = Publisher()
     stream = Stream(bridge, messages, publisher)
-    bridge._stream(Session(bridge, stream, publisher, Catalog()))
+    bridge._stream(Session(bridge, stream, publisher, Catalog(), Lsn(0)))
     return bridge, stream, publisher
 
 

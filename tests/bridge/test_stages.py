@@ -256,5 +256,14 @@ def test_a_keepalive_moves_the_slot_only_when_nothing_of_ours_is_before_it():
     assert ack.ackable == ack.durable == 900
     ack.confirmed(Lsn(500))
     assert ack.durable == 900 and ack.recorded == 500, "a late confirmation moves nothing back"
-    ack.resume()
-    assert ack.ackable == ack.recorded == 900
+    assert ack.acked == 500, "durable by a keepalive, but not recorded yet: not told"
+
+
+def test_a_new_session_starts_from_what_redis_records_not_from_memory():
+    ack = Acknowledger(Lsn(100))
+    ack.keepalive(900, quiet=True)  # durable, and the session ends before it is recorded
+    ack.resume(Lsn(500))  # the next session: Redis records 500
+    assert (ack.ackable, ack.durable, ack.recorded, ack.acked) == (500, 500, 500, 500)
+    assert ack.to_record(in_flight=False) is None, "the slot is told no more than Redis holds"
+    ack.resume(Lsn(300))  # a Redis restored from an older state
+    assert ack.acked == 300 and ack.to_record(in_flight=False) is None

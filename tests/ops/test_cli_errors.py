@@ -138,7 +138,7 @@ def test_garbage_for_every_argument_ends_in_one_error_line_and_exit_2(env, capsy
 
 def test_the_sweep_covers_every_subcommand():
     assert {w[0] for w in subcommands()} == {"init", "check", "run", "consume", "trim", "replay", "read", "dlq",
-                                             "backfill", "schema", "reconcile", "status"}
+                                             "backfill", "schema", "reconcile", "status", "recover"}
     assert {("dlq", "list"), ("dlq", "show"), ("dlq", "replay")} <= set(subcommands())
 
 

@@ -9,7 +9,8 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 install: $(VENV)/.installed servers-deps
 
-$(VENV)/.installed: pyproject.toml
+# the install builds the compiled hot path where a C compiler exists (pure Python otherwise)
+$(VENV)/.installed: pyproject.toml setup.py cdc/bridge/_changes.pyx cdc/sink/_resp.pyx
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
@@ -36,8 +37,10 @@ $(VENV)/.reconcile-installed: $(VENV)/.installed
 run: install
 	$(BIN)/python -m cdc.demo
 
+# the whole suite on the compiled hot path, then again on the pure-Python one
 test: install test-deps reconcile-deps
 	$(BIN)/pytest
+	CDC_PURE_PYTHON=1 $(BIN)/pytest
 
 bench: install reconcile-deps
 	$(BIN)/python bench/throughput.py

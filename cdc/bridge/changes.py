@@ -9,6 +9,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+from .. import speedups
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector, message_entry
 from ..sink.publisher import StreamBatch
@@ -19,7 +20,8 @@ from .backfill import Windows
 from .batcher import Batcher
 from .transaction import Transaction
 
-__all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_truncate", "route_message"]
+__all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_raw", "route_change", "route_truncate",
+           "route_message"]
 
 INSERT, UPDATE, DELETE = ord("I"), ord("U"), ord("D")
 
@@ -27,10 +29,11 @@ INSERT, UPDATE, DELETE = ord("I"), ord("U"), ord("D")
 class Target:
     """Where a bound projector writes: its mapping and one batch per partition stream."""
 
-    __slots__ = ("projector", "batches", "version", "read")
+    __slots__ = ("projector", "batches", "version", "read", "plan")
 
     def __init__(self, projector: Projector, batches: list[StreamBatch], read: list[int]) -> None:
         self.projector = projector
+        self.plan = None  # the compiled path's form of the projector, made on first use
         self.batches = batches
         self.version = projector.mapping.version
         self.read = read  # [changes of this entity read], shared across rebinds
@@ -74,6 +77,21 @@ def route_row(kind: int, msg, targets: list[Target], tx: Transaction, batcher: B
             out = projector.delete(msg.old, msg.old_kind == "O")
         if out is not None:
             batcher.add(t.batches[out.partition], out.fields, t.version, tx)
+
+
+def route_raw(kind: int, raw: bytes, offset: int, targets: list[Target], tx: Transaction, batcher: Batcher,
+              windows: Windows, decoder: pg.PgOutputDecoder) -> None:
+    """`route_row` for an Insert, Update or Delete still in its XLogData bytes (the message at `offset`).
+
+    The reference for the compiled `cdc.bridge._changes.route_raw`, which must queue
+    the same entries byte for byte.
+    """
+    route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
+
+
+_compiled = speedups.load("cdc.bridge._changes")
+#: `route_raw`, compiled where the extension is built
+route_change = _compiled.route_raw if _compiled is not None else route_raw
 
 
 def route_truncate(msg: pg.Truncate, targets: dict[int, list[Target]], tx: Transaction, batcher: Batcher,

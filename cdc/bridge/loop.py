@@ -27,7 +27,7 @@ import psycopg
 import redis
 import tenacity
 
-from .. import keys
+from .. import keys, speedups
 from ..config import Settings
 from ..errors import CdcError, MappingError, SourceError, TransientError
 from ..mapping.model import Mapping
@@ -133,6 +133,7 @@ class Bridge:
             before_sleep=self._before_retry,
             reraise=True,
         )
+        log.info("%s", speedups.describe())
         http = self.settings.http
         server = None
         if http.port:

@@ -32,7 +32,7 @@ from ..source.framing import parse_copy_data
 from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
 from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows
-from .changes import DELETE, INSERT, UPDATE, Target, route_message, route_row, route_truncate
+from .changes import DELETE, INSERT, UPDATE, Target, route_change, route_message, route_truncate
 from .inflight import InFlight
 from .snapshot import queue_chunk
 from .transaction import Transaction
@@ -78,7 +78,8 @@ class Session:
         self.conn = conn  # the catalog connection: types, slot health, heartbeats, backfill chunks
         self.status_interval = settings.batch.status_interval_s
         self.receive_timeout = settings.postgres.receive_timeout_s
-        self.decode = pg.PgOutputDecoder().decode
+        self.decoder = pg.PgOutputDecoder()
+        self.decode = self.decoder.decode
         self.targets: dict[int, list[Target]] = {}
         self.batcher = bridge.batcher
         self.batcher.clear()
@@ -97,7 +98,7 @@ class Session:
 
     def run(self) -> None:
         bridge, t, batcher, tx, windows, targets = self.bridge, self.timers, self.batcher, self.tx, self.windows, self.targets
-        read, decode, monotonic = self.stream.read, self.decode, time.monotonic
+        read, decoder, route, monotonic = self.stream.read, self.decoder, route_change, time.monotonic
         max_entries, max_delay = batcher.max_entries, batcher.max_delay
         xlog, header, relid_at, relid = _W, _XLOG_HEADER, _XLOG_HEADER + 1, _RELID  # locals: read per message
         self.drive_backfill()  # resume what a previous session left unfinished
@@ -125,7 +126,7 @@ class Session:
                 bridge.changes_read += 1
                 tlist = targets.get(relid(raw, relid_at)[0])
                 if tlist:
-                    route_row(kind, decode(raw[header:]), tlist, tx, batcher, windows)
+                    route(kind, raw, header, tlist, tx, batcher, windows, decoder)
                 tx.seq += 1
             else:
                 self.dispatch(kind, raw)

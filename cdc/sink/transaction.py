@@ -20,10 +20,11 @@ from collections.abc import Sequence
 
 import hiredis
 
+from .. import speedups
 from ..errors import PublishError
 from .node import Node, classify
 
-__all__ = ["TransactionLane", "xadd_command"]
+__all__ = ["TransactionLane", "xadd_command", "pack_xadd"]
 
 log = logging.getLogger("cdc.publish")
 
@@ -67,6 +68,11 @@ def xadd_command(stream: bytes, entry: Sequence) -> bytes:
         args.append(len(value))
         args.append(value)
     return template % tuple(args)
+
+
+_compiled = speedups.load("cdc.sink._resp")
+#: `xadd_command`, compiled where the extension is built (the same bytes)
+pack_xadd = _compiled.xadd_command if _compiled is not None else xadd_command
 
 
 class _Plan:
@@ -134,7 +140,7 @@ class TransactionLane:
             for entry in entries:
                 pos = entry[-1]
                 if pos > held:
-                    commands.append(xadd_command(stream_b, entry))
+                    commands.append(pack_xadd(stream_b, entry))
                     count += 1
                     last = pos
             if last is not None:

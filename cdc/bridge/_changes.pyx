@@ -1,0 +1,732 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+"""The per-change work, compiled: `route_raw` of `cdc.bridge.changes`, from the message's bytes to its entries.
+
+`cdc.bridge.changes` is the specification; this module must give the same entries,
+byte for byte (tests/bridge/test_compiled.py feeds both the same generated
+messages and mappings). It reads the change's tuples straight from the message
+bytes and writes the entry's JSON without building the row's Python values.
+
+A change it does not handle exactly as written here goes to the reference
+instead, before anything is queued: an open backfill window, a streamed block,
+an unexpected byte, a binary value, invalid UTF-8, a key field missing from the
+row. Per column it writes the common types itself (integers, floats in plain
+decimal form, booleans, timestamps, text, json); any other value goes through
+the field's own Python converter and `orjson.dumps`, as the reference does.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy
+
+import zlib
+
+import orjson
+
+from ..mapping import projector as _projector_module
+from ..source import values as _values_module
+
+cdef object _dumps = orjson.dumps
+cdef object _crc32 = zlib.crc32
+
+
+cdef object _route_row(kind, msg, targets, tx, batcher, windows):
+    """The specification, for the changes this module does not take (imported late: it imports this)."""
+    from .changes import route_row
+    return route_row(kind, msg, targets, tx, batcher, windows)
+
+cdef enum:
+    INSERT = 0x49  # 'I'
+    UPDATE = 0x55  # 'U'
+    DELETE = 0x44  # 'D'
+    C_NULL = 0x6E  # a column's kind in a tuple: 'n'
+    C_TEXT = 0x74  # 't'
+    C_TOAST = 0x75  # 'u', unchanged TOAST
+    _NOT_HANDLED = -2  # `Row.read`: the reference must take the change
+
+# how a mapped field's value is written
+cdef enum:
+    K_INT, K_FLOAT, K_BOOL, K_TIMESTAMP, K_TIMESTAMPTZ, K_TEXT, K_JSON, K_GENERIC
+
+
+# -- an output buffer ------------------------------------------------------------------------
+
+cdef struct Buf:
+    char *data
+    Py_ssize_t size
+    Py_ssize_t cap
+
+cdef Buf _out
+_out.data = <char *>malloc(4096)
+_out.size = 0
+_out.cap = 4096
+if _out.data == NULL:
+    raise MemoryError()
+
+
+cdef inline int _reserve(Py_ssize_t n) except -1:
+    cdef Py_ssize_t want = _out.size + n
+    cdef Py_ssize_t cap
+    cdef char *grown
+    if want <= _out.cap:
+        return 0
+    cap = _out.cap * 2
+    while cap < want:
+        cap *= 2
+    grown = <char *>realloc(_out.data, cap)
+    if grown == NULL:
+        raise MemoryError()
+    _out.data = grown
+    _out.cap = cap
+    return 0
+
+
+cdef inline int _put(const char *src, Py_ssize_t n) except -1:
+    _reserve(n)
+    memcpy(_out.data + _out.size, src, n)
+    _out.size += n
+    return 0
+
+
+cdef inline int _putc(char c) except -1:
+    _reserve(1)
+    _out.data[_out.size] = c
+    _out.size += 1
+    return 0
+
+
+cdef inline int _put_bytes(bytes b) except -1:
+    return _put(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
+
+
+cdef inline bytes _take(Py_ssize_t start):
+    """The bytes written since `start`, as a bytes object; the buffer goes back to `start`."""
+    cdef bytes b = PyBytes_FromStringAndSize(_out.data + start, _out.size - start)
+    _out.size = start
+    return b
+
+
+# -- UTF-8 and JSON strings -------------------------------------------------------------------
+
+cdef inline bint _ascii(const unsigned char *p, Py_ssize_t n) noexcept:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if p[i] >= 0x80:
+            return False
+    return True
+
+
+cdef bint _valid_utf8(const char *p, Py_ssize_t n):
+    """True when the bytes decode as UTF-8 the way Python's strict decoder accepts them."""
+    if _ascii(<const unsigned char *>p, n):
+        return True
+    try:
+        PyUnicode_DecodeUTF8(p, n, b"strict")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+cdef inline bint _plain_ascii(const char *p, Py_ssize_t n) noexcept:
+    """Printable ASCII that a JSON string holds unescaped."""
+    cdef Py_ssize_t i
+    cdef unsigned char c
+    for i in range(n):
+        c = <unsigned char>p[i]
+        if c < 0x20 or c >= 0x7F or c == 0x22 or c == 0x5C:
+            return False
+    return True
+
+
+cdef const char *_HEX = b"0123456789abcdef"
+
+
+cdef int _json_string(const char *p, Py_ssize_t n) except -1:
+    """`p` (valid UTF-8) as a JSON string, escaped as orjson escapes."""
+    cdef Py_ssize_t i, run = 0
+    cdef unsigned char c
+    _reserve(n + 2)
+    _out.data[_out.size] = b'"'
+    _out.size += 1
+    for i in range(n):
+        c = <unsigned char>p[i]
+        if c >= 0x20 and c != 0x22 and c != 0x5C:
+            continue
+        _put(p + run, i - run)
+        run = i + 1
+        if c == 0x22:
+            _put(b'\\"', 2)
+        elif c == 0x5C:
+            _put(b'\\\\', 2)
+        elif c == 0x08:
+            _put(b'\\b', 2)
+        elif c == 0x09:
+            _put(b'\\t', 2)
+        elif c == 0x0A:
+            _put(b'\\n', 2)
+        elif c == 0x0C:
+            _put(b'\\f', 2)
+        elif c == 0x0D:
+            _put(b'\\r', 2)
+        else:
+            _reserve(6)
+            memcpy(_out.data + _out.size, b"\\u00", 4)
+            _out.data[_out.size + 4] = _HEX[c >> 4]
+            _out.data[_out.size + 5] = _HEX[c & 15]
+            _out.size += 6
+    _put(p + run, n - run)
+    _putc(b'"')
+    return 0
+
+
+# -- numbers in the form orjson writes them ------------------------------------------------------
+
+cdef inline bint _is_digit(char c) noexcept:
+    return b'0' <= c <= b'9'
+
+
+cdef bint _plain_integer(const char *p, Py_ssize_t n) noexcept:
+    """`-?(0|[1-9][0-9]*)`, not '-0', at most 18 digits: int(text) prints as the text."""
+    cdef Py_ssize_t i = 0
+    if n and p[0] == b'-':
+        i = 1
+    if i >= n or n - i > 18:
+        return False
+    if p[i] == b'0':
+        return n == 1  # '0' alone ('-0' and leading zeros print otherwise)
+    while i < n:
+        if not _is_digit(p[i]):
+            return False
+        i += 1
+    return True
+
+
+cdef bint _plain_float(const char *p, Py_ssize_t n, bint *integral) noexcept:
+    """A float text that orjson writes back as itself (plus '.0' when `integral`).
+
+    `-?(0|[1-9][0-9]*)(\\.[0-9]*[1-9])?` with at most 15 significant digits (so the
+    text is the shortest form of its double), at least 1e-5 and below 1e16 (the
+    range orjson writes without an exponent), or zero.
+    """
+    cdef Py_ssize_t i = 0, int_digits = 0, zeros = 0, significant = 0, dot = -1
+    cdef bint leading = True
+    if n and p[0] == b'-':
+        i = 1
+    if i >= n or not _is_digit(p[i]):
+        return False
+    if p[i] == b'0' and i + 1 < n and p[i + 1] != b'.':
+        return False  # leading zero
+    while i < n and _is_digit(p[i]):
+        int_digits += 1
+        if leading and p[i] == b'0':
+            pass
+        else:
+            leading = False
+            significant += 1
+        i += 1
+    if i < n:
+        if p[i] != b'.':
+            return False
+        dot = i
+        i += 1
+        if i >= n or p[n - 1] == b'0':
+            return False  # '1.' or a trailing zero: not the shortest form
+        while i < n:
+            if not _is_digit(p[i]):
+                return False
+            if leading:
+                if p[i] == b'0':
+                    zeros += 1
+                else:
+                    leading = False
+                    significant += 1
+            else:
+                significant += 1
+            i += 1
+    if significant > 15 or int_digits > 16:
+        return False
+    if significant and int_digits == 1 and p[n - 1 if dot < 0 else dot - 1] == b'0' and zeros > 4:
+        return False  # below 1e-5: orjson writes an exponent
+    integral[0] = dot < 0
+    return True
+
+
+# -- tuples ------------------------------------------------------------------------------------
+
+cdef class Row:
+    """One TupleData read in place: per column its kind and the span of its text in the message."""
+
+    cdef int count
+    cdef int cap
+    cdef unsigned char *kinds
+    cdef Py_ssize_t *starts
+    cdef Py_ssize_t *sizes
+
+    def __cinit__(self):
+        self.cap = 0
+        self.count = 0
+        self._grow(64)
+
+    def __dealloc__(self):
+        free(self.kinds)
+        free(self.starts)
+        free(self.sizes)
+
+    cdef int _grow(self, int cap) except -1:
+        cdef unsigned char *k = <unsigned char *>realloc(self.kinds, cap)
+        if k == NULL:
+            raise MemoryError()
+        self.kinds = k
+        cdef Py_ssize_t *s = <Py_ssize_t *>realloc(self.starts, cap * sizeof(Py_ssize_t))
+        if s == NULL:
+            raise MemoryError()
+        self.starts = s
+        s = <Py_ssize_t *>realloc(self.sizes, cap * sizeof(Py_ssize_t))
+        if s == NULL:
+            raise MemoryError()
+        self.sizes = s
+        self.cap = cap
+        return 0
+
+    cdef Py_ssize_t read(self, const unsigned char *data, Py_ssize_t off, Py_ssize_t have) except -3:
+        """Read TupleData at `off`; the offset past it, or _NOT_HANDLED for anything unusual."""
+        cdef int ncols, i
+        cdef unsigned char kind
+        cdef Py_ssize_t size
+        if off + 2 > have:
+            return _NOT_HANDLED
+        ncols = (data[off] << 8) | data[off + 1]
+        off += 2
+        if ncols > self.cap:
+            self._grow(ncols)
+        for i in range(ncols):
+            if off >= have:
+                return _NOT_HANDLED
+            kind = data[off]
+            if kind == C_TEXT:
+                if off + 5 > have:
+                    return _NOT_HANDLED
+                size = ((<Py_ssize_t>data[off + 1] << 24) | (data[off + 2] << 16) | (data[off + 3] << 8)
+                        | data[off + 4])
+                off += 5
+                if off + size > have:
+                    return _NOT_HANDLED
+                if not _valid_utf8(<const char *>data + off, size):
+                    return _NOT_HANDLED
+                self.starts[i] = off
+                self.sizes[i] = size
+                off += size
+            elif kind == C_NULL or kind == C_TOAST:
+                off += 1
+            else:
+                return _NOT_HANDLED  # binary, or a bad byte the reference names
+            self.kinds[i] = kind
+        self.count = ncols
+        return off
+
+
+# -- plans: a projector's fields, resolved for this module ---------------------------------------------
+
+cdef class Plan:
+    """What a `Projector` writes, resolved once per projector."""
+
+    cdef int n
+    cdef list names  # per field: orjson.dumps(name) + b':'
+    cdef list quoted  # per field: orjson.dumps(name), for the unchanged list
+    cdef list convs  # per field: the reference's converter
+    cdef int *cols  # per field: the column in the row
+    cdef int *kinds  # per field: K_*
+    cdef int nkey
+    cdef int *key_order  # insert/update: field numbers of the key, in key order
+    cdef int nkey_plan
+    cdef int *key_plan  # delete, before: field numbers of the key, in field order
+    cdef bytes consts  # b',"name":value...' appended to data, or b''
+    cdef bint has_consts
+    cdef int partitions
+    cdef int npart
+    cdef int *part_by  # per partition_by name: its index in key_order
+    cdef int *part_by_plan  # and in key_plan
+    cdef bint c, u, d, before
+    cdef object version
+
+    def __dealloc__(self):
+        free(self.cols)
+        free(self.kinds)
+        free(self.key_order)
+        free(self.key_plan)
+        free(self.part_by)
+        free(self.part_by_plan)
+
+
+cdef int *_ints(list values) except NULL:
+    cdef int *out = <int *>malloc((len(values) or 1) * sizeof(int))
+    cdef int i
+    if out == NULL:
+        raise MemoryError()
+    for i in range(len(values)):
+        out[i] = values[i]
+    return out
+
+
+cdef dict _KINDS = {}
+
+
+cdef int _kind_of(object conv):
+    if not _KINDS:
+        _KINDS[id(int)] = K_INT
+        _KINDS[id(_values_module._float)] = K_FLOAT
+        _KINDS[id(_values_module._bool)] = K_BOOL
+        _KINDS[id(_values_module._timestamp)] = K_TIMESTAMP
+        _KINDS[id(_values_module._timestamptz)] = K_TIMESTAMPTZ
+        _KINDS[id(str)] = K_TEXT
+        _KINDS[id(orjson.Fragment)] = K_JSON
+    return _KINDS.get(id(conv), K_GENERIC)
+
+
+cdef object _plan_for(object projector):
+    """A `Plan` for the projector, or False when the reference must take its changes (filters)."""
+    cdef Plan plan
+    cdef list names, quoted, convs, cols, kinds, fields
+    if projector._filter:
+        return False
+    fields = [name for name, _, _ in projector._plan]
+    if len(set(fields)) != len(fields):
+        return False
+    consts = projector._consts
+    if any(name in fields for name in consts):
+        return False
+    key_order = list(projector._key_order)
+    if any(name not in fields for name in key_order):
+        return False
+    key_plan = [name for name, _, _ in projector._key_plan]
+    partitions = projector._partitions
+    part_by = list(projector._partition_by or ()) if partitions != 1 else []
+    if any(name not in key_order or name not in key_plan for name in part_by):
+        return False
+    plan = Plan()
+    plan.n = len(fields)
+    plan.names = [_dumps(name) + b":" for name in fields]
+    plan.quoted = [_dumps(name) for name in fields]
+    plan.convs = [conv for _, _, conv in projector._plan]
+    plan.cols = _ints([idx for _, idx, _ in projector._plan])
+    plan.kinds = _ints([_kind_of(conv) for _, _, conv in projector._plan])
+    plan.nkey = len(key_order)
+    plan.key_order = _ints([fields.index(name) for name in key_order])
+    plan.nkey_plan = len(key_plan)
+    plan.key_plan = _ints([fields.index(name) for name in key_plan])
+    plan.has_consts = bool(consts)
+    plan.consts = b"".join(b"," + _dumps(name) + b":" + _dumps(value) for name, value in consts.items())
+    plan.partitions = partitions
+    plan.npart = len(part_by)
+    plan.part_by = _ints([key_order.index(name) for name in part_by])
+    plan.part_by_plan = _ints([key_plan.index(name) for name in part_by])
+    ops = projector._ops
+    plan.c, plan.u, plan.d = "c" in ops, "u" in ops, "d" in ops
+    plan.before = bool(projector._before)
+    plan.version = projector._version
+    return plan
+
+
+# -- writing a row ---------------------------------------------------------------------------------
+
+cdef Py_ssize_t *_spans = NULL  # per field: start, end of its JSON value in the buffer (-1: left out)
+cdef int _spans_cap = 0
+
+
+cdef int _need_spans(int n) except -1:
+    global _spans, _spans_cap
+    cdef Py_ssize_t *grown
+    if n * 2 <= _spans_cap:
+        return 0
+    grown = <Py_ssize_t *>realloc(_spans, n * 2 * sizeof(Py_ssize_t))
+    if grown == NULL:
+        raise MemoryError()
+    _spans = grown
+    _spans_cap = n * 2
+    return 0
+
+
+cdef int _value(Plan plan, int f, const char *p, Py_ssize_t size) except -1:
+    """Field `f`'s converted value, from its text `p`, written as JSON."""
+    cdef int kind = plan.kinds[f]
+    cdef bint integral = False
+    cdef Py_ssize_t i
+    if kind == K_TEXT:
+        return _json_string(p, size)
+    if kind == K_INT:
+        if _plain_integer(p, size):
+            return _put(p, size)
+    elif kind == K_FLOAT:
+        if _plain_float(p, size, &integral):
+            _put(p, size)
+            if integral:
+                _put(b".0", 2)
+            return 0
+    elif kind == K_BOOL:
+        if size == 1 and p[0] == b't':
+            return _put(b"true", 4)
+        if size == 1 and p[0] == b'f':
+            return _put(b"false", 5)
+    elif kind == K_TIMESTAMP:
+        if _plain_ascii(p, size):
+            # '2026-11-23 00:33:29.123456': the space becomes 'T'; infinity, BC, year > 9999 stay
+            if size > 18 and p[10] == b' ' and p[size - 1] != b'C':
+                _reserve(size + 2)
+                _putc(b'"')
+                _put(p, 10)
+                _putc(b'T')
+                _put(p + 11, size - 11)
+                return _putc(b'"')
+            return _json_string(p, size)
+    elif kind == K_TIMESTAMPTZ:
+        if _plain_ascii(p, size) and size >= 14 and p[10] == b' ' \
+                and p[size - 3] == b'+' and p[size - 2] == b'0' and p[size - 1] == b'0':
+            _reserve(size + 2)
+            _putc(b'"')
+            _put(p, 10)
+            _putc(b'T')
+            _put(p + 11, size - 14)
+            _put(b'Z"', 2)
+            return 0
+    elif kind == K_JSON:
+        return _put(p, size)  # orjson.Fragment: embedded as it is
+    # anything else: the reference's own converter, and orjson
+    text = PyUnicode_DecodeUTF8(p, size, b"strict")
+    return _put_bytes(_dumps(plan.convs[f](text)))
+
+
+cdef int _row(Plan plan, Row row, const char *data, Row fallback, list unchanged) except -1:
+    """The row's fields as the data object `{...}`; each field's value span in `_spans`.
+
+    A value the server did not send (unchanged TOAST) is taken from `fallback` when
+    it holds one, else left out and its field named in `unchanged` (when not None).
+    """
+    cdef int f, col
+    cdef unsigned char kind
+    cdef Py_ssize_t start
+    cdef bint first = True
+    _need_spans(plan.n)
+    _putc(b'{')
+    for f in range(plan.n):
+        col = plan.cols[f]
+        kind = row.kinds[col]
+        if kind == C_TOAST and fallback is not None:
+            if fallback.kinds[col] != C_TOAST:
+                row_from = fallback
+            else:
+                row_from = None
+        elif kind == C_TOAST:
+            row_from = None
+        else:
+            row_from = row
+        if row_from is None:
+            if unchanged is not None:
+                unchanged.append(f)
+            _spans[2 * f] = -1
+            continue
+        if not first:
+            _putc(b',')
+        first = False
+        _put_bytes(plan.names[f])
+        start = _out.size
+        if (<Row>row_from).kinds[col] == C_NULL:
+            _put(b"null", 4)
+        else:
+            _value(plan, f, data + (<Row>row_from).starts[col], (<Row>row_from).sizes[col])
+        _spans[2 * f] = start
+        _spans[2 * f + 1] = _out.size
+    if plan.has_consts:
+        if first:
+            _put_bytes(plan.consts[1:])
+        else:
+            _put_bytes(plan.consts)
+    _putc(b'}')
+    return 0
+
+
+cdef object _object(Plan plan, int *fields, int count, list parts):
+    """`{"name":value,...}` of the given fields from the spans of the last `_row`; None if one is left out.
+
+    The JSON values are also collected in `parts` (when not None) for the partition.
+    """
+    cdef Py_ssize_t start = _out.size, a, b
+    cdef int i, f
+    _putc(b'{')
+    for i in range(count):
+        f = fields[i]
+        a = _spans[2 * f]
+        if a < 0:
+            _out.size = start
+            return None
+        b = _spans[2 * f + 1]
+        if i:
+            _putc(b',')
+        _put_bytes(plan.names[f])
+        _reserve(b - a)
+        memcpy(_out.data + _out.size, _out.data + a, b - a)
+        if parts is not None:
+            parts.append(PyBytes_FromStringAndSize(_out.data + a, b - a))
+        _out.size += b - a
+    _putc(b'}')
+    return _take(start)
+
+
+cdef int _key_row(Plan plan, Row row, const char *data, list parts) except -1:
+    """`_key`: the key fields in field order, null for a value not sent; spans set for each."""
+    cdef int i, f, col
+    cdef unsigned char kind
+    cdef Py_ssize_t start
+    _need_spans(plan.n)
+    _putc(b'{')
+    for i in range(plan.nkey_plan):
+        f = plan.key_plan[i]
+        col = plan.cols[f]
+        kind = row.kinds[col]
+        if i:
+            _putc(b',')
+        _put_bytes(plan.names[f])
+        start = _out.size
+        if kind == C_NULL or kind == C_TOAST:
+            _put(b"null", 4)
+        else:
+            _value(plan, f, data + row.starts[col], row.sizes[col])
+        if parts is not None:
+            parts.append(PyBytes_FromStringAndSize(_out.data + start, _out.size - start))
+    _putc(b'}')
+    return 0
+
+
+cdef int _partition(Plan plan, list parts, int *order):
+    """`Projector._partition`: crc32 of the JSON list of the partition_by values, modulo partitions."""
+    cdef int i
+    cdef bytes listed
+    if plan.partitions == 1:
+        return 0
+    listed = b"[" + b",".join([parts[order[i]] for i in range(plan.npart)]) + b"]"
+    return _crc32(listed) % plan.partitions
+
+
+cdef bytes _names_list(Plan plan, list unchanged):
+    return b"[" + b",".join([plan.quoted[f] for f in unchanged]) + b"]"
+
+
+cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_kind, const char *data):
+    """(partition, fields) for one target, None when the mapping skips the change, or False for the reference."""
+    cdef Py_ssize_t base = _out.size
+    cdef list unchanged = [], parts
+    cdef int i, col
+    cdef bint old_full = old_kind == b'O'
+    for i in range(plan.n):
+        col = plan.cols[i]
+        if (kind != DELETE and col >= new.count) or (old is not None and col >= old.count):
+            return False  # a row shorter than the relation: the reference raises
+    if kind == INSERT or kind == UPDATE:
+        if kind == INSERT and not plan.c or kind == UPDATE and not plan.u:
+            return None
+        _row(plan, new, data, old if kind == UPDATE and old_full else None, unchanged)
+        parts = [] if plan.partitions != 1 else None
+        key_json = _object(plan, plan.key_order, plan.nkey, parts)  # written after the data it copies from
+        if key_json is None:
+            _out.size = base
+            return False  # a key field left out: the reference raises
+        data_json = _take(base)
+        if kind == INSERT:
+            fields = [b"op", b"c", b"key", key_json, b"data", data_json]
+        else:
+            fields = [b"op", b"u", b"key", key_json, b"data", data_json]
+            if plan.before and old is not None:
+                if old_full:
+                    _row(plan, old, data, None, None)
+                else:
+                    _key_row(plan, old, data, None)
+                fields += [b"before", _take(base)]
+        if unchanged:
+            fields += [b"unchanged", _names_list(plan, unchanged)]
+        return (_partition(plan, parts, plan.part_by) if parts is not None else 0), fields
+    # DELETE
+    if not plan.d:
+        return None
+    parts = [] if plan.partitions != 1 else None
+    _key_row(plan, old, data, parts)
+    fields = [b"op", b"d", b"key", _take(base)]
+    if plan.before and old_full:
+        _row(plan, old, data, None, None)
+        fields += [b"before", _take(base)]
+    return (_partition(plan, parts, plan.part_by_plan) if parts is not None else 0), fields
+
+
+# -- the entry point ----------------------------------------------------------------------------
+
+cdef Row _new = Row()
+cdef Row _old = Row()
+
+
+def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher, windows, decoder):
+    """Route one Insert, Update or Delete, given as the XLogData bytes with its pgoutput message at `offset`.
+
+    The same as `cdc.bridge.changes.route_raw`.
+    """
+    cdef const unsigned char *data = <const unsigned char *>PyBytes_AS_STRING(raw)
+    cdef Py_ssize_t have = PyBytes_GET_SIZE(raw), off
+    cdef unsigned char action, old_kind = 0
+    cdef Row old = None
+    cdef Plan plan
+    if windows.tables or decoder.streaming or offset + 6 > have:
+        return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
+    action = data[offset + 5]
+    off = offset + 6
+    if kind == INSERT:
+        if action != b'N':
+            off = _NOT_HANDLED
+        else:
+            off = _new.read(data, off, have)
+    elif kind == UPDATE:
+        if action == b'K' or action == b'O':
+            old_kind = action
+            old = _old
+            off = _old.read(data, off, have)
+            if off >= 0:
+                if off < have and data[off] == b'N':
+                    off = _new.read(data, off + 1, have)
+                else:
+                    off = _NOT_HANDLED
+        elif action == b'N':
+            off = _new.read(data, off, have)
+        else:
+            off = _NOT_HANDLED
+    else:
+        if action == b'K' or action == b'O':
+            old_kind = action
+            old = _old
+            off = _old.read(data, off, have)
+        else:
+            off = _NOT_HANDLED
+    if off != have:
+        return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
+    outs = []
+    _out.size = 0
+    for t in targets:
+        plan_obj = t.plan
+        if plan_obj is None:
+            plan_obj = t.plan = _plan_for(t.projector)
+        if plan_obj is False:
+            return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
+        out = _project(<Plan>plan_obj, kind, _new, old, old_kind, <const char *>data)
+        if out is False:
+            return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
+        outs.append(out)
+    # every target is projected: now queue them, as `route_row` and `Batcher.add` do
+    cdef Py_ssize_t seq
+    for i in range(len(targets)):
+        t = targets[i]
+        t.read[0] += 1
+        out = outs[i]
+        if out is not None:
+            partition, fields = out
+            seq = tx.seq
+            fields += (b"lsn", tx.lsn, b"seq", seq, b"xid", tx.xid, b"ts_ms", tx.ts, b"v", t.version,
+                       tx.prefix + "%010d" % seq)
+            t.batches[partition].entries.append(fields)
+            if not batcher.pending:
+                batcher.first_at = batcher.clock()
+            batcher.pending += 1

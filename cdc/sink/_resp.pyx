@@ -1,0 +1,118 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""`xadd_command` of `cdc.sink.transaction`, compiled: an entry packed as one RESP command.
+
+`cdc.sink.transaction.xadd_command` is the specification; this gives the same bytes
+(tests/sink/test_compiled_resp.py compares them on generated entries).
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from libc.stdlib cimport malloc, realloc
+from libc.string cimport memcpy
+
+
+cdef object _reference():
+    """The specification, for the entries this module does not pack itself (imported late: it imports this)."""
+    from .transaction import xadd_command
+    return xadd_command
+
+cdef char *_buf = <char *>malloc(4096)
+cdef Py_ssize_t _cap = 4096
+cdef Py_ssize_t _size = 0
+if _buf == NULL:
+    raise MemoryError()
+
+
+cdef inline int _reserve(Py_ssize_t n) except -1:
+    global _buf, _cap
+    cdef Py_ssize_t want = _size + n, cap = _cap
+    cdef char *grown
+    if want <= _cap:
+        return 0
+    while cap < want:
+        cap *= 2
+    grown = <char *>realloc(_buf, cap)
+    if grown == NULL:
+        raise MemoryError()
+    _buf, _cap = grown, cap
+    return 0
+
+
+cdef inline int _number(char prefix, Py_ssize_t value) except -1:
+    """`prefix` then a non-negative `value` in decimal, then CRLF."""
+    global _size
+    cdef char digits[24]
+    cdef int n = 0
+    _reserve(26)
+    _buf[_size] = prefix
+    _size += 1
+    if value == 0:
+        digits[0] = b'0'
+        n = 1
+    while value:
+        digits[n] = <char>(48 + value % 10)  # '0' + digit
+        value //= 10
+        n += 1
+    while n:
+        n -= 1
+        _buf[_size] = digits[n]
+        _size += 1
+    _buf[_size] = b'\r'
+    _buf[_size + 1] = b'\n'
+    _size += 2
+    return 0
+
+
+cdef inline int _bulk(const char *p, Py_ssize_t n) except -1:
+    global _size
+    _number(b'$', n)
+    _reserve(n + 2)
+    memcpy(_buf + _size, p, n)
+    _buf[_size + n] = b'\r'
+    _buf[_size + n + 1] = b'\n'
+    _size += n + 2
+    return 0
+
+
+cdef int _arg(object value) except -1:
+    """One argument as the reference writes it: bytes as they are, str as UTF-8, int in decimal."""
+    cdef const char *p
+    cdef Py_ssize_t n
+    cdef bytes b
+    if type(value) is bytes:
+        return _bulk(PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value))
+    if type(value) is str:
+        p = PyUnicode_AsUTF8AndSize(value, &n)
+        return _bulk(p, n)
+    if type(value) is int:
+        b = b"%d" % value
+    else:
+        b = str(value).encode()
+    return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
+
+
+cdef int _name(object name) except -1:
+    cdef bytes b
+    if type(name) is bytes:
+        return _bulk(PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name))
+    b = str(name).encode()
+    return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
+
+
+def xadd_command(bytes stream, entry):
+    """``XADD stream * field value ...`` for an entry (its field/value list, then its position), packed."""
+    global _size
+    cdef Py_ssize_t count = len(entry), i
+    if type(entry) is not list or count % 2 == 0:
+        return _reference()(stream, entry)
+    _size = 0
+    _number(b'*', count + 2)  # XADD, stream, '*', then the pairs (the position is not sent)
+    _reserve(14)
+    memcpy(_buf + _size, b"$4\r\nXADD\r\n", 10)
+    _size += 10
+    _bulk(PyBytes_AS_STRING(stream), PyBytes_GET_SIZE(stream))
+    _bulk(b"*", 1)
+    for i in range(0, count - 1, 2):
+        _name((<list>entry)[i])
+        _arg((<list>entry)[i + 1])
+    return PyBytes_FromStringAndSize(_buf, _size)

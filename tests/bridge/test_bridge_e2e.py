@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 
 import pytest
 
@@ -70,6 +71,18 @@ def test_inserts_updates_deletes_reach_streams_in_commit_order(env):
 
     # the slot was acknowledged up to the end of what was published
     assert env.confirmed_flush() >= max(lsns)
+
+
+def test_the_bridge_says_once_at_start_which_hot_path_runs(env):
+    setup_rides(env)
+    env.execute("INSERT INTO riders (id, name, email, phone) VALUES (1, 'Ann', 'ann@example.com', '555-1234')")
+    pure = env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": "1"}).stderr
+    assert pure.count("hot path:") == 1 and "hot path: pure Python (CDC_PURE_PYTHON is set)" in pure
+    default = env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": ""}).stderr
+    built = importlib.util.find_spec("cdc.bridge._changes") is not None
+    assert default.count("hot path:") == 1
+    assert ("hot path: compiled" if built else "hot path: pure Python (the compiled extension is not built") in default
+    assert len(read_stream(env.redis, "cdc:rider")) == 1
 
 
 def test_truncate_and_rerun_publishes_nothing_twice(env):

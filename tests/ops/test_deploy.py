@@ -88,8 +88,9 @@ def test_systemd_unit_and_dockerfile_run_real_commands():
     cmd = re.search(r"^CMD (\[.*\])$", docker, re.M)
     assert entry and cmd
     parses_as_cdc(yaml.safe_load(cmd.group(1)))
-    for source in re.findall(r"^COPY (\S+)", docker, re.M):
-        assert (ROOT / source).exists(), source
+    for sources in re.findall(r"^COPY (?!--from=)(.+) \S+$", docker, re.M):  # from the repository, not a stage
+        for source in sources.split():
+            assert (ROOT / source).exists(), source
 
 
 def test_nightly_reconciliation_schedules_run_real_commands_on_valid_specs():
@@ -126,8 +127,9 @@ def test_nightly_reconciliation_schedules_run_real_commands_on_valid_specs():
     parses_as_cdc(compose["services"]["reconcile"]["command"])
     docker = (DEPLOY / "reconcile.Dockerfile").read_text()
     parses_as_cdc(yaml.safe_load(re.search(r"^CMD (\[.*\])$", docker, re.M).group(1)))
-    for source in re.findall(r"^COPY (\S+)", docker, re.M):
-        assert (ROOT / source).exists(), source
+    for sources in re.findall(r"^COPY (?!--from=)(.+) \S+$", docker, re.M):  # from the repository, not a stage
+        for source in sources.split():
+            assert (ROOT / source).exists(), source
     assert [s.name for s in load_specs(ROOT / "reconcile")] == ["ride-totals"]
 
 

@@ -402,16 +402,16 @@ def main() -> int:
     print("rates: changes / whole-process wall time (start to exit), each reader from its own slot on the same WAL;")
     print("ratio: to pg_recvlogical (pgoutput proto 1, to /dev/null) in the same run; best of the rounds")
     print()
-    header = (f"{'workload':<8} {'reader':<26} {'changes':>10} {'changes/s':>10} {'wall s':>7} {'ratio':>6} "
+    header = (f"{'workload':<8} {'reader':<28} {'changes':>10} {'changes/s':>10} {'wall s':>7} {'ratio':>6} "
               f"{'redis CPU µs/entry':>18} {'append cmd µs/entry':>19} {'peak RSS MiB':>12}")
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r.name:<8} {'pg_recvlogical':<26} {r.total:>10,} {r.recv['rate']:>10,.0f} {r.recv['wall']:>7.1f} "
+        print(f"{r.name:<8} {'pg_recvlogical':<28} {r.total:>10,} {r.recv['rate']:>10,.0f} {r.recv['wall']:>7.1f} "
               f"{1:>6.2f} {'':>18} {'':>19} {'':>12}")
         for (path, mode), b in r.bridge.items():
             cmd = f"{APPEND_COMMAND[mode][8:].upper()} {b['command_per_entry']:.2f}"
-            print(f"{'':<8} {'bridge ' + path + '/' + mode:<26} {r.total:>10,} {b['rate']:>10,.0f} {b['wall']:>7.1f} "
+            print(f"{'':<8} {'bridge ' + path + '/' + mode:<28} {r.total:>10,} {b['rate']:>10,.0f} {b['wall']:>7.1f} "
                   f"{b['rate'] / r.recv['rate']:>6.2f} {b['cpu_per_entry']:>18.2f} {cmd:>19} {b['rss'] / 2**20:>12.1f}")
     for r in results:
         print(f"{r.name}: {r.shape}")

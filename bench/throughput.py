@@ -26,7 +26,7 @@ steady 10,000 and then 50,000 changes/s (multi-row INSERTs in transactions of
 (ts_ms). The rate the writers actually achieved is printed beside p50/p99.
 
 Usage: python bench/throughput.py [--changes 1000000] [--workloads small,large,rss]
-       [--paths compiled,pure] [--modes script,transaction] [--rounds 1]
+       [--paths compiled,pure] [--modes script,transaction] [--rounds 2]
        [--latency-rates 10000,50000] [--latency-seconds 10]
 """
 
@@ -369,7 +369,7 @@ def main() -> int:
     parser.add_argument("--paths", type=csv(str), default=["compiled", "pure"],
                         help="the bridge's implementation: compiled (default), pure (CDC_PURE_PYTHON=1)")
     parser.add_argument("--modes", type=csv(str), default=["script", "transaction"], help="redis.append modes")
-    parser.add_argument("--rounds", type=int, default=1, help="drains of each reader, alternating; the best is shown")
+    parser.add_argument("--rounds", type=int, default=2, help="drains of each reader, alternating; the best is shown")
     parser.add_argument("--seed", type=float, default=0.42, help="setseed() of the small transactions' sizes")
     parser.add_argument("--latency-rates", type=csv(int), default=[10_000, 50_000], help="changes/s; empty: no latency run")
     parser.add_argument("--latency-seconds", type=float, default=10.0)

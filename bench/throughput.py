@@ -1,18 +1,33 @@
-"""Throughput and latency of the bridge, side by side with pg_recvlogical, in one run.
+"""Throughput, memory and latency of the bridge, side by side with pg_recvlogical, in one run.
 
-1. Commits N changes (inserts, updates, deletes over riders and rides).
-2. (a) pg_recvlogical with pgoutput drains them to /dev/null; (b) the bridge streams
-   the same changes (its own slot, created at the same point) into Redis, once per
-   append path (`redis.append: script`, the Lua script, then `transaction`, MULTI/EXEC),
-   each from its own slot into an emptied Redis; Redis' CPU per entry is read from
-   INFO cpu and INFO commandstats around each drain.
-3. Latency: the bridge runs continuously while a writer commits a steady
-   10,000 changes/s; each entry's latency is its Redis entry time minus its
-   commit time (ts_ms).
+Workloads (each committed after its own slots are created, so every reader drains the same WAL):
 
-Prints changes/s of each, their ratio to pg_recvlogical, Redis CPU per entry, the bridge's
-peak RSS and latency p50/p99 (transaction path).
-Usage: python bench/throughput.py [--changes 1000000] [--latency-seconds 10]
+- small: N changes over riders and rides (20% rider inserts, 40% ride inserts, 25% ride
+  updates, 15% ride deletes) in transactions of 1-20 changes (random sizes, seeded),
+  committed by a procedure that COMMITs inside its loop;
+- large: N changes to items (id bigint, qty int, price float8, name text, at timestamptz,
+  and an unmapped column `secret`) in transactions of N/5 or more changes: 50% inserts
+  (two transactions), 30% updates (one), 20% deletes (one);
+- rss: one transaction of 2,000,000 inserts into items (--rss-changes), for the bridge's
+  peak RSS through it.
+
+Each workload is drained by pg_recvlogical (pgoutput, to /dev/null, --endpos at the end) and by
+`cdc run --until-caught-up` once per implementation path (`compiled`, and `pure` with
+CDC_PURE_PYTHON=1) and append mode (`redis.append: script` and `transaction`), each from
+its own slot into an emptied Redis, alternating, `--rounds` times; the best of each is shown.
+Rates are changes over WHOLE-PROCESS WALL TIME (process start to exit) of each; every drain's
+entry count in Redis is checked against the changes committed. Redis' CPU per entry comes from
+INFO cpu (main thread) and INFO commandstats around each drain; the bridge's peak RSS is sampled
+every 50 ms.
+
+Latency: a bridge (compiled path, transaction append) runs continuously while writers commit a
+steady 10,000 and then 50,000 changes/s (multi-row INSERTs in transactions of
+--latency-tx-rows rows); each entry's latency is its Redis entry time minus its commit time
+(ts_ms). The rate the writers actually achieved is printed beside p50/p99.
+
+Usage: python bench/throughput.py [--changes 1000000] [--workloads small,large,rss]
+       [--paths compiled,pure] [--modes script,transaction] [--rounds 2]
+       [--latency-rates 10000,50000] [--latency-seconds 10]
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -39,40 +55,94 @@ SCHEMA = """
 CREATE TABLE riders (id bigint PRIMARY KEY, name text NOT NULL, email text NOT NULL);
 CREATE TABLE rides (id bigint PRIMARY KEY, rider_id bigint NOT NULL, distance_m numeric(12,3) NOT NULL,
                     status text NOT NULL DEFAULT 'done', internal_note text);
-CREATE PUBLICATION cdc FOR TABLE riders, rides;
+CREATE TABLE items (id bigint PRIMARY KEY, qty int NOT NULL, price float8 NOT NULL, name text NOT NULL,
+                    at timestamptz NOT NULL, secret text);
+CREATE PUBLICATION cdc FOR TABLE riders, rides, items;
+
+-- `total` changes over riders and rides in transactions of 1-20 changes (sizes from random(),
+-- seeded): 20% rider inserts, 40% ride inserts, 25% updates and 15% deletes of live rides
+CREATE PROCEDURE small_transactions(total bigint, seed float8, INOUT transactions bigint DEFAULT 0)
+LANGUAGE plpgsql AS $$
+DECLARE
+    done bigint := 0;
+    size int;
+    r float8;
+    next_rider bigint := 0;
+    next_ride bigint := 0;
+    oldest_ride bigint := 1;  -- rides are deleted oldest first: ids oldest_ride..next_ride are live
+    target bigint;
+BEGIN
+    PERFORM setseed(seed);
+    WHILE done < total LOOP
+        size := least(1 + floor(random() * 20)::int, total - done);
+        FOR k IN 1..size LOOP
+            r := random();
+            IF r < 0.20 THEN
+                next_rider := next_rider + 1;
+                INSERT INTO riders VALUES (next_rider, 'rider ' || next_rider, 'r' || next_rider || '@example.com');
+            ELSIF r < 0.60 OR next_ride < oldest_ride THEN
+                next_ride := next_ride + 1;
+                INSERT INTO rides (id, rider_id, distance_m, internal_note)
+                    VALUES (next_ride, 1 + next_ride % 1000, (next_ride % 100000) / 7.0, 'private');
+            ELSIF r < 0.85 THEN
+                target := oldest_ride + floor(random() * (next_ride - oldest_ride + 1))::bigint;
+                UPDATE rides SET distance_m = distance_m + 1 WHERE id = target;
+            ELSE
+                DELETE FROM rides WHERE id = oldest_ride;
+                oldest_ride := oldest_ride + 1;
+            END IF;
+        END LOOP;
+        done := done + size;
+        transactions := transactions + 1;
+        COMMIT;
+    END LOOP;
+END $$;
 """
 MAPPINGS = {
     "ride.yaml": "entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id, distance: distance_m, rider: rider_id, status: status}\n",
     "rider.yaml": "entity: rider\ntable: public.riders\nkey: [id]\nfields: {id: id, name: name, email: email}\n",
+    "item.yaml": "entity: item\ntable: public.items\nkey: [id]\nfields: {id: id, qty: qty, price: price, name: name, at: at}\n",
 }
-TX_ROWS = 1000
+STREAMS = {"small": ("cdc:ride", "cdc:rider"), "large": ("cdc:item",), "rss": ("cdc:item",)}
+WORKLOADS = ("small", "large", "rss")
+#: the command that appends a batch, whose INFO commandstats time includes the XADDs it runs
+APPEND_COMMAND = {"script": "cmdstat_evalsha", "transaction": "cmdstat_exec"}
+ITEM_ROWS = ("SELECT g, (g % 1000)::int, g * 0.25, 'item ' || g, timestamptz '2026-01-01 00:00:00+00' + g * interval '1 second', "
+             "'secret ' || g FROM generate_series({lo}, {hi}) g")
 
 
-def workload(conn: psycopg.Connection, changes: int) -> int:
-    """Commit about `changes` changes in transactions of TX_ROWS rows: 20% rider inserts,
-    40% ride inserts, 25% ride updates, 15% ride deletes. Returns the exact count."""
-    n_riders, n_rides = changes * 20 // 100, changes * 40 // 100
-    n_updates, n_deletes = changes * 25 // 100, changes * 15 // 100
-    for start in range(0, n_riders, TX_ROWS):
-        end = min(start + TX_ROWS, n_riders)
-        conn.execute(f"INSERT INTO riders SELECT g, 'rider ' || g, 'r' || g || '@example.com' FROM generate_series({start + 1}, {end}) g")
-    for start in range(0, n_rides, TX_ROWS):
-        end = min(start + TX_ROWS, n_rides)
-        conn.execute(
-            f"INSERT INTO rides (id, rider_id, distance_m, internal_note) "
-            f"SELECT g, 1 + g % {max(n_riders, 1)}, (g % 100000) / 7.0, 'private' FROM generate_series({start + 1}, {end}) g"
-        )
-    for start in range(0, n_updates, TX_ROWS):
-        end = min(start + TX_ROWS, n_updates)
-        conn.execute(f"UPDATE rides SET distance_m = distance_m + 1 WHERE id BETWEEN {start % n_rides + 1} AND {(end - 1) % n_rides + 1}")
-    for start in range(0, n_deletes, TX_ROWS):
-        end = min(start + TX_ROWS, n_deletes)
-        conn.execute(f"DELETE FROM rides WHERE id BETWEEN {n_rides - end + 1} AND {n_rides - start}")
-    return n_riders + n_rides + n_updates + n_deletes
+def workload_small(conn: psycopg.Connection, changes: int, seed: float) -> tuple[int, str]:
+    transactions = conn.execute("CALL small_transactions(%s, %s)", (changes, seed)).fetchone()[0]
+    return changes, f"{transactions:,} transactions of 1-20 changes (mean {changes / transactions:.1f})"
 
 
-def stream_total(client: redis.Redis) -> int:
-    return client.xlen("cdc:ride") + client.xlen("cdc:rider")
+def workload_large(conn: psycopg.Connection, changes: int) -> tuple[int, str]:
+    """Inserts in two transactions, updates in one, deletes in one: each at least changes/5."""
+    n_ins = changes * 50 // 100
+    n_upd = changes * 30 // 100
+    n_del = changes - n_ins - n_upd
+    half = n_ins // 2
+    sizes = []
+    for lo, hi in ((1, half), (half + 1, n_ins)):
+        conn.execute("INSERT INTO items " + ITEM_ROWS.format(lo=lo, hi=hi))
+        sizes.append(hi - lo + 1)
+    conn.execute(f"UPDATE items SET qty = qty + 1, price = price * 1.5, name = name || '+', at = at + interval '1 hour', "
+                 f"secret = 'changed' WHERE id BETWEEN 1 AND {n_upd}")
+    sizes.append(n_upd)
+    conn.execute(f"DELETE FROM items WHERE id BETWEEN {n_ins - n_del + 1} AND {n_ins}")
+    sizes.append(n_del)
+    return n_ins + n_upd + n_del, "transactions of " + " (insert), ".join(f"{s:,}" for s in sizes[:2]) + \
+        f" (insert), {sizes[2]:,} (update), {sizes[3]:,} (delete)"
+
+
+def workload_rss(conn: psycopg.Connection, changes: int) -> tuple[int, str]:
+    base = 1_000_000_000
+    conn.execute("INSERT INTO items " + ITEM_ROWS.format(lo=base + 1, hi=base + changes))
+    return changes, f"one transaction of {changes:,} inserts"
+
+
+def stream_total(client: redis.Redis, streams: tuple[str, ...]) -> int:
+    return sum(client.xlen(s) for s in streams)
 
 
 def id_ms(entry_id: bytes) -> int:
@@ -84,10 +154,6 @@ def register(config: Path) -> None:
     subprocess.run(cdc_command("init", config), cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-#: the command that appends a batch, whose INFO commandstats time includes the XADDs it runs
-APPEND_COMMAND = {"script": "cmdstat_evalsha", "transaction": "cmdstat_exec"}
-
-
 def redis_cpu_us(client: redis.Redis) -> float:
     """Redis' main-thread CPU so far, in µs (INFO cpu): commands, parsing and network."""
     cpu = client.info("cpu")
@@ -95,26 +161,60 @@ def redis_cpu_us(client: redis.Redis) -> float:
             + cpu.get("used_cpu_user_main_thread", cpu["used_cpu_user"])) * 1e6
 
 
-def drain(config: Path, client: redis.Redis, total: int, mode: str) -> dict:
-    """Run the bridge until caught up into an empty Redis; its rate, wall time, RSS and Redis CPU per entry."""
+def bridge_env(path: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("CDC_PURE_PYTHON", None)
+    if path == "pure":
+        env["CDC_PURE_PYTHON"] = "1"
+    return env
+
+
+def run_bridge(config: Path, args: list[str], path: str) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen(cdc_command("run", config, *args), cwd=ROOT, env=bridge_env(path))
+    peak = [0]
+
+    def sample() -> None:
+        try:
+            p = psutil.Process(proc.pid)
+            while proc.poll() is None:
+                peak[0] = max(peak[0], p.memory_info().rss)
+                time.sleep(0.05)
+        except psutil.Error:
+            return
+
+    threading.Thread(target=sample, daemon=True).start()
+    return proc, peak
+
+
+def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[str, ...], mode: str, path: str) -> dict:
+    """`cdc run --until-caught-up` into an empty Redis: whole-process wall time, peak RSS, Redis CPU per entry."""
     client.flushall()
     register(config)
     client.config_resetstat()
     cpu0 = redis_cpu_us(client)
     t0 = time.monotonic()
-    proc, peak = run_bridge(config, ["--until-caught-up"])
+    proc, peak = run_bridge(config, ["--until-caught-up"], path)
     if proc.wait() != 0:
-        raise SystemExit("bridge failed")
+        raise SystemExit(f"bridge failed ({config.name})")
     wall_s = time.monotonic() - t0
     cpu1 = redis_cpu_us(client)
     command_us = client.info("commandstats").get(APPEND_COMMAND[mode], {}).get("usec", 0)
-    got = stream_total(client)
-    assert got == total, f"bridge published {got} entries, expected {total}"
-    firsts = [client.xrange(s, count=1)[0][0] for s in ("cdc:ride", "cdc:rider")]
-    lasts = [client.xrevrange(s, count=1)[0][0] for s in ("cdc:ride", "cdc:rider")]
-    bridge_s = (max(map(id_ms, lasts)) - min(map(id_ms, firsts))) / 1000
-    return {"rate": total / bridge_s, "seconds": bridge_s, "wall": wall_s, "rss": peak[0],
-            "cpu_per_entry": (cpu1 - cpu0) / total, "command_per_entry": command_us / total}
+    got = stream_total(client, streams)
+    if got != total:
+        raise SystemExit(f"bridge ({path}, {mode}) published {got:,} entries, expected {total:,}")
+    return {"rate": total / wall_s, "wall": wall_s, "rss": peak[0], "cpu_per_entry": (cpu1 - cpu0) / total,
+            "command_per_entry": command_us / total}
+
+
+def drain_recvlogical(dsn: str, slot: str, end_lsn: str, total: int) -> dict:
+    t0 = time.monotonic()
+    subprocess.run(
+        [str(PG_BIN / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--endpos", end_lsn,
+         "-o", "proto_version=1", "-o", "publication_names=cdc", "-f", "/dev/null", "--no-loop"],
+        check=True,
+    )
+    wall_s = time.monotonic() - t0
+    return {"rate": total / wall_s, "wall": wall_s}
 
 
 def write_config(root: Path, name: str, pg_dsn: str, redis_url: str, slot: str, append: str) -> Path:
@@ -124,131 +224,210 @@ def write_config(root: Path, name: str, pg_dsn: str, redis_url: str, slot: str, 
     return config
 
 
-def run_bridge(config: Path, args: list[str]) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen(cdc_command("run", config, *args), cwd=ROOT)
-    peak = [0]
+@dataclass
+class WorkloadResult:
+    name: str
+    total: int
+    shape: str
+    recv: dict = field(default_factory=dict)
+    bridge: dict = field(default_factory=dict)  # (path, mode) -> the best drain
 
-    def sample() -> None:
-        p = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            try:
-                peak[0] = max(peak[0], p.memory_info().rss)
-            except psutil.NoSuchProcess:
-                return
-            time.sleep(0.05)
 
-    threading.Thread(target=sample, daemon=True).start()
-    return proc, peak
+def run_workload(name: str, args, root: Path, pg, rd, client: redis.Redis) -> WorkloadResult:
+    rounds = 1 if name == "rss" else args.rounds
+    variants = [(path, mode) for path in args.paths for mode in args.modes]
+    slots = {(i, v): f"b_{name}_{v[0]}_{v[1]}_{i}" for i in range(rounds) for v in variants}
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        for i in range(rounds):
+            conn.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}_{i}', 'pgoutput')")
+        for slot in slots.values():
+            conn.execute(f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')")
+        size = args.rss_changes if name == "rss" else args.changes
+        print(f"[{name}] committing {size:,} changes ...", flush=True)
+        t0 = time.monotonic()
+        if name == "small":
+            total, shape = workload_small(conn, size, args.seed)
+        elif name == "large":
+            total, shape = workload_large(conn, size)
+        else:
+            total, shape = workload_rss(conn, size)
+        end_lsn = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
+        print(f"[{name}]   committed {total:,} changes in {time.monotonic() - t0:.1f}s: {shape} (end {end_lsn})", flush=True)
+        conn.execute("CHECKPOINT")
+
+    result = WorkloadResult(name, total, shape)
+    for i in range(rounds):
+        # the readers alternate within each round, so that they share the machine's noise
+        r = drain_recvlogical(pg.dsn, f"recv_{name}_{i}", end_lsn, total)
+        print(f"[{name}]   round {i + 1}: pg_recvlogical {r['rate']:,.0f} changes/s ({r['wall']:.1f}s)", flush=True)
+        if not result.recv or r["rate"] > result.recv["rate"]:
+            result.recv = r
+        for v in variants:
+            path, mode = v
+            config = write_config(root, f"cdc-{slots[i, v]}.yaml", pg.dsn, rd.url, slots[i, v], mode)
+            b = drain_bridge(config, client, total, STREAMS[name], mode, path)
+            print(f"[{name}]   round {i + 1}: bridge {path}/{mode} {b['rate']:,.0f} changes/s ({b['wall']:.1f}s, "
+                  f"peak RSS {b['rss'] / 2**20:.0f} MiB)", flush=True)
+            if v not in result.bridge or b["rate"] > result.bridge[v]["rate"]:
+                result.bridge[v] = b
+    client.flushall()
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        # free the WAL and spill files the slots held
+        for slot in [f"recv_{name}_{i}" for i in range(rounds)] + list(slots.values()):
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        conn.execute("VACUUM ANALYZE")
+        conn.execute("CHECKPOINT")
+    return result
+
+
+def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, first_id: int, tx_rows: int,
+                   writers: int) -> tuple[list[int], float]:
+    """`writers` connections commit `rate` changes/s in all for `seconds` (multi-row INSERTs of `tx_rows`
+    rows, one per transaction); return per-entry latency in ms and the rate actually achieved."""
+    n_tx = max(1, int(seconds * rate / tx_rows / writers))  # per writer
+    interval = tx_rows * writers / rate
+    last = client.xrevrange("cdc:ride", count=1)
+    after = last[0][0].decode() if last else "0-0"
+    before = client.xlen("cdc:ride")
+    spans: list[tuple[float, float]] = []
+
+    def writer(w: int) -> None:
+        next_id = first_id + w * 10**9
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SET synchronous_commit = on")  # commits reach the walsender at once
+            start = time.monotonic()
+            for i in range(n_tx):
+                values = ",".join(f"({k},1,1.5)" for k in range(next_id, next_id + tx_rows))
+                conn.execute(f"INSERT INTO rides (id, rider_id, distance_m) VALUES {values}")
+                next_id += tx_rows
+                delay = start + (i + 1) * interval - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)  # pacing the writer to the target rate
+            spans.append((start, time.monotonic()))
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = n_tx * tx_rows * writers
+    achieved = expected / (max(e for _, e in spans) - min(s for s, _ in spans))
+    wait_for(lambda: client.xlen("cdc:ride") >= before + expected, 120, "the latency run to arrive")
+    ms, seq = after.split("-")
+    start_id = f"{ms}-{int(seq) + 1}"
+    latencies = []
+    while True:
+        page = client.xrange("cdc:ride", min=start_id, count=10_000)
+        for entry_id, fields in page:
+            latencies.append(id_ms(entry_id) - int(fields[b"ts_ms"]))
+        if len(page) < 10_000:
+            break
+        ms, seq = page[-1][0].decode().split("-")
+        start_id = f"{ms}-{int(seq) + 1}"
+    if os.environ.get("CDC_BENCH_DUMP"):
+        Path(f"{os.environ['CDC_BENCH_DUMP']}.{rate}").write_text("\n".join(map(str, latencies)))
+    return latencies, achieved
+
+
+def latency_runs(args, root: Path, pg, rd, client: redis.Redis) -> list[tuple[int, float, list[int]]]:
+    config = write_config(root, "cdc-latency.yaml", pg.dsn, rd.url, "latency", "transaction")
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_create_logical_replication_slot('latency', 'pgoutput')")
+    client.flushall()
+    register(config)
+    proc, _ = run_bridge(config, [], "compiled")
+    out = []
+    try:
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            now_lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+            wait_for(lambda: conn.execute("SELECT active AND confirmed_flush_lsn >= %s FROM pg_replication_slots "
+                                          "WHERE slot_name = 'latency'", (now_lsn,)).fetchone()[0],
+                     120, "the bridge to attach and catch up")
+        first_id = 10**12
+        for rate in args.latency_rates:
+            print(f"[latency] {rate:,} changes/s for {args.latency_seconds:.0f}s ...", flush=True)
+            latencies, achieved = steady_latency(pg.dsn, client, rate, args.latency_seconds, first_id,
+                                                 args.latency_tx_rows, args.latency_writers)
+            first_id += 10**11
+            out.append((rate, achieved, sorted(latencies)))
+            time.sleep(1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return out
+
+
+def csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--changes", type=int, default=1_000_000)
+    parser.add_argument("--changes", type=int, default=1_000_000, help="changes of the small and large workloads")
+    parser.add_argument("--rss-changes", type=int, default=2_000_000, help="changes in the rss workload's one transaction")
+    parser.add_argument("--workloads", type=csv(str), default=list(WORKLOADS), help="of small,large,rss")
+    parser.add_argument("--paths", type=csv(str), default=["compiled", "pure"],
+                        help="the bridge's implementation: compiled (default), pure (CDC_PURE_PYTHON=1)")
+    parser.add_argument("--modes", type=csv(str), default=["script", "transaction"], help="redis.append modes")
+    parser.add_argument("--rounds", type=int, default=2, help="drains of each reader, alternating; the best is shown")
+    parser.add_argument("--seed", type=float, default=0.42, help="setseed() of the small transactions' sizes")
+    parser.add_argument("--latency-rates", type=csv(int), default=[10_000, 50_000], help="changes/s; empty: no latency run")
     parser.add_argument("--latency-seconds", type=float, default=10.0)
-    parser.add_argument("--latency-rate", type=int, default=10_000, help="changes per second during the latency run")
-    parser.add_argument("--rounds", type=int, default=2, help="drains per append path, alternating; the best is shown")
+    parser.add_argument("--latency-tx-rows", type=int, default=100, help="rows per multi-row INSERT (one transaction)")
+    parser.add_argument("--latency-writers", type=int, default=2, help="writer connections")
     args = parser.parse_args()
+    for w in args.workloads:
+        if w not in WORKLOADS:
+            parser.error(f"unknown workload {w!r}")
+    for p in args.paths:
+        if p not in ("compiled", "pure"):
+            parser.error(f"unknown path {p!r}")
+    for m in args.modes:
+        if m not in APPEND_COMMAND:
+            parser.error(f"unknown append mode {m!r}")
 
-    with bench_servers("cdc-bench-", {"synchronous_commit": "off", "max_wal_size": "4GB"}) as (root, pg, rd):
+    started = time.monotonic()
+    settings = {"synchronous_commit": "off", "max_wal_size": "8GB", "max_replication_slots": "40", "max_wal_senders": "40"}
+    with bench_servers("cdc-bench-", settings) as (root, pg, rd):
         client = redis.Redis.from_url(rd.url)
         (root / "mappings").mkdir()
         for name, text in MAPPINGS.items():
             (root / "mappings" / name).write_text(text)
-        # each drain reads the same WAL from its own slot; the two paths alternate to share the noise
-        drains = [(mode, write_config(root, f"cdc-{mode}-{i}.yaml", pg.dsn, rd.url, f"bridge_{mode}_{i}", mode))
-                  for i in range(args.rounds) for mode in ("script", "transaction")]
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute(SCHEMA)
-            for slot in ("recv", *(f"bridge_{mode}_{i}" for i in range(args.rounds) for mode in ("script", "transaction"))):
-                conn.execute(f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')")
-            print(f"committing {args.changes:,} changes ...", flush=True)
-            t0 = time.monotonic()
-            total = workload(conn, args.changes)
-            end_lsn = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
-            print(f"  committed {total:,} changes in {time.monotonic() - t0:.1f}s (end {end_lsn})", flush=True)
+        results = [run_workload(name, args, root, pg, rd, client) for name in args.workloads]
+        latencies = latency_runs(args, root, pg, rd, client) if args.latency_rates else []
 
-        # (a) pg_recvlogical draining to /dev/null
-        t0 = time.monotonic()
-        subprocess.run(
-            [str(PG_BIN / "pg_recvlogical"), "-d", pg.dsn, "--slot", "recv", "--start", "--endpos", end_lsn,
-             "-o", "proto_version=1", "-o", "publication_names=cdc", "-f", "/dev/null", "--no-loop"],
-            check=True,
-        )
-        recv_s = time.monotonic() - t0
-        recv_rate = total / recv_s
-
-        # (b) the bridge, until everything is in Redis: the script path, then the transaction path
-        runs: dict[str, dict] = {}
-        for mode, mode_config in drains:
-            r = drain(mode_config, client, total, mode)
-            if mode not in runs or r["rate"] > runs[mode]["rate"]:
-                runs[mode] = r  # the best of the rounds: the one least disturbed by the shared machine
-
-        # latency at a steady rate, after the bulk run's vacuum and checkpoint work is done
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            conn.execute("VACUUM ANALYZE")
-            conn.execute("CHECKPOINT")
-        # the last drain's slot is at the end of the bulk changes: latency starts from there, steady
-        config, slot = drains[-1][1], f"bridge_transaction_{args.rounds - 1}"
-        client.flushall()
-        register(config)
-        proc, _ = run_bridge(config, [])
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            # wait until the walsender has skipped the WAL already acknowledged: latency is steady-state
-            now_lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
-            wait_for(lambda: conn.execute("SELECT active AND confirmed_flush_lsn >= %s FROM pg_replication_slots "
-                                          "WHERE slot_name = %s", (now_lsn, slot)).fetchone()[0],
-                     120, "the bridge to attach and catch up")
-        latencies = steady_latency(pg.dsn, client, args.latency_rate, args.latency_seconds, total)
-        proc.terminate()
-        proc.wait(30)
-
+    print()
+    print("rates: changes / whole-process wall time (start to exit), each reader from its own slot on the same WAL;")
+    print("ratio: to pg_recvlogical (pgoutput proto 1, to /dev/null) in the same run; best of the rounds")
+    print()
+    header = (f"{'workload':<8} {'reader':<28} {'changes':>10} {'changes/s':>10} {'wall s':>7} {'ratio':>6} "
+              f"{'redis CPU µs/entry':>18} {'append cmd µs/entry':>19} {'peak RSS MiB':>12}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r.name:<8} {'pg_recvlogical':<28} {r.total:>10,} {r.recv['rate']:>10,.0f} {r.recv['wall']:>7.1f} "
+              f"{1:>6.2f} {'':>18} {'':>19} {'':>12}")
+        for (path, mode), b in r.bridge.items():
+            cmd = f"{APPEND_COMMAND[mode][8:].upper()} {b['command_per_entry']:.2f}"
+            print(f"{'':<8} {'bridge ' + path + '/' + mode:<28} {r.total:>10,} {b['rate']:>10,.0f} {b['wall']:>7.1f} "
+                  f"{b['rate'] / r.recv['rate']:>6.2f} {b['cpu_per_entry']:>18.2f} {cmd:>19} {b['rss'] / 2**20:>12.1f}")
+    for r in results:
+        print(f"{r.name}: {r.shape}")
+    if latencies:
         print()
-        print(f"changes                      {total:>12,}")
-        print(f"pg_recvlogical (pgoutput)    {recv_rate:>12,.0f} changes/s  ({recv_s:.1f}s)")
-        for mode, r in runs.items():
-            print(f"bridge ({mode:<11}), first to last entry {r['rate']:>10,.0f} changes/s  ({r['seconds']:.1f}s; "
-                  f"{r['wall']:.1f}s wall incl. start-up)")
-            print(f"  ratio bridge / pg_recvlogical {r['rate'] / recv_rate:>10.2f}")
-            print(f"  redis CPU per entry           {r['cpu_per_entry']:>10.2f} µs (INFO cpu, main thread; "
-                  f"{r['command_per_entry']:.2f} µs in {APPEND_COMMAND[mode][8:].upper()} per INFO commandstats)")
-            print(f"  bridge peak RSS               {r['rss'] / 2**20:>10.1f} MiB")
-        t, sc = runs["transaction"], runs["script"]
-        print(f"transaction / script: throughput {t['rate'] / sc['rate']:.2f}, redis CPU per entry "
-              f"{t['cpu_per_entry'] / sc['cpu_per_entry']:.2f}")
-        latencies.sort()
-        if latencies:
-            p50 = latencies[len(latencies) // 2]
-            p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-            print(f"commit-to-stream latency at {args.latency_rate:,} changes/s: p50 {p50} ms, p99 {p99} ms ({len(latencies):,} entries)")
-        return 0
-
-
-def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, base_id: int) -> list[int]:
-    """Commit `rate` changes/s for `seconds` (100-row transactions); return per-entry latency in ms."""
-    per_tx = 100
-    interval = per_tx / rate
-    n_tx = int(seconds * rate / per_tx)
-    next_id = base_id * 10 + 1
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SET synchronous_commit = on")  # commits reach the walsender at once
-        start = time.monotonic()
-        for i in range(n_tx):
-            conn.execute(
-                f"INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1, 1.5 FROM generate_series({next_id}, {next_id + per_tx - 1}) g"
-            )
-            next_id += per_tx
-            delay = start + (i + 1) * interval - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)  # pacing the writer to the target rate
-    expected = n_tx * per_tx
-    wait_for(lambda: client.xlen("cdc:ride") >= expected, 120, "the latency run to arrive")
-    latencies = []
-    for entry_id, fields in client.xrange("cdc:ride"):
-        latencies.append(id_ms(entry_id) - int(fields[b"ts_ms"]))
-    if os.environ.get("CDC_BENCH_DUMP"):
-        Path(os.environ["CDC_BENCH_DUMP"]).write_text("\n".join(map(str, latencies)))
-    return latencies
+        print(f"commit-to-stream latency (bridge compiled/transaction; {args.latency_writers} writer(s), "
+              f"multi-row INSERTs of {args.latency_tx_rows} rows per transaction):")
+        for rate, achieved, lat in latencies:
+            if not lat:
+                continue
+            p50 = lat[len(lat) // 2]
+            p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+            print(f"  target {rate:>7,} changes/s, achieved {achieved:>9,.0f}: p50 {p50} ms, p99 {p99} ms, "
+                  f"max {lat[-1]} ms ({len(lat):,} entries)")
+    print(f"\nwhole benchmark: {time.monotonic() - started:.0f}s")
+    return 0
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ cdef enum:
     INSERT = 0x49  # 'I'
     UPDATE = 0x55  # 'U'
     DELETE = 0x44  # 'D'
+    BEGIN = 0x42  # 'B'
+    COMMIT = 0x43  # 'C'
     C_NULL = 0x6E  # a column's kind in a tuple: 'n'
     C_TEXT = 0x74  # 't'
     C_TOAST = 0x75  # 'u', unchanged TOAST
@@ -730,3 +732,80 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
             if not batcher.pending:
                 batcher.first_at = batcher.clock()
             batcher.pending += 1
+
+
+# -- the loop's inner part: the changes already received -----------------------------------------
+
+import time as _time
+
+from psycopg import Error as _PgError
+
+cdef object _monotonic = _time.monotonic
+
+
+cdef inline unsigned long long _u64(const unsigned char *p) noexcept:
+    cdef unsigned long long v = 0
+    cdef int i
+    for i in range(8):
+        v = (v << 8) | p[i]
+    return v
+
+
+cdef inline unsigned long _u32(const unsigned char *p) noexcept:
+    return (<unsigned long>p[0] << 24) | (<unsigned long>p[1] << 16) | (<unsigned long>p[2] << 8) | p[3]
+
+
+def burst(stream, dict targets, tx, batcher, windows, decoder, committed):
+    """Route the row changes that have already arrived, without waiting for more.
+
+    The inner part of `Session.run`'s loop, for the messages libpq holds: each
+    Insert, Update or Delete is counted, routed as `route_raw` does, and takes the
+    next seq; a Begin goes to `tx.begin_at` and a Commit to `tx.commit_at` and then
+    `committed(end LSN)`, as `Session.dispatch` does. Stops at the first other
+    message (returned for the loop, which also decodes, and so names, anything
+    malformed), when none is left, or when the batch is due (the rule of
+    `Batcher.due`). Returns (changes read, that message or None).
+    """
+    cdef Py_ssize_t count = 0, n, size, pending
+    cdef Py_ssize_t max_entries = batcher.max_entries
+    cdef double max_delay = batcher.max_delay
+    cdef const unsigned char *p
+    cdef unsigned char kind
+    cdef unsigned long relid
+    get = stream.get_copy_data
+    while count < 65536:
+        try:
+            n, data = get(1)
+        except _PgError as exc:
+            raise stream.failure(exc) from exc
+        if n <= 0:
+            if n == 0:
+                return count, None
+            raise stream.failure(n)
+        raw = bytes(data)
+        size = PyBytes_GET_SIZE(raw)
+        p = <const unsigned char *>PyBytes_AS_STRING(raw)
+        if size < 30 or p[0] != 0x77:  # not XLogData with a change's relid: the loop's
+            return count, raw
+        kind = p[25]
+        if kind != INSERT and kind != UPDATE and kind != DELETE:
+            if kind == BEGIN and size == 25 + 21 and not decoder.streaming:
+                tx.begin_at(_u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
+                continue
+            if kind == COMMIT and size == 25 + 26 and not decoder.streaming:
+                committed(tx.commit_at(_u64(p + 35)))
+                pending = batcher.pending
+                if pending and (pending >= max_entries or _monotonic() - batcher.first_at >= max_delay):
+                    return count, None
+                continue
+            return count, raw
+        count += 1
+        relid = (<unsigned long>p[26] << 24) | (p[27] << 16) | (p[28] << 8) | p[29]
+        tlist = targets.get(relid)
+        if tlist:
+            route_raw(kind, raw, 25, tlist, tx, batcher, windows, decoder)
+        tx.seq += 1
+        pending = batcher.pending
+        if pending and (pending >= max_entries or _monotonic() - batcher.first_at >= max_delay):
+            return count, None
+    return count, None

@@ -20,7 +20,8 @@ from .backfill import Windows
 from .batcher import Batcher
 from .transaction import Transaction
 
-__all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_raw", "route_change", "route_truncate",
+__all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_raw", "route_change", "burst_changes",
+           "route_truncate",
            "route_message"]
 
 INSERT, UPDATE, DELETE = ord("I"), ord("U"), ord("D")
@@ -92,6 +93,9 @@ def route_raw(kind: int, raw: bytes, offset: int, targets: list[Target], tx: Tra
 _compiled = speedups.load("cdc.bridge._changes")
 #: `route_raw`, compiled where the extension is built
 route_change = _compiled.route_raw if _compiled is not None else route_raw
+#: compiled only: the changes already received, routed in one call (`Session.run` reads them one by one
+#: without it)
+burst_changes = _compiled.burst if _compiled is not None else None
 
 
 def route_truncate(msg: pg.Truncate, targets: dict[int, list[Target]], tx: Transaction, batcher: Batcher,

@@ -32,7 +32,7 @@ from ..source.framing import parse_copy_data
 from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
 from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows
-from .changes import DELETE, INSERT, UPDATE, Target, route_change, route_message, route_truncate
+from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .inflight import InFlight
 from .snapshot import queue_chunk
 from .transaction import Transaction
@@ -98,7 +98,9 @@ class Session:
 
     def run(self) -> None:
         bridge, t, batcher, tx, windows, targets = self.bridge, self.timers, self.batcher, self.tx, self.windows, self.targets
-        read, decoder, route, monotonic = self.stream.read, self.decoder, route_change, time.monotonic
+        stream, read, decoder, route, monotonic = self.stream, self.stream.read, self.decoder, route_change, time.monotonic
+        burst = burst_changes  # compiled: the changes already received, routed in one call
+        count = 0
         max_entries, max_delay = batcher.max_entries, batcher.max_delay
         xlog, header, relid_at, relid = _W, _XLOG_HEADER, _XLOG_HEADER + 1, _RELID  # locals: read per message
         self.drive_backfill()  # resume what a previous session left unfinished
@@ -107,29 +109,39 @@ class Session:
             # `now`: taken after the previous read, a message's work ago
             if now >= t.guard:
                 self.guard(now)
-            if batcher.pending:
-                raw = read(0)
-            else:
-                # wake up for the status update, the caught-up poll, or the silence limit
-                raw = read(max(0.0, min(t.status, t.poll or t.status, t.heard + self.receive_timeout) - monotonic()))
-            now = monotonic()
+            raw = None
+            if burst is not None:
+                count, raw = burst(stream, targets, tx, batcher, windows, decoder, self.committed)
+                if count:
+                    bridge.changes_read += count
+                    t.heard = now = monotonic()
+            if raw is None and not count:
+                if batcher.pending:
+                    raw = read(0)
+                else:
+                    # wake up for the status update, the caught-up poll, or the silence limit
+                    raw = read(max(0.0, min(t.status, t.poll or t.status, t.heard + self.receive_timeout) - monotonic()))
+                now = monotonic()
+                if raw is None:
+                    if self.idle(now):
+                        return
+                    continue
+                t.heard = now
             if raw is None:
-                if self.idle(now):
-                    return
-                continue
-            t.heard = now
-            if raw[0] != xlog:
+                pass  # the burst stopped at a due batch or at the end of what had arrived
+            elif raw[0] != xlog:
                 self.keepalive(raw)
                 continue
-            kind = raw[header]
-            if kind == INSERT or kind == UPDATE or kind == DELETE:
-                bridge.changes_read += 1
-                tlist = targets.get(relid(raw, relid_at)[0])
-                if tlist:
-                    route(kind, raw, header, tlist, tx, batcher, windows, decoder)
-                tx.seq += 1
             else:
-                self.dispatch(kind, raw)
+                kind = raw[header]
+                if kind == INSERT or kind == UPDATE or kind == DELETE:
+                    bridge.changes_read += 1
+                    tlist = targets.get(relid(raw, relid_at)[0])
+                    if tlist:
+                        route(kind, raw, header, tlist, tx, batcher, windows, decoder)
+                    tx.seq += 1
+                else:
+                    self.dispatch(kind, raw)
             pending = batcher.pending
             if pending and (pending >= max_entries or now - batcher.first_at >= max_delay):
                 self.flush(wait=False)  # the rule of `Batcher.due`, inline on the hot path
@@ -149,10 +161,7 @@ class Session:
         if kind == _BEGIN:
             self.tx.begin(msg)
         elif kind == _COMMIT:
-            self.bridge.transactions += 1
-            end = self.tx.commit(msg)
-            # while a window is open, a replay must start before its low watermark
-            self.ack.committed(end, bool(self.windows.open), not self.batcher.pending and not self.inflight.busy)
+            self.committed(self.tx.commit(msg))
         elif kind == _RELATION:
             self.targets[msg.relid] = self.bridge.bind(msg, self.conn, self.batcher)
         elif kind == _TRUNCATE:
@@ -163,6 +172,12 @@ class Session:
             self.message(msg)
         else:
             raise SourceError(f"unexpected pgoutput message {type(msg).__name__} (streaming and two-phase are not enabled)")
+
+    def committed(self, end: Lsn) -> None:
+        """A transaction ended at `end` (its Commit's end LSN)."""
+        self.bridge.transactions += 1
+        # while a window is open, a replay must start before its low watermark
+        self.ack.committed(end, bool(self.windows.open), not self.batcher.pending and not self.inflight.busy)
 
     def message(self, msg: pg.Message) -> None:
         if msg.prefix == WATERMARK_PREFIX:

@@ -30,18 +30,25 @@ class Transaction:
         self.seq = 0
 
     def begin(self, msg: Begin) -> None:
-        final = int(msg.final_lsn)
+        self.begin_at(int(msg.final_lsn), msg.commit_ts, msg.xid)
+
+    def begin_at(self, final: int, commit_ts: int, xid: int) -> None:
+        """A Begin's fields as they are on the wire: its commit LSN, commit time (PostgreSQL's) and xid."""
         self.open = True
         self.seq = 0
         self.lsn = str(final)
         self.prefix = f"{final:020d}"
-        self.xid = str(msg.xid)
-        self.ts = str(pg_ts_to_unix_ms(msg.commit_ts))
+        self.xid = str(xid)
+        self.ts = str(pg_ts_to_unix_ms(commit_ts))
 
     def commit(self, msg: Commit) -> Lsn:
         """Close the transaction; the LSN a replay would resume from after it."""
+        return self.commit_at(msg.end_lsn)
+
+    def commit_at(self, end_lsn: int) -> Lsn:
+        """`commit` from the Commit's end LSN as it is on the wire."""
         self.open = False
-        return msg.end_lsn
+        return Lsn(end_lsn)
 
     def position(self) -> str:
         """The comparable position of the current change (see `cdc.sink.publisher.position`)."""

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""`xadd_command` of `cdc.sink.transaction`, compiled: an entry packed as one RESP command.
+"""`xadd_command` and `pack_past` of `cdc.sink.transaction`, compiled: entries packed as RESP commands.
 
-`cdc.sink.transaction.xadd_command` is the specification; this gives the same bytes
+`cdc.sink.transaction` is the specification; this gives the same bytes
 (tests/sink/test_compiled_resp.py compares them on generated entries).
 """
 
@@ -116,3 +116,65 @@ def xadd_command(bytes stream, entry):
         _name((<list>entry)[i])
         _arg((<list>entry)[i + 1])
     return PyBytes_FromStringAndSize(_buf, _size)
+
+
+cdef bint _simple(object entry):
+    """An entry as the bridge makes them: a list of bytes names and bytes, str or int values, then a position."""
+    cdef Py_ssize_t i, count
+    if type(entry) is not list:
+        return False
+    count = len(<list>entry)
+    if count % 2 == 0:
+        return False
+    for i in range(0, count - 1, 2):
+        if type((<list>entry)[i]) is not bytes:
+            return False
+        value = (<list>entry)[i + 1]
+        if type(value) is not bytes and type(value) is not str and type(value) is not int:
+            return False
+    return True
+
+
+def pack_past(bytes stream, entries, str held):
+    """The ``XADD`` commands of the entries whose position (last item) is past `held`, joined.
+
+    Also how many there are and the last one's position (None when there is none).
+    """
+    global _size
+    cdef Py_ssize_t count = 0, i, n
+    cdef list chunks = []
+    last = None
+    _size = 0
+    for entry in entries:
+        pos = entry[len(entry) - 1]  # not entry[-1]: negative indices are off in this module
+        if not pos > held:
+            continue
+        count += 1
+        last = pos
+        if _simple(entry):
+            start = _size
+            try:
+                n = len(<list>entry)
+                _number(b'*', n + 2)
+                _reserve(10)
+                memcpy(_buf + _size, b"$4\r\nXADD\r\n", 10)
+                _size += 10
+                _bulk(PyBytes_AS_STRING(stream), PyBytes_GET_SIZE(stream))
+                _bulk(b"*", 1)
+                for i in range(0, n - 1, 2):
+                    _name((<list>entry)[i])
+                    _arg((<list>entry)[i + 1])
+                continue
+            except Exception:
+                _size = start  # a str that is not valid UTF-8: the reference says so
+        # anything else as `xadd_command` packs it (which uses the buffer: keep what is in it)
+        if _size:
+            chunks.append(PyBytes_FromStringAndSize(_buf, _size))
+            _size = 0
+        chunks.append(xadd_command(stream, entry))
+        _size = 0  # xadd_command leaves its own command in the buffer
+    if chunks:
+        if _size:
+            chunks.append(PyBytes_FromStringAndSize(_buf, _size))
+        return b"".join(chunks), count, last
+    return PyBytes_FromStringAndSize(_buf, _size), count, last

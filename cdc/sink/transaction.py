@@ -24,7 +24,7 @@ from .. import speedups
 from ..errors import PublishError
 from .node import Node, classify
 
-__all__ = ["TransactionLane", "xadd_command", "pack_xadd"]
+__all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_xadd", "pack_entries"]
 
 log = logging.getLogger("cdc.publish")
 
@@ -70,9 +70,25 @@ def xadd_command(stream: bytes, entry: Sequence) -> bytes:
     return template % tuple(args)
 
 
+def pack_past(stream: bytes, entries: Sequence[Sequence], held: str) -> tuple[bytes, int, str | None]:
+    """The ``XADD`` commands of the entries whose position (last item) is past `held`, joined.
+
+    Also how many there are and the last one's position (None when there is none).
+    """
+    commands = []
+    last = None
+    for entry in entries:
+        pos = entry[-1]
+        if pos > held:
+            commands.append(xadd_command(stream, entry))
+            last = pos
+    return b"".join(commands), len(commands), last
+
+
 _compiled = speedups.load("cdc.sink._resp")
-#: `xadd_command`, compiled where the extension is built (the same bytes)
+#: `xadd_command` and `pack_past`, compiled where the extension is built (the same bytes)
 pack_xadd = _compiled.xadd_command if _compiled is not None else xadd_command
+pack_entries = _compiled.pack_past if _compiled is not None else pack_past
 
 
 class _Plan:
@@ -132,22 +148,17 @@ class TransactionLane:
         commands = [MULTI]
         appended = []
         marks = self.marks
+        queued = 0  # commands inside MULTI/EXEC
         for stream, mark, entries in group:
-            held = marks[mark]
-            stream_b = stream.encode()
-            count = 0
-            last = None
-            for entry in entries:
-                pos = entry[-1]
-                if pos > held:
-                    commands.append(pack_xadd(stream_b, entry))
-                    count += 1
-                    last = pos
+            packed, count, last = pack_entries(stream.encode(), entries, marks[mark])
             if last is not None:
+                commands.append(packed)
                 commands.append(hiredis.pack_command((b"SET", mark, last)))
+                queued += count + 1
             appended.append(count)
         if flushed is not None and flushed[1] > int(marks[flushed[0]] or 0):
             commands.append(hiredis.pack_command((b"SET", flushed[0], str(flushed[1]))))
+            queued += 1
         commands.append(EXEC)
         watched = list(marks)
         commands.append(hiredis.pack_command((b"WATCH", *watched)))
@@ -156,7 +167,7 @@ class TransactionLane:
         if size > self._largest:
             self._largest = size
         self.node.send(commands + after)
-        self._plan = _Plan(group, flushed, after, len(commands) - 4, appended, watched)
+        self._plan = _Plan(group, flushed, after, queued, appended, watched)
 
     def confirm(self) -> tuple[list[int], list]:
         """Read the replies of the last send: entries appended per stream, and the `after` replies.

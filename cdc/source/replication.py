@@ -147,6 +147,21 @@ class ReplicationStream:
             raise self._fail(exc) from exc
         log.info("replication started slot=%s publication=%s proto=%d", self.slot, self.publication, self.proto_version)
 
+    @property
+    def get_copy_data(self):
+        """libpq's PQgetCopyData on this connection: (size, message), (0, ...) when no whole message is
+        buffered, a negative size when COPY ended or failed (`failure` says which)."""
+        return self.conn.pgconn.get_copy_data
+
+    def failure(self, outcome: int | BaseException) -> CdcError:
+        """The error for what `get_copy_data` gave instead of a message: -1 (the server ended
+        COPY), another negative status (a failure), or the exception it raised."""
+        if isinstance(outcome, BaseException):
+            return self._fail(outcome)
+        if outcome == -1:
+            return self._ended()
+        return self._fail(psycopg.OperationalError(self.conn.pgconn.get_error_message()))
+
     def read(self, timeout: float) -> bytes | None:
         """The next CopyData payload, or None when nothing arrived within `timeout` seconds."""
         pgconn = self.conn.pgconn

@@ -45,6 +45,13 @@ class Stream:
         self.bridge.stopping = True
         return None
 
+    def get_copy_data(self, async_: int) -> tuple[int, bytes]:
+        """libpq's view, for the compiled loop: a message already received, or (0, b"") at a gap or the end."""
+        if self.messages and self.messages[0] is not None:
+            raw = self.messages.pop(0)
+            return len(raw), raw
+        return 0, b""
+
     def send_status(self, write: int, flush: int, apply: int, reply: bool = False) -> None:
         self.statuses.append((flush, frozenset(self.publisher.confirmed)))
 

@@ -18,7 +18,7 @@ import os
 import shutil
 import struct
 import sysconfig
-from datetime import datetime, timedelta
+from datetime import datetime
 from decimal import Decimal
 
 import orjson
@@ -106,9 +106,6 @@ floats_text = st.one_of(
                      "0.0001", "123456789012345", "1e+15", "999999999999999.9", "0.30000000000000004",
                      "1.7976931348623157e+308", "5e-324", "100", "-1", "3.14"]),
 )
-
-BASE_DATE = datetime(2000, 1, 1)
-
 
 def pg_timestamp(moment: datetime) -> str:
     text = moment.isoformat(sep=" ")
@@ -241,7 +238,9 @@ def damaged(draw, oid: int) -> str:
 
 
 def column_value(oid: int, garbage: bool) -> st.SearchStrategy:
-    text = (well_formed(oid) | GARBAGE | damaged(oid)) if garbage else well_formed(oid)
+    if garbage:  # now and then a value in binary format (bytes), which the compiled path leaves alone
+        return st.one_of(well_formed(oid), GARBAGE, damaged(oid), st.none(), st.binary(max_size=6))
+    text = well_formed(oid)
     return st.one_of(text, text, text, st.none())
 
 
@@ -585,9 +584,6 @@ def test_a_filtered_mapping_matches():
 
 
 def test_invalid_utf8_and_binary_values_raise_or_match_alike():
-    raw_bad = po.Insert(RELID, ("1", "x", "1"))
-    want = run(changes.route_raw, RIDES, [rides_mapping()], [raw_bad])
-    assert want["error"] is None
     compiled = compiled_changes()
     for bad in (b"\xff", b"\xed\xa0\x80", b"ok\xc3"):
         msg = b"I" + struct.pack(">I", RELID) + b"N" + struct.pack(">H", 3) + b"t" + struct.pack(">i", 1) + b"1" \

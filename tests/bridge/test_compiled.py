@@ -34,7 +34,7 @@ from cdc.bridge.transaction import Transaction
 from cdc.mapping.model import parse_mapping
 from cdc.source import pgoutput as po
 from cdc.source.lsn import Lsn
-from cdc.source.values import TypeCatalog
+from cdc.source.values import TypeCatalog, TypeInfo
 from pgoutput_encoder import encode
 
 SALT_ENV = {"CDC_TEST_SALT": "p\u00e9pper"}
@@ -407,7 +407,7 @@ def typed(value):
     return (type(value).__name__, value)
 
 
-def run(route, rel, maps, msgs, window: bool = False, streamed: bool = False):
+def run(route, rel, maps, msgs, window: bool = False, streamed: bool = False, catalog=TypeCatalog):
     """Every message through `route` on a fresh setup; what it queued and counted, and how it stopped."""
     decoder = po.PgOutputDecoder()
     relation = rel
@@ -417,7 +417,7 @@ def run(route, rel, maps, msgs, window: bool = False, streamed: bool = False):
     relation = decoder.decode(encode(relation))
     batcher = Batcher(max_entries=10**6, max_delay_s=60.0, clock=Clock())
     read = {m.entity: [0] for m in maps}
-    targets = changes.bind(relation, maps, TypeCatalog(), batcher, read)
+    targets = changes.bind(relation, maps, catalog(), batcher, read)
     tx = Transaction()
     tx.begin(po.PgOutputDecoder().decode(encode(BEGIN)))
     windows = Windows()
@@ -576,6 +576,40 @@ RIDES = po.Relation(RELID, "public", "t", "d", (
 def rides_mapping(**extra):
     raw = {"entity": "e0", "table": "public.t", "key": ["id"], "fields": {"id": "c0", "name": "c1", "x": "c2"}}
     return parse_mapping({**raw, **extra}, SALT_ENV)
+
+
+# domains over the types the compiled path writes itself, an enum, an array of a domain
+DOMAINS = {90001: 23, 90002: 701, 90003: 1184, 90004: 3802, 90005: 16, 90006: 90001}
+ENUM, DOMAIN_ARRAY = 90010, 90011
+
+
+def catalog_with_domains() -> TypeCatalog:
+    catalog = TypeCatalog()
+    for oid, base in DOMAINS.items():
+        catalog.add(TypeInfo(oid, f"d{oid}", "d", base_oid=base))
+    catalog.add(TypeInfo(ENUM, "mood", "e"))
+    catalog.add(TypeInfo(DOMAIN_ARRAY, "_d90002", "b", elem_oid=90002))
+    return catalog
+
+
+@settings(max_examples=100, **SLOW_SETTINGS)
+@given(st.data())
+def test_domains_and_enums_match(data):
+    oids = (20,) + tuple(DOMAINS) + (ENUM, DOMAIN_ARRAY)
+    rel = po.Relation(RELID, "public", "t", "d", tuple(po.Column(i == 0, f"c{i}", oid, -1)
+                                                       for i, oid in enumerate(oids)))
+    base = {**DOMAINS, 90006: 23, ENUM: 25}
+    garbage = data.draw(st.integers(0, 4)) == 0
+
+    def value(oid: int):
+        if oid == DOMAIN_ARRAY:
+            return st.none() | array_text(st.none() | floats_text)
+        return column_value(base.get(oid, oid), garbage)
+
+    values = tuple(data.draw(value(oid)) for oid in oids)
+    assume(values[0] is not None)
+    m = plain_mapping(rel)
+    assert_same(rel, [m], [po.Insert(RELID, values), po.Delete(RELID, "O", values)], catalog=catalog_with_domains)
 
 
 def test_a_filtered_mapping_matches():

@@ -707,16 +707,26 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
         return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
     outs = []
     _out.size = 0
-    for t in targets:
-        plan_obj = t.plan
-        if plan_obj is None:
-            plan_obj = t.plan = _plan_for(t.projector)
-        if plan_obj is False:
-            return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
-        out = _project(<Plan>plan_obj, kind, _new, old, old_kind, <const char *>data)
-        if out is False:
-            return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
-        outs.append(out)
+    try:
+        for t in targets:
+            plan_obj = t.plan
+            if plan_obj is None:
+                plan_obj = t.plan = _plan_for(t.projector)
+            if plan_obj is False:
+                break
+            out = _project(<Plan>plan_obj, kind, _new, old, old_kind, <const char *>data)
+            if out is False:
+                break
+            outs.append(out)
+    except Exception:
+        # A value its converter or orjson refuses. The reference has by then counted the
+        # change read and queued the entries of the mappings before it, and it converts
+        # every field of a row before writing any (so another field may fail first): it
+        # takes the change, to fail the same way after the same side effects.
+        _out.size = 0
+        outs = None
+    if outs is None or len(outs) != len(targets):
+        return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
     # every target is projected: now queue them, as `route_row` and `Batcher.add` do
     cdef Py_ssize_t seq
     for i in range(len(targets)):

@@ -112,9 +112,19 @@ def xadd_command(bytes stream, entry):
     _size += 10
     _bulk(PyBytes_AS_STRING(stream), PyBytes_GET_SIZE(stream))
     _bulk(b"*", 1)
-    for i in range(0, count - 1, 2):
-        _name((<list>entry)[i])
-        _arg((<list>entry)[i + 1])
+    try:
+        for i in range(0, count - 1, 2):
+            name = (<list>entry)[i]
+            if type(name) is not bytes and type(name) is not str:
+                # the reference keys its formats on the names, and equal names of other
+                # types (1 and True) share one: it packs those
+                return _reference()(stream, entry)
+            _name(name)
+            _arg((<list>entry)[i + 1])
+    except Exception:
+        # a str that is not valid UTF-8 (a lone surrogate): the reference encodes every
+        # name before any value, so which one it reports is its own to say
+        return _reference()(stream, entry)
     return PyBytes_FromStringAndSize(_buf, _size)
 
 

@@ -1,0 +1,140 @@
+"""The compiled XADD packer against its specification: the same entries, the same command bytes.
+
+`cdc.sink._resp.xadd_command` must give exactly the bytes of
+`cdc.sink.transaction.xadd_command` (the pure-Python reference) for any entry the
+bridge queues: field names as bytes or str, values as bytes, str, int or anything
+else (written as its str), unicode, empty values, '%' anywhere; and, for what
+cannot be packed, the same exception.
+"""
+
+from __future__ import annotations
+
+import importlib
+from decimal import Decimal
+
+import hiredis
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from cdc import speedups
+from cdc.sink import transaction
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def compiled_resp():
+    try:
+        return importlib.import_module("cdc.sink._resp")
+    except ImportError as exc:
+        pytest.skip(f"the compiled hot path is not built ({exc})")
+
+
+def outcome(pack, stream, entry):
+    try:
+        return pack(stream, entry)
+    except Exception as exc:
+        return (type(exc), str(exc))
+
+
+def assert_same(stream, entry):
+    compiled = compiled_resp()
+    want = outcome(transaction.xadd_command, stream, list(entry) if isinstance(entry, list) else entry)
+    got = outcome(compiled.xadd_command, stream, list(entry) if isinstance(entry, list) else entry)
+    assert got == want
+    return want
+
+
+text = st.text(st.characters(codec="utf-8"), max_size=12)
+names = st.one_of(
+    st.sampled_from([b"op", b"key", b"data", b"before", b"unchanged", b"lsn", b"seq", b"xid", b"ts_ms", b"v"]),
+    st.binary(max_size=8),
+    text,
+    st.sampled_from(["%", "%s", "%%", "%d", b"%", b"%s", b"%%d", "caf\u00e9", "\U0001f600", ""]),
+)
+other_names = st.one_of(st.integers(-3, 3), st.booleans(), st.floats(), st.none(), st.binary(max_size=4).map(bytearray))
+values = st.one_of(
+    st.binary(max_size=40),
+    text,
+    st.integers(),
+    st.integers(-(2**63), 2**63),
+    st.floats(),
+    st.booleans(),
+    st.none(),
+    st.decimals(allow_nan=False),
+    st.binary(max_size=8).map(bytearray),
+    st.sampled_from([b"", "", 0, -1, "%d", b"%s", "\x00\r\n", b"\r\n"]),
+)
+streams = st.one_of(
+    st.sampled_from([b"cdc:ride", b"cdc:{ride}:0", b""]),
+    st.binary(max_size=16),
+    st.text(st.characters(codec="utf-8"), max_size=8).map(str.encode),
+)
+positions = st.one_of(st.just("00000000000000001234" + "0000000007"), text)
+
+
+@st.composite
+def entries(draw, names=names):
+    pairs = draw(st.lists(st.tuples(names, values), max_size=12))
+    entry = [x for pair in pairs for x in pair]
+    entry.append(draw(positions))
+    return entry
+
+
+@settings(max_examples=500, **SETTINGS)
+@given(streams, entries())
+@example(b"s", [b"op", b"c", "position"])
+@example(b"s", ["position"])
+@example(b"s%d", ["na%me", "va%lue", "%s", b"%d", "p"])
+@example(b"s", [b"k", "", b"n", b"", b"i", 0, "p"])
+@example(b"s", ["caf\u00e9", "\U0001f600 \x00", b"v", -(2**70), "p"])
+@example(b"s", [b"seq", 7, b"v", 1, b"f", 1.5, b"b", True, b"n", None, b"d", Decimal("1.10"), "p"])
+@example(b"s", [b"bad", "\ud800", "p"])
+@example(b"s", ["\udc00", b"v", "p"])
+@example(b"s", [b"a", "\ud800", "\udc00", b"v", "p"])
+@example(b"s", [b"a", b"1", b"b"])  # an even count: no position
+@example(b"s", [])
+def test_compiled_xadd_command_packs_what_the_reference_packs(stream, entry):
+    assert_same(stream, entry)
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(streams, entries(names | other_names))
+@example(b"s", [1, b"a", True, b"b", "p"])
+@example(b"s", [1.0, b"a", "p"])
+@example(b"s", [[1], b"a", "p"])
+def test_names_of_other_types_pack_alike(stream, entry):
+    assert_same(stream, entry)
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(streams, entries())
+def test_tuples_and_other_sequences_pack_alike(stream, entry):
+    assert_same(stream, tuple(entry))
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(streams, st.lists(st.tuples(st.binary(max_size=8), st.binary(max_size=16)), max_size=6))
+def test_the_command_is_what_hiredis_packs(stream, pairs):
+    entry = [x for pair in pairs for x in pair] + ["pos"]
+    want = hiredis.pack_command((b"XADD", stream, b"*", *entry[:-1]))
+    assert compiled_resp().xadd_command(stream, entry) == want == transaction.xadd_command(stream, entry)
+
+
+def test_pack_xadd_is_the_compiled_one_unless_pure_is_forced(monkeypatch):
+    compiled = compiled_resp()
+    if speedups._forced_pure():
+        assert transaction.pack_xadd is transaction.xadd_command
+    else:
+        assert transaction.pack_xadd is compiled.xadd_command
+    monkeypatch.setenv(speedups.PURE_ENV, "1")
+    assert speedups.load("cdc.sink._resp") is None
+    monkeypatch.setenv(speedups.PURE_ENV, "0")
+    assert speedups.load("cdc.sink._resp") is compiled
+
+
+def test_equal_names_of_other_types_pack_as_the_reference_packs_them():
+    """The reference keeps one format per (stream, names): 1 and True, 1 and 1.0 are the same key to it."""
+    compiled = compiled_resp()
+    for entry in ([1, b"a", "p"], [True, b"a", "p"], [1.0, b"a", "p"], [b"x", b"a", "p"], [[1], b"a", "p"]):
+        assert outcome(compiled.xadd_command, b"quirk", entry) == outcome(transaction.xadd_command, b"quirk", entry)

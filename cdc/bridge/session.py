@@ -131,6 +131,11 @@ class Session:
                 pass  # the burst stopped at a due batch or at the end of what had arrived
             elif raw[0] != xlog:
                 self.keepalive(raw)
+                # the server has nothing to send right now: do what waits for that (confirm the batch in
+                # flight, tell the slot, see whether caught up), or keepalives in a row (while other
+                # databases write, or on polls) would hold it back as long as they come
+                if self.idle(now):
+                    return
                 continue
             else:
                 kind = raw[header]

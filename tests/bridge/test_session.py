@@ -38,6 +38,7 @@ class Stream:
     def __init__(self, bridge: Bridge, messages: list[bytes | None], publisher: Publisher) -> None:
         self.bridge, self.messages, self.publisher = bridge, list(messages), publisher
         self.statuses: list[tuple[int, frozenset]] = []  # (flush LSN told, the entries Redis had confirmed then)
+        self.told: list[tuple[int, int]] = []  # (flush LSN told, messages still to read then)
 
     def read(self, timeout: float) -> bytes | None:
         if self.messages:
@@ -54,6 +55,7 @@ class Stream:
 
     def send_status(self, write: int, flush: int, apply: int, reply: bool = False) -> None:
         self.statuses.append((flush, frozenset(self.publisher.confirmed)))
+        self.told.append((flush, len(self.messages)))
 
 
 class Publisher:
@@ -121,6 +123,16 @@ def test_a_keepalive_past_everything_sent_moves_the_slot_on():
     assert bridge.durable_lsn == 1008, "entries were pending: the keepalive's position is not ours to take"
     bridge, stream, _ = run(pending[:-1] + [None] + pending[-1:], max_entries=100)
     assert bridge.durable_lsn == 5000 and stream.statuses[-1][0] == 5000
+
+
+def test_keepalives_in_a_row_do_not_hold_back_the_batch_in_flight():
+    """The server sends keepalives, not silence, while other databases write: the loop must not wait for
+    silence to confirm the last batch and tell the slot."""
+    messages = [xlog(RIDES)] + transaction(1000, range(3)) + [keepalive(900)] * 5
+    bridge, stream, publisher = run(messages, max_entries=3)  # the batch is due, and sent, at the last insert
+    assert publisher.batches == [[0, 1, 2]]
+    told_early = [lsn for lsn, left in stream.told if left > 0]
+    assert told_early and max(told_early) == 1008, stream.told
 
 
 def test_an_unmapped_table_publishes_nothing_but_its_commit_is_acknowledged():

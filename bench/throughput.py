@@ -210,7 +210,8 @@ def drain_recvlogical(dsn: str, slot: str, end_lsn: str, total: int) -> dict:
     t0 = time.monotonic()
     subprocess.run(
         [str(PG_BIN / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--endpos", end_lsn,
-         "-o", "proto_version=1", "-o", "publication_names=cdc", "-f", "/dev/null", "--no-loop"],
+         "-o", "proto_version=1", "-o", "publication_names=cdc", "-o", "messages=true", "-f", "/dev/null",
+         "--no-loop"],
         check=True,
     )
     wall_s = time.monotonic() - t0
@@ -252,6 +253,9 @@ def run_workload(name: str, args, root: Path, pg, rd, client: redis.Redis) -> Wo
         else:
             total, shape = workload_rss(conn, size)
         end_lsn = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
+        # a message past the end, so that pg_recvlogical sees it has reached --endpos at once instead of
+        # waiting for a keepalive (which can take seconds); the bridge reads it too, and skips it
+        conn.execute("SELECT pg_logical_emit_message(false, 'bench-end', '')")
         print(f"[{name}]   committed {total:,} changes in {time.monotonic() - t0:.1f}s: {shape} (end {end_lsn})", flush=True)
         conn.execute("CHECKPOINT")
 

@@ -99,50 +99,49 @@ cdef int _name(object name) except -1:
     return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
 
 
-def xadd_command(bytes stream, entry):
-    """``XADD stream * field value ...`` for an entry (its field/value list, then its position), packed."""
+cdef int _append_xadd(bytes stream, object entry) except -1:
+    """Append ``XADD stream * field value ...`` for `entry` to the buffer; 0 when the reference must pack it.
+
+    An exception (a str that is not valid UTF-8) leaves part of a command in the
+    buffer: the caller puts the buffer back and hands the entry to the reference,
+    which encodes every name before any value, so which one it reports is its own
+    to say.
+    """
     global _size
-    cdef Py_ssize_t count = len(entry), i
-    if type(entry) is not list or count % 2 == 0:
-        return _reference()(stream, entry)
-    _size = 0
+    cdef Py_ssize_t count, i
+    if type(entry) is not list:
+        return 0
+    count = len(<list>entry)
+    if count % 2 == 0:
+        return 0
     _number(b'*', count + 2)  # XADD, stream, '*', then the pairs (the position is not sent)
-    _reserve(14)
+    _reserve(10)
     memcpy(_buf + _size, b"$4\r\nXADD\r\n", 10)
     _size += 10
     _bulk(PyBytes_AS_STRING(stream), PyBytes_GET_SIZE(stream))
     _bulk(b"*", 1)
+    for i in range(0, count - 1, 2):
+        name = (<list>entry)[i]
+        if type(name) is not bytes and type(name) is not str:
+            # the reference keys its formats on the names, and equal names of other
+            # types (1 and True) share one: it packs those
+            return 0
+        _name(name)
+        _arg((<list>entry)[i + 1])
+    return 1
+
+
+def xadd_command(bytes stream, entry):
+    """``XADD stream * field value ...`` for an entry (its field/value list, then its position), packed."""
+    global _size
+    _size = 0
     try:
-        for i in range(0, count - 1, 2):
-            name = (<list>entry)[i]
-            if type(name) is not bytes and type(name) is not str:
-                # the reference keys its formats on the names, and equal names of other
-                # types (1 and True) share one: it packs those
-                return _reference()(stream, entry)
-            _name(name)
-            _arg((<list>entry)[i + 1])
+        packed = _append_xadd(stream, entry)
     except Exception:
-        # a str that is not valid UTF-8 (a lone surrogate): the reference encodes every
-        # name before any value, so which one it reports is its own to say
+        packed = 0
+    if not packed:
         return _reference()(stream, entry)
     return PyBytes_FromStringAndSize(_buf, _size)
-
-
-cdef bint _simple(object entry):
-    """An entry as the bridge makes them: a list of bytes names and bytes, str or int values, then a position."""
-    cdef Py_ssize_t i, count
-    if type(entry) is not list:
-        return False
-    count = len(<list>entry)
-    if count % 2 == 0:
-        return False
-    for i in range(0, count - 1, 2):
-        if type((<list>entry)[i]) is not bytes:
-            return False
-        value = (<list>entry)[i + 1]
-        if type(value) is not bytes and type(value) is not str and type(value) is not int:
-            return False
-    return True
 
 
 def pack_past(bytes stream, entries, str held):
@@ -151,7 +150,7 @@ def pack_past(bytes stream, entries, str held):
     Also how many there are and the last one's position (None when there is none).
     """
     global _size
-    cdef Py_ssize_t count = 0, i, n
+    cdef Py_ssize_t count = 0, start
     cdef list chunks = []
     last = None
     _size = 0
@@ -161,28 +160,19 @@ def pack_past(bytes stream, entries, str held):
             continue
         count += 1
         last = pos
-        if _simple(entry):
-            start = _size
-            try:
-                n = len(<list>entry)
-                _number(b'*', n + 2)
-                _reserve(10)
-                memcpy(_buf + _size, b"$4\r\nXADD\r\n", 10)
-                _size += 10
-                _bulk(PyBytes_AS_STRING(stream), PyBytes_GET_SIZE(stream))
-                _bulk(b"*", 1)
-                for i in range(0, n - 1, 2):
-                    _name((<list>entry)[i])
-                    _arg((<list>entry)[i + 1])
-                continue
-            except Exception:
-                _size = start  # a str that is not valid UTF-8: the reference says so
-        # anything else as `xadd_command` packs it (which uses the buffer: keep what is in it)
+        start = _size
+        try:
+            packed = _append_xadd(stream, entry)
+        except Exception:
+            packed = 0
+        if packed:
+            continue
+        # the reference packs this one: keep what the buffer holds before it
+        _size = start
         if _size:
             chunks.append(PyBytes_FromStringAndSize(_buf, _size))
             _size = 0
-        chunks.append(xadd_command(stream, entry))
-        _size = 0  # xadd_command leaves its own command in the buffer
+        chunks.append(_reference()(stream, entry))
     if chunks:
         if _size:
             chunks.append(PyBytes_FromStringAndSize(_buf, _size))

@@ -30,10 +30,23 @@ cdef object _dumps = orjson.dumps
 cdef object _crc32 = zlib.crc32
 
 
-cdef object _route_row(kind, msg, targets, tx, batcher, windows):
-    """The specification, for the changes this module does not take (imported late: it imports this)."""
-    from .changes import route_row
-    return route_row(kind, msg, targets, tx, batcher, windows)
+cdef object _reference(kind, raw, offset, targets, tx, batcher, windows, decoder):
+    """`cdc.bridge.changes.route_raw`, the specification, for the changes this module does not take
+    (imported late: that module imports this one)."""
+    from .changes import route_raw
+    return route_raw(kind, raw, offset, targets, tx, batcher, windows, decoder)
+
+
+cdef inline unsigned long long _u64(const unsigned char *p) noexcept:
+    cdef unsigned long long v = 0
+    cdef int i
+    for i in range(8):
+        v = (v << 8) | p[i]
+    return v
+
+
+cdef inline unsigned long _u32(const unsigned char *p) noexcept:
+    return (<unsigned long>p[0] << 24) | (<unsigned long>p[1] << 16) | (<unsigned long>p[2] << 8) | p[3]
 
 cdef enum:
     INSERT = 0x49  # 'I'
@@ -308,8 +321,7 @@ cdef class Row:
             if kind == C_TEXT:
                 if off + 5 > have:
                     return _NOT_HANDLED
-                size = ((<Py_ssize_t>data[off + 1] << 24) | (data[off + 2] << 16) | (data[off + 3] << 8)
-                        | data[off + 4])
+                size = _u32(data + off + 1)
                 off += 5
                 if off + size > have:
                     return _NOT_HANDLED
@@ -672,9 +684,8 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
     cdef Py_ssize_t have = PyBytes_GET_SIZE(raw), off
     cdef unsigned char action, old_kind = 0
     cdef Row old = None
-    cdef Plan plan
     if windows.tables or decoder.streaming or offset + 6 > have:
-        return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
+        return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
     action = data[offset + 5]
     off = offset + 6
     if kind == INSERT:
@@ -704,7 +715,7 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
         else:
             off = _NOT_HANDLED
     if off != have:
-        return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
+        return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
     outs = []
     _out.size = 0
     try:
@@ -726,7 +737,7 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
         _out.size = 0
         outs = None
     if outs is None or len(outs) != len(targets):
-        return _route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
+        return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
     # every target is projected: now queue them, as `route_row` and `Batcher.add` do
     cdef Py_ssize_t seq
     for i in range(len(targets)):
@@ -751,18 +762,6 @@ import time as _time
 from psycopg import Error as _PgError
 
 cdef object _monotonic = _time.monotonic
-
-
-cdef inline unsigned long long _u64(const unsigned char *p) noexcept:
-    cdef unsigned long long v = 0
-    cdef int i
-    for i in range(8):
-        v = (v << 8) | p[i]
-    return v
-
-
-cdef inline unsigned long _u32(const unsigned char *p) noexcept:
-    return (<unsigned long>p[0] << 24) | (<unsigned long>p[1] << 16) | (<unsigned long>p[2] << 8) | p[3]
 
 
 def burst(stream, dict targets, tx, batcher, windows, decoder, committed):
@@ -810,7 +809,7 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed):
                 continue
             return count, raw
         count += 1
-        relid = (<unsigned long>p[26] << 24) | (p[27] << 16) | (p[28] << 8) | p[29]
+        relid = _u32(p + 26)
         tlist = targets.get(relid)
         if tlist:
             route_raw(kind, raw, 25, tlist, tx, batcher, windows, decoder)

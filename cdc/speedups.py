@@ -18,7 +18,6 @@ __all__ = ["PURE_ENV", "load", "describe"]
 
 PURE_ENV = "CDC_PURE_PYTHON"
 _MODULES = ("cdc.bridge._changes", "cdc.sink._resp")
-_missing: dict[str, str] = {}
 
 
 def _forced_pure() -> bool:
@@ -31,8 +30,7 @@ def load(name: str) -> ModuleType | None:
         return None
     try:
         return importlib.import_module(name)
-    except ImportError as exc:
-        _missing[name] = str(exc)
+    except ImportError:
         return None
 
 

@@ -24,7 +24,7 @@ from .. import speedups
 from ..errors import PublishError
 from .node import Node, classify
 
-__all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_xadd", "pack_entries"]
+__all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_entries"]
 
 log = logging.getLogger("cdc.publish")
 
@@ -86,8 +86,7 @@ def pack_past(stream: bytes, entries: Sequence[Sequence], held: str) -> tuple[by
 
 
 _compiled = speedups.load("cdc.sink._resp")
-#: `xadd_command` and `pack_past`, compiled where the extension is built (the same bytes)
-pack_xadd = _compiled.xadd_command if _compiled is not None else xadd_command
+#: `pack_past`, compiled where the extension is built (the same bytes)
 pack_entries = _compiled.pack_past if _compiled is not None else pack_past
 
 

@@ -121,12 +121,12 @@ def test_the_command_is_what_hiredis_packs(stream, pairs):
     assert compiled_resp().xadd_command(stream, entry) == want == transaction.xadd_command(stream, entry)
 
 
-def test_pack_xadd_is_the_compiled_one_unless_pure_is_forced(monkeypatch):
+def test_the_lane_packs_with_the_compiled_code_unless_pure_is_forced(monkeypatch):
     compiled = compiled_resp()
     if speedups._forced_pure():
-        assert transaction.pack_xadd is transaction.xadd_command
+        assert transaction.pack_entries is transaction.pack_past
     else:
-        assert transaction.pack_xadd is compiled.xadd_command
+        assert transaction.pack_entries is compiled.pack_past
     monkeypatch.setenv(speedups.PURE_ENV, "1")
     assert speedups.load("cdc.sink._resp") is None
     monkeypatch.setenv(speedups.PURE_ENV, "0")

@@ -112,8 +112,8 @@ class Session:
             raw = None
             if burst is not None:
                 count, raw = burst(stream, targets, tx, batcher, windows, decoder, self.committed)
-                if count:
-                    bridge.changes_read += count
+                bridge.changes_read += count
+                if count or raw is not None:  # the server was heard, as after a read
                     t.heard = now = monotonic()
             if raw is None and not count:
                 if batcher.pending:

@@ -19,15 +19,17 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
+import time
 import zlib
 
 import orjson
+from psycopg import Error as _PgError
 
-from ..mapping import projector as _projector_module
 from ..source import values as _values_module
 
 cdef object _dumps = orjson.dumps
 cdef object _crc32 = zlib.crc32
+cdef object _monotonic = time.monotonic
 
 
 cdef object _reference(kind, raw, offset, targets, tx, batcher, windows, decoder):
@@ -354,14 +356,12 @@ cdef class Plan:
     cdef int *key_order  # insert/update: field numbers of the key, in key order
     cdef int nkey_plan
     cdef int *key_plan  # delete, before: field numbers of the key, in field order
-    cdef bytes consts  # b',"name":value...' appended to data, or b''
-    cdef bint has_consts
+    cdef bytes consts  # b',"name":value...' appended to data, or b'' when the mapping has none
     cdef int partitions
     cdef int npart
     cdef int *part_by  # per partition_by name: its index in key_order
     cdef int *part_by_plan  # and in key_plan
     cdef bint c, u, d, before
-    cdef object version
 
     def __dealloc__(self):
         free(self.cols)
@@ -382,25 +382,26 @@ cdef int *_ints(list values) except NULL:
     return out
 
 
-cdef dict _KINDS = {}
+# the reference's converters this module writes itself, by identity
+cdef dict _KINDS = {
+    id(int): K_INT,
+    id(_values_module._float): K_FLOAT,
+    id(_values_module._bool): K_BOOL,
+    id(_values_module._timestamp): K_TIMESTAMP,
+    id(_values_module._timestamptz): K_TIMESTAMPTZ,
+    id(str): K_TEXT,
+    id(orjson.Fragment): K_JSON,
+}
 
 
 cdef int _kind_of(object conv):
-    if not _KINDS:
-        _KINDS[id(int)] = K_INT
-        _KINDS[id(_values_module._float)] = K_FLOAT
-        _KINDS[id(_values_module._bool)] = K_BOOL
-        _KINDS[id(_values_module._timestamp)] = K_TIMESTAMP
-        _KINDS[id(_values_module._timestamptz)] = K_TIMESTAMPTZ
-        _KINDS[id(str)] = K_TEXT
-        _KINDS[id(orjson.Fragment)] = K_JSON
     return _KINDS.get(id(conv), K_GENERIC)
 
 
 cdef object _plan_for(object projector):
     """A `Plan` for the projector, or False when the reference must take its changes (filters)."""
     cdef Plan plan
-    cdef list names, quoted, convs, cols, kinds, fields
+    cdef list fields
     if projector._filter:
         return False
     fields = [name for name, _, _ in projector._plan]
@@ -428,7 +429,6 @@ cdef object _plan_for(object projector):
     plan.key_order = _ints([fields.index(name) for name in key_order])
     plan.nkey_plan = len(key_plan)
     plan.key_plan = _ints([fields.index(name) for name in key_plan])
-    plan.has_consts = bool(consts)
     plan.consts = b"".join(b"," + _dumps(name) + b":" + _dumps(value) for name, value in consts.items())
     plan.partitions = partitions
     plan.npart = len(part_by)
@@ -437,7 +437,6 @@ cdef object _plan_for(object projector):
     ops = projector._ops
     plan.c, plan.u, plan.d = "c" in ops, "u" in ops, "d" in ops
     plan.before = bool(projector._before)
-    plan.version = projector._version
     return plan
 
 
@@ -549,7 +548,7 @@ cdef int _row(Plan plan, Row row, const char *data, Row fallback, list unchanged
             _value(plan, f, data + (<Row>row_from).starts[col], (<Row>row_from).sizes[col])
         _spans[2 * f] = start
         _spans[2 * f + 1] = _out.size
-    if plan.has_consts:
+    if plan.consts:
         if first:
             _put_bytes(plan.consts[1:])
         else:
@@ -757,12 +756,6 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
 
 # -- the loop's inner part: the changes already received -----------------------------------------
 
-import time as _time
-
-from psycopg import Error as _PgError
-
-cdef object _monotonic = _time.monotonic
-
 
 def burst(stream, dict targets, tx, batcher, windows, decoder, committed):
     """Route the row changes that have already arrived, without waiting for more.
@@ -797,23 +790,20 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed):
         if size < 30 or p[0] != 0x77:  # not XLogData with a change's relid: the loop's
             return count, raw
         kind = p[25]
-        if kind != INSERT and kind != UPDATE and kind != DELETE:
-            if kind == BEGIN and size == 25 + 21 and not decoder.streaming:
-                tx.begin_at(_u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
-                continue
-            if kind == COMMIT and size == 25 + 26 and not decoder.streaming:
-                committed(tx.commit_at(_u64(p + 35)))
-                pending = batcher.pending
-                if pending and (pending >= max_entries or _monotonic() - batcher.first_at >= max_delay):
-                    return count, None
-                continue
+        if kind == INSERT or kind == UPDATE or kind == DELETE:
+            count += 1
+            relid = _u32(p + 26)
+            tlist = targets.get(relid)
+            if tlist:
+                route_raw(kind, raw, 25, tlist, tx, batcher, windows, decoder)
+            tx.seq += 1
+        elif kind == BEGIN and size == 25 + 21 and not decoder.streaming:
+            tx.begin_at(_u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
+            continue
+        elif kind == COMMIT and size == 25 + 26 and not decoder.streaming:
+            committed(tx.commit_at(_u64(p + 35)))
+        else:
             return count, raw
-        count += 1
-        relid = _u32(p + 26)
-        tlist = targets.get(relid)
-        if tlist:
-            route_raw(kind, raw, 25, tlist, tx, batcher, windows, decoder)
-        tx.seq += 1
         pending = batcher.pending
         if pending and (pending >= max_entries or _monotonic() - batcher.first_at >= max_delay):
             return count, None

@@ -38,6 +38,9 @@ class PostgresSettings:
     #: retained-WAL alarm levels in bytes (0: half and four fifths of max_slot_wal_keep_size, else 1 GiB and 10 GiB)
     retained_wal_warn_bytes: int = 0
     retained_wal_critical_bytes: int = 0
+    #: ask the server to stream large transactions while they run (pgoutput streaming, PostgreSQL 14+):
+    #: their changes arrive as the server decodes them, held by the bridge until the commit
+    streaming: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,10 @@ class BatchSettings:
     status_interval_s: float = 1.0
     #: rows per snapshot/backfill chunk (one transaction and one WAL message each)
     backfill_chunk_rows: int = 1000
+    #: memory for streamed transactions still running, in MiB; past it their changes spill to disk
+    stream_buffer_mb: int = 64
+    #: where streamed transactions spill, relative to the config file (empty: $TMPDIR, else /tmp)
+    spill_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,9 @@ class Settings:
         specs = Path(sections["reconcile"].specs)
         if not specs.is_absolute():
             sections["reconcile"] = dataclasses.replace(sections["reconcile"], specs=str(base_dir / specs))
+        spill = sections["batch"].spill_dir
+        if spill and not Path(spill).is_absolute():
+            sections["batch"] = dataclasses.replace(sections["batch"], spill_dir=str(base_dir / spill))
         return cls(**sections, mappings=mappings_path, source=source)
 
 
@@ -196,6 +206,9 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
             raise ConfigError(
                 f"{origin}: {name}.{key} must be {_KIND_NAMES[type(f.default)]}, got {value!r}"
             ) from None
+        least = _AT_LEAST.get((name, key))
+        if least is not None and values[key] < least:
+            raise ConfigError(f"{origin}: {name}.{key} must be at least {least}, got {value!r}")
         choices = _CHOICES.get((name, key))
         if choices and values[key] not in choices:
             raise ConfigError(f"{origin}: {name}.{key} must be one of {', '.join(choices)}, got {value!r}")
@@ -247,6 +260,8 @@ _CONNECTION_STRINGS = {
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 #: settings that take one of a few words
 _CHOICES = {("redis", "append"): ("transaction", "script")}
+#: numeric settings with a lower bound
+_AT_LEAST = {("batch", "stream_buffer_mb"): 1}
 
 
 def _coerce(value: Any, kind: type) -> Any:

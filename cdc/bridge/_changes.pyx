@@ -757,13 +757,15 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
 # -- the loop's inner part: the changes already received -----------------------------------------
 
 
-def burst(stream, dict targets, tx, batcher, windows, decoder, committed):
+def burst(stream, dict targets, tx, batcher, windows, decoder, committed, streams):
     """Route the row changes that have already arrived, without waiting for more.
 
     The inner part of `Session.run`'s loop, for the messages libpq holds: each
     Insert, Update or Delete is counted, routed as `route_raw` does, and takes the
     next seq; a Begin goes to `tx.begin_at` and a Commit to `tx.commit_at` and then
-    `committed(end LSN)`, as `Session.dispatch` does. Stops at the first other
+    `committed(end LSN)`, as `Session.dispatch` does. Inside a streamed block (of a
+    transaction still running) a change is counted and held in `streams` instead.
+    Stops at the first other
     message (returned for the loop, which also decodes, and so names, anything
     malformed), when none is left, or when the batch is due (the rule of
     `Batcher.due`). Returns (changes read, that message or None).
@@ -774,6 +776,7 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed):
     cdef const unsigned char *p
     cdef unsigned char kind
     cdef unsigned long relid
+    cdef bint streaming = streams.current is not None  # only the loop's messages start or stop a block
     get = stream.get_copy_data
     while count < 65536:
         try:
@@ -792,15 +795,18 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed):
         kind = p[25]
         if kind == INSERT or kind == UPDATE or kind == DELETE:
             count += 1
+            if streaming:
+                streams.add(raw[25:])
+                continue
             relid = _u32(p + 26)
             tlist = targets.get(relid)
             if tlist:
                 route_raw(kind, raw, 25, tlist, tx, batcher, windows, decoder)
             tx.seq += 1
-        elif kind == BEGIN and size == 25 + 21 and not decoder.streaming:
+        elif kind == BEGIN and size == 25 + 21 and not streaming:
             tx.begin_at(_u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
             continue
-        elif kind == COMMIT and size == 25 + 26 and not decoder.streaming:
+        elif kind == COMMIT and size == 25 + 26 and not streaming:
             committed(tx.commit_at(_u64(p + 35)))
         else:
             return count, raw

@@ -270,7 +270,8 @@ class Bridge:
             publisher.replicated()  # the record a session starts from must be on the replicas too
             self._release_stale_walsender(catalog_conn)
             try:
-                stream.start(0, messages=True)  # logical messages carry backfill watermarks too
+                # logical messages carry backfill watermarks too
+                stream.start(0, messages=True, streaming=pgs.streaming)
                 self.state = "streaming"
                 self.backoff.streaming(time.monotonic())
                 self._stream(Session(self, stream, publisher, catalog_conn, held))

@@ -35,6 +35,7 @@ from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .inflight import InFlight
 from .snapshot import queue_chunk
+from .streamed import StreamedTransactions
 from .transaction import Transaction
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ log = logging.getLogger("cdc.bridge")
 _W = 0x77  # XLogData
 _XLOG_HEADER = 25
 _BEGIN, _COMMIT, _RELATION, _TRUNCATE, _MESSAGE = (ord(c) for c in "BCRTM")
+_STREAM_START, _STREAM_STOP, _STREAM_COMMIT, _STREAM_ABORT = (ord(c) for c in "SEcA")
 _IGNORED = frozenset(ord(c) for c in "OY")
 _RELID = struct.Struct(">I").unpack_from  # a change's relid, read before deciding to decode it
 _CAUGHT_UP_POLL_S = 0.1
@@ -89,6 +91,8 @@ class Session:
         self.ack = bridge.ack
         self.ack.resume(held)  # what Redis records now, not what an earlier session remembered
         self.windows = Windows()  # open backfill watermark windows
+        # transactions the server streams while they run, held until they end
+        self.streams = StreamedTransactions(settings.batch.stream_buffer_mb << 20, settings.batch.spill_dir)
         self.backfill = BackfillDriver(settings.postgres.slot, bridge.mappings, settings.batch.backfill_chunk_rows)
         self.snapshot_projectors: dict[str, Projector] = {}
         pgs = settings.postgres
@@ -97,8 +101,19 @@ class Session:
     # -- the loop ---------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            streams = self.streams
+            if streams.committed or streams.aborted or streams.held:
+                log.info("streamed transactions: %d committed, %d aborted, %d left open; %d bytes spilled to disk",
+                         streams.committed, streams.aborted, len(streams.held), streams.spilled_bytes)
+            streams.close()  # a new session receives what was held again, from the server
+
+    def _run(self) -> None:
         bridge, t, batcher, tx, windows, targets = self.bridge, self.timers, self.batcher, self.tx, self.windows, self.targets
         stream, read, decoder, route, monotonic = self.stream, self.stream.read, self.decoder, route_change, time.monotonic
+        streams = self.streams
         burst = burst_changes  # compiled: the changes already received, routed in one call
         count = 0
         max_entries, max_delay = batcher.max_entries, batcher.max_delay
@@ -111,7 +126,7 @@ class Session:
                 self.guard(now)
             raw = None
             if burst is not None:
-                count, raw = burst(stream, targets, tx, batcher, windows, decoder, self.committed)
+                count, raw = burst(stream, targets, tx, batcher, windows, decoder, self.committed, streams)
                 bridge.changes_read += count
                 if count or raw is not None:  # the server was heard, as after a read
                     t.heard = now = monotonic()
@@ -141,12 +156,17 @@ class Session:
                 kind = raw[header]
                 if kind == INSERT or kind == UPDATE or kind == DELETE:
                     bridge.changes_read += 1
-                    tlist = targets.get(relid(raw, relid_at)[0])
-                    if tlist:
-                        route(kind, raw, header, tlist, tx, batcher, windows, decoder)
-                    tx.seq += 1
+                    if streams.current is not None:  # a change of a transaction still running: held
+                        streams.add(raw[header:])
+                    else:
+                        tlist = targets.get(relid(raw, relid_at)[0])
+                        if tlist:
+                            route(kind, raw, header, tlist, tx, batcher, windows, decoder)
+                        tx.seq += 1
+                elif streams.current is not None and kind != _STREAM_STOP:
+                    self.held(kind, raw[header:])
                 else:
-                    self.dispatch(kind, raw)
+                    self.dispatch(kind, raw[header:])
             pending = batcher.pending
             if pending and (pending >= max_entries or now - batcher.first_at >= max_delay):
                 self.flush(wait=False)  # the rule of `Batcher.due`, inline on the hot path
@@ -158,11 +178,12 @@ class Session:
         self.report()
         log.info("stopped at %s", self.ack.durable)
 
-    def dispatch(self, kind: int, raw: bytes) -> None:
-        """Every message but a row change: transaction bounds, relations, truncates, logical messages."""
+    def dispatch(self, kind: int, body: bytes) -> None:
+        """Every message but a row change (`body`, without its XLogData header): transaction bounds,
+        relations, truncates, logical messages, and the bounds of streamed transactions."""
         if kind in _IGNORED:
             return
-        msg = self.decode(raw[_XLOG_HEADER:])
+        msg = self.decode(body)
         if kind == _BEGIN:
             self.tx.begin(msg)
         elif kind == _COMMIT:
@@ -175,8 +196,49 @@ class Session:
             self.tx.seq += 1
         elif kind == _MESSAGE:
             self.message(msg)
+        elif kind == _STREAM_START:
+            self.streams.start(msg.xid, msg.first_segment)
+        elif kind == _STREAM_STOP:
+            self.streams.stop()
+        elif kind == _STREAM_COMMIT:
+            self.stream_commit(msg)
+        elif kind == _STREAM_ABORT:
+            self.streams.abort(msg.xid, msg.subxid)
         else:
-            raise SourceError(f"unexpected pgoutput message {type(msg).__name__} (streaming and two-phase are not enabled)")
+            raise SourceError(f"unexpected pgoutput message {type(msg).__name__} (two-phase is not enabled)")
+
+    def held(self, kind: int, message: bytes) -> None:
+        """A message other than a row change inside a streamed block: held with the changes, but for
+        the block's bounds (a Stream Start inside a block is the server's error, named by `streams`)."""
+        if kind == _STREAM_START:
+            self.dispatch(kind, message)
+        elif kind not in _IGNORED:
+            self.streams.add(message)
+
+    def stream_commit(self, msg: pg.StreamCommit) -> None:
+        """A streamed transaction committed: route what was held, as the same transaction unstreamed.
+
+        Each message takes its place in a transaction that begins at the commit's LSN, so
+        every entry gets the position it would have had without streaming.
+        """
+        tx, targets, batcher, windows, decoder = self.tx, self.targets, self.batcher, self.windows, self.decoder
+        route, relid, now = route_change, _RELID, time.monotonic
+        max_entries, max_delay = batcher.max_entries, batcher.max_delay
+        tx.begin_at(int(msg.commit_lsn), msg.commit_ts, msg.xid)
+        for body in self.streams.commit(msg.xid):
+            kind = body[0]
+            if kind == INSERT or kind == UPDATE or kind == DELETE:
+                tlist = targets.get(relid(body, 1)[0])
+                if tlist:
+                    route(kind, body, 0, tlist, tx, batcher, windows, decoder)
+                tx.seq += 1
+            else:
+                self.dispatch(kind, body)
+            pending = batcher.pending
+            if pending and (pending >= max_entries or now() - batcher.first_at >= max_delay):
+                self.flush(wait=False)
+                self.report()
+        self.committed(tx.commit_at(int(msg.end_lsn)))
 
     def committed(self, end: Lsn) -> None:
         """A transaction ended at `end` (its Commit's end LSN)."""
@@ -195,7 +257,8 @@ class Session:
 
     def keepalive(self, raw: bytes) -> None:
         keepalive = parse_copy_data(raw)
-        quiet = not self.tx.open and not self.batcher.pending and not self.inflight.busy and not self.windows.open
+        quiet = not self.tx.open and not self.batcher.pending and not self.inflight.busy and not self.windows.open \
+            and not self.streams.open
         self.ack.keepalive(keepalive.wal_end, quiet)
         if keepalive.reply_requested:
             self.report()

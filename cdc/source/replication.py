@@ -116,13 +116,15 @@ class ReplicationStream:
         self.publication = publication
         self.conn: psycopg.Connection | None = None
         self.proto_version = 0
+        self.streaming = False  # the server streams transactions in progress
         self.server_version = 0
         self.backend_pid = 0
 
     def _fail(self, exc: BaseException) -> CdcError:
         return classify_pg_error(exc, slot=self.slot, publication=self.publication)
 
-    def start(self, start_lsn: int = 0, *, messages: bool = True) -> None:
+    def start(self, start_lsn: int = 0, *, messages: bool = True, streaming: bool = False) -> None:
+        """Start pgoutput; `streaming`: ask for large transactions while they run (protocol 2+, else ignored)."""
         try:
             self.conn = psycopg.connect(
                 self.dsn, replication="database", autocommit=True, options=SESSION_OPTIONS, connect_timeout=10
@@ -136,6 +138,9 @@ class ReplicationStream:
             ]
             if messages:
                 options.append("messages 'true'")
+            self.streaming = streaming and self.proto_version >= 2
+            if self.streaming:
+                options.append("streaming 'on'")
             lsn = f"{start_lsn >> 32:X}/{start_lsn & 0xFFFFFFFF:X}"
             with bounded(self.conn, self.timeout, "starting replication"):
                 self.conn.execute(
@@ -145,7 +150,8 @@ class ReplicationStream:
         except Exception as exc:
             self.close()
             raise self._fail(exc) from exc
-        log.info("replication started slot=%s publication=%s proto=%d", self.slot, self.publication, self.proto_version)
+        log.info("replication started slot=%s publication=%s proto=%d%s", self.slot, self.publication,
+                 self.proto_version, " streaming" if self.streaming else "")
 
     @property
     def get_copy_data(self):

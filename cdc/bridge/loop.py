@@ -30,7 +30,7 @@ import tenacity
 
 from .. import keys, speedups
 from ..config import Settings
-from ..errors import CdcError, MappingError, SourceError, TransientError
+from ..errors import CdcError, ConfigError, MappingError, SourceError, TransientError
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
@@ -48,6 +48,7 @@ from .changes import Target, bind
 from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
+from .streamed import spill_dir_problem
 from .session import Session
 
 __all__ = ["Bridge"]
@@ -137,6 +138,11 @@ class Bridge:
             before_sleep=self._before_retry,
             reraise=True,
         )
+        if self.settings.postgres.streaming:
+            problem = spill_dir_problem(self.settings.batch.spill_dir)
+            if problem is not None:
+                raise ConfigError(f"{self.settings.source}: batch.spill_dir: {problem}",
+                                  hint="create the directory, or point batch.spill_dir at a writable one")
         log.info("%s", speedups.describe())
         # Every change makes short-lived containers (its entry) and none makes a cycle: keep the
         # objects of the start-up out of the collector's sight and collect the young ones less often,
@@ -149,8 +155,6 @@ class Bridge:
             try:
                 server = serve(self.registry, self.readiness, http.host, http.port)
             except OSError as exc:
-                from ..errors import ConfigError
-
                 raise ConfigError(f"cannot serve metrics on {http.host}:{http.port}: {exc.strerror}", hint="set http.port to a free port, or 0") from None
         try:
             retrying(self._session)

@@ -33,7 +33,7 @@ from typing import BinaryIO
 
 from ..errors import SourceError, TransientError
 
-__all__ = ["Held", "StreamedTransactions", "OVERHEAD"]
+__all__ = ["Held", "StreamedTransactions", "OVERHEAD", "spill_dir_problem"]
 
 #: the memory a held message costs beyond its bytes (the bytes object's header and its list slot)
 OVERHEAD = 41
@@ -42,6 +42,17 @@ _XID = struct.Struct(">I").unpack_from
 #: messages a subtransaction's abort drops; a Relation (or Type) describes a table, whoever sent it
 _CHANGES = frozenset(b"IUDTM")
 _CHUNK = 1 << 20  # bytes written to a spill file at a time
+
+
+def spill_dir_problem(directory: str) -> str | None:
+    """Why streamed transactions could not spill to `directory` (empty: the system's), or None."""
+    where = directory or tempfile.gettempdir()
+    try:
+        with tempfile.TemporaryFile(dir=directory or None, prefix="cdc-stream-") as f:
+            f.write(b"x")
+    except OSError as exc:
+        return f"cannot write spill files in {where}: {exc.strerror or exc}"
+    return None
 
 
 class Held:

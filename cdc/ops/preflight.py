@@ -19,6 +19,7 @@ failing command would exit with; `CheckReport.exit_code` is the smallest among t
 from __future__ import annotations
 
 import socket
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -29,7 +30,8 @@ import redis
 from .. import keys
 from ..config import Settings
 from ..bridge.guards import check_redis_has_flushed
-from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
+from ..bridge.streamed import spill_dir_problem
+from ..errors import CdcError, ConfigError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..sink.redisconn import connect_redis
 from ..source.lsn import Lsn
@@ -60,7 +62,21 @@ def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
     confirmed = _check_postgres(settings, mappings, report)
     _check_redis(settings, mappings, report, confirmed)
     _check_http(settings, report)
+    _check_spill(settings, report)
     return report
+
+
+def _check_spill(settings: Settings, report: CheckReport) -> None:
+    """cdc run refuses to start when streamed transactions could not spill where batch.spill_dir says."""
+    if not settings.postgres.streaming:
+        return
+    problem = spill_dir_problem(settings.batch.spill_dir)
+    if problem is None:
+        where = settings.batch.spill_dir or tempfile.gettempdir()
+        report.ok.append(f"streamed transactions past {settings.batch.stream_buffer_mb} MiB spill to {where}")
+    else:
+        report.problems.append(ConfigError(f"{settings.source}: batch.spill_dir: {problem}",
+                                           hint="create the directory, or point batch.spill_dir at a writable one"))
 
 
 def _check_http(settings: Settings, report: CheckReport) -> None:
@@ -92,6 +108,11 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
             try:
                 _wal_level(conn)
                 report.ok.append("wal_level is logical")
+                if pgs.streaming and conn.info.server_version < 140000:
+                    report.warnings.append(
+                        f"PostgreSQL {conn.info.server_version // 10000} cannot stream transactions in progress "
+                        "(14 and later can): a large transaction reaches the bridge only once the server has "
+                        "decoded it whole (set postgres.streaming: false to silence this)")
             except CdcError as exc:
                 report.problems.append(exc)
             superuser = _check_role(conn, report)

@@ -218,3 +218,18 @@ def test_every_problem_at_once(rides, roles):
     assert "REPLICATION" in found and "GRANT SELECT ON TABLE public.rides" in found and "unreachable" in found
     assert result.returncode == 4  # the smallest exit code among the kinds found
     assert "cdc check: 3 problem(s)" in result.stderr
+
+
+def test_a_spill_directory_that_cannot_be_written_is_refused_by_check_and_run(rides):
+    missing = rides.tmp / "no-such-dir"
+    result = check_as(rides, extra=f"batch: {{spill_dir: {missing}}}\n")
+    assert result.returncode == 2, result.stderr
+    (line,) = problems(result)
+    assert f"batch.spill_dir: cannot write spill files in {missing}" in line and "create the directory" in line
+    run = rides.cdc("run", "--until-caught-up")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert f"batch.spill_dir: cannot write spill files in {missing}" in run.stderr
+    missing.mkdir()
+    ok = rides.cdc("check")
+    assert ok.returncode == 0, ok.stderr
+    assert f"spill to {missing}" in ok.stdout

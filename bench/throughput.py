@@ -13,7 +13,9 @@ Workloads (each committed after its own slots are created, so every reader drain
 
 Each workload is drained by pg_recvlogical (pgoutput, to /dev/null, --endpos at the end) and by
 `cdc run --until-caught-up` once per implementation path (`compiled`, and `pure` with
-CDC_PURE_PYTHON=1) and append mode (`redis.append: script` and `transaction`), each from
+CDC_PURE_PYTHON=1), append mode (`redis.append: script` and `transaction`) and
+`postgres.streaming` (`on`: the server streams a transaction past its logical_decoding_work_mem
+while decoding it, the bridge holds it until the commit; `off`: the server decodes it whole first), each from
 its own slot into an emptied Redis, alternating, `--rounds` times; the best of each is shown.
 Rates are changes over WHOLE-PROCESS WALL TIME (process start to exit) of each; every drain's
 entry count in Redis is checked against the changes committed. Redis' CPU per entry comes from
@@ -26,7 +28,7 @@ steady 10,000 and then 50,000 changes/s (multi-row INSERTs in transactions of
 (ts_ms). The rate the writers actually achieved is printed beside p50/p99.
 
 Usage: python bench/throughput.py [--changes 1000000] [--workloads small,large,rss]
-       [--paths compiled,pure] [--modes script,transaction] [--rounds 2]
+       [--paths compiled,pure] [--modes script,transaction] [--streaming on,off] [--rounds 2]
        [--latency-rates 10000,50000] [--latency-seconds 10]
 """
 
@@ -186,7 +188,8 @@ def run_bridge(config: Path, args: list[str], path: str) -> tuple[subprocess.Pop
     return proc, peak
 
 
-def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[str, ...], mode: str, path: str) -> dict:
+def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[str, ...], mode: str, path: str,
+                 streaming: str) -> dict:
     """`cdc run --until-caught-up` into an empty Redis: whole-process wall time, peak RSS, Redis CPU per entry."""
     client.flushall()
     register(config)
@@ -201,7 +204,7 @@ def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[s
     command_us = client.info("commandstats").get(APPEND_COMMAND[mode], {}).get("usec", 0)
     got = stream_total(client, streams)
     if got != total:
-        raise SystemExit(f"bridge ({path}, {mode}) published {got:,} entries, expected {total:,}")
+        raise SystemExit(f"bridge ({path}, {mode}, streaming {streaming}) published {got:,} entries, expected {total:,}")
     return {"rate": total / wall_s, "wall": wall_s, "rss": peak[0], "cpu_per_entry": (cpu1 - cpu0) / total,
             "command_per_entry": command_us / total}
 
@@ -218,9 +221,10 @@ def drain_recvlogical(dsn: str, slot: str, end_lsn: str, total: int) -> dict:
     return {"rate": total / wall_s, "wall": wall_s}
 
 
-def write_config(root: Path, name: str, pg_dsn: str, redis_url: str, slot: str, append: str) -> Path:
+def write_config(root: Path, name: str, pg_dsn: str, redis_url: str, slot: str, append: str, streaming: str) -> Path:
     config = root / name
-    config.write_text(f"postgres: {{dsn: '{pg_dsn}', slot: {slot}, publication: cdc}}\n"
+    config.write_text(f"postgres: {{dsn: '{pg_dsn}', slot: {slot}, publication: cdc, "
+                      f"streaming: {'true' if streaming == 'on' else 'false'}}}\n"
                       f"redis: {{url: '{redis_url}', append: {append}}}\nmappings: mappings/\nhttp: {{port: 0}}\n")
     return config
 
@@ -231,13 +235,13 @@ class WorkloadResult:
     total: int
     shape: str
     recv: dict = field(default_factory=dict)
-    bridge: dict = field(default_factory=dict)  # (path, mode) -> the best drain
+    bridge: dict = field(default_factory=dict)  # (path, mode, streaming) -> the best drain
 
 
 def run_workload(name: str, args, root: Path, pg, rd, client: redis.Redis) -> WorkloadResult:
     rounds = 1 if name == "rss" else args.rounds
-    variants = [(path, mode) for path in args.paths for mode in args.modes]
-    slots = {(i, v): f"b_{name}_{v[0]}_{v[1]}_{i}" for i in range(rounds) for v in variants}
+    variants = [(path, mode, streaming) for path in args.paths for mode in args.modes for streaming in args.streaming]
+    slots = {(i, v): f"b_{name}_{v[0]}_{v[1]}_{v[2]}_{i}" for i in range(rounds) for v in variants}
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         for i in range(rounds):
             conn.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}_{i}', 'pgoutput')")
@@ -267,10 +271,10 @@ def run_workload(name: str, args, root: Path, pg, rd, client: redis.Redis) -> Wo
         if not result.recv or r["rate"] > result.recv["rate"]:
             result.recv = r
         for v in variants:
-            path, mode = v
-            config = write_config(root, f"cdc-{slots[i, v]}.yaml", pg.dsn, rd.url, slots[i, v], mode)
-            b = drain_bridge(config, client, total, STREAMS[name], mode, path)
-            print(f"[{name}]   round {i + 1}: bridge {path}/{mode} {b['rate']:,.0f} changes/s ({b['wall']:.1f}s, "
+            path, mode, streaming = v
+            config = write_config(root, f"cdc-{slots[i, v]}.yaml", pg.dsn, rd.url, slots[i, v], mode, streaming)
+            b = drain_bridge(config, client, total, STREAMS[name], mode, path, streaming)
+            print(f"[{name}]   round {i + 1}: bridge {path}/{mode}/streaming {streaming} {b['rate']:,.0f} changes/s ({b['wall']:.1f}s, "
                   f"peak RSS {b['rss'] / 2**20:.0f} MiB)", flush=True)
             if v not in result.bridge or b["rate"] > result.bridge[v]["rate"]:
                 result.bridge[v] = b
@@ -334,7 +338,7 @@ def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, fir
 
 
 def latency_runs(args, root: Path, pg, rd, client: redis.Redis) -> list[tuple[int, float, list[int]]]:
-    config = write_config(root, "cdc-latency.yaml", pg.dsn, rd.url, "latency", "transaction")
+    config = write_config(root, "cdc-latency.yaml", pg.dsn, rd.url, "latency", "transaction", "on")
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_create_logical_replication_slot('latency', 'pgoutput')")
     client.flushall()
@@ -373,6 +377,7 @@ def main() -> int:
     parser.add_argument("--paths", type=csv(str), default=["compiled", "pure"],
                         help="the bridge's implementation: compiled (default), pure (CDC_PURE_PYTHON=1)")
     parser.add_argument("--modes", type=csv(str), default=["script", "transaction"], help="redis.append modes")
+    parser.add_argument("--streaming", type=csv(str), default=["on", "off"], help="postgres.streaming: on, off")
     parser.add_argument("--rounds", type=int, default=2, help="drains of each reader, alternating; the best is shown")
     parser.add_argument("--seed", type=float, default=0.42, help="setseed() of the small transactions' sizes")
     parser.add_argument("--latency-rates", type=csv(int), default=[10_000, 50_000], help="changes/s; empty: no latency run")
@@ -389,6 +394,9 @@ def main() -> int:
     for m in args.modes:
         if m not in APPEND_COMMAND:
             parser.error(f"unknown append mode {m!r}")
+    for m in args.streaming:
+        if m not in ("on", "off"):
+            parser.error(f"--streaming takes on and off, not {m!r}")
 
     started = time.monotonic()
     settings = {"synchronous_commit": "off", "max_wal_size": "8GB", "max_replication_slots": "40", "max_wal_senders": "40"}
@@ -406,16 +414,17 @@ def main() -> int:
     print("rates: changes / whole-process wall time (start to exit), each reader from its own slot on the same WAL;")
     print("ratio: to pg_recvlogical (pgoutput proto 1, to /dev/null) in the same run; best of the rounds")
     print()
-    header = (f"{'workload':<8} {'reader':<28} {'changes':>10} {'changes/s':>10} {'wall s':>7} {'ratio':>6} "
+    header = (f"{'workload':<8} {'reader':<36} {'changes':>10} {'changes/s':>10} {'wall s':>7} {'ratio':>6} "
               f"{'redis CPU µs/entry':>18} {'append cmd µs/entry':>19} {'peak RSS MiB':>12}")
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r.name:<8} {'pg_recvlogical':<28} {r.total:>10,} {r.recv['rate']:>10,.0f} {r.recv['wall']:>7.1f} "
+        print(f"{r.name:<8} {'pg_recvlogical':<36} {r.total:>10,} {r.recv['rate']:>10,.0f} {r.recv['wall']:>7.1f} "
               f"{1:>6.2f} {'':>18} {'':>19} {'':>12}")
-        for (path, mode), b in r.bridge.items():
+        for (path, mode, streaming), b in r.bridge.items():
             cmd = f"{APPEND_COMMAND[mode][8:].upper()} {b['command_per_entry']:.2f}"
-            print(f"{'':<8} {'bridge ' + path + '/' + mode:<28} {r.total:>10,} {b['rate']:>10,.0f} {b['wall']:>7.1f} "
+            reader = f"bridge {path}/{mode}/streaming {streaming}"
+            print(f"{'':<8} {reader:<36} {r.total:>10,} {b['rate']:>10,.0f} {b['wall']:>7.1f} "
                   f"{b['rate'] / r.recv['rate']:>6.2f} {b['cpu_per_entry']:>18.2f} {cmd:>19} {b['rss'] / 2**20:>12.1f}")
     for r in results:
         print(f"{r.name}: {r.shape}")

@@ -48,7 +48,7 @@ from .changes import Target, bind
 from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
-from .streamed import spill_dir_problem
+from .streamed import StreamedTransactions, spill_dir_problem
 from .session import Session
 
 __all__ = ["Bridge"]
@@ -99,6 +99,8 @@ class Bridge:
         self.memory: MemoryWatch | None = None
         self.backfill_rows: dict[str, int] = defaultdict(int)
         self.backfill_skipped = 0
+        # transactions the server streams while they run, held until they end (emptied by each session's end)
+        self.streams = StreamedTransactions(batch.stream_buffer_mb << 20, batch.spill_dir)
         self.registry = self._metrics()
 
     def __repr__(self) -> str:
@@ -209,6 +211,11 @@ class Bridge:
                   lambda: {(("entity", e),): n for e, n in self.backfill_rows.items()})
         r.counter("cdc_backfill_rows_dropped_total", "snapshot rows dropped because the stream changed them meanwhile",
                   lambda: self.backfill_skipped)
+        r.counter("cdc_streamed_transactions_total", "transactions the server streamed while they ran, by how they ended",
+                  lambda: {(("outcome", "committed"),): self.streams.committed, (("outcome", "aborted"),): self.streams.aborted})
+        r.gauge("cdc_streamed_held_bytes", "memory holding streamed transactions until they end", lambda: self.streams.size)
+        r.counter("cdc_streamed_spilled_bytes_total", "bytes of streamed transactions spilled to batch.spill_dir",
+                  lambda: self.streams.spilled_bytes)
         r.gauge("cdc_dead_letters", "entries in dead-letter streams", self._dead_letters)
         r.gauge("cdc_redis_memory_ratio", "Redis used memory / maxmemory", lambda: self.memory.ratio if self.memory else None)
         r.gauge("cdc_paused", "1 while reading is paused for Redis memory", lambda: int(self.state == "paused"))

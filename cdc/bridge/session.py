@@ -35,7 +35,6 @@ from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .inflight import InFlight
 from .snapshot import queue_chunk
-from .streamed import StreamedTransactions
 from .transaction import Transaction
 
 if TYPE_CHECKING:
@@ -91,8 +90,7 @@ class Session:
         self.ack = bridge.ack
         self.ack.resume(held)  # what Redis records now, not what an earlier session remembered
         self.windows = Windows()  # open backfill watermark windows
-        # transactions the server streams while they run, held until they end
-        self.streams = StreamedTransactions(settings.batch.stream_buffer_mb << 20, settings.batch.spill_dir)
+        self.streams = bridge.streams  # transactions the server streams while they run, held until they end
         self.backfill = BackfillDriver(settings.postgres.slot, bridge.mappings, settings.batch.backfill_chunk_rows)
         self.snapshot_projectors: dict[str, Projector] = {}
         pgs = settings.postgres
@@ -106,7 +104,8 @@ class Session:
         finally:
             streams = self.streams
             if streams.committed or streams.aborted or streams.held:
-                log.info("streamed transactions: %d committed, %d aborted, %d left open; %d bytes spilled to disk",
+                log.info("streamed transactions since start: %d committed, %d aborted, %d left open; "
+                         "%d bytes spilled to disk",
                          streams.committed, streams.aborted, len(streams.held), streams.spilled_bytes)
             streams.close()  # a new session receives what was held again, from the server
 

@@ -39,8 +39,8 @@ class PostgresSettings:
     retained_wal_warn_bytes: int = 0
     retained_wal_critical_bytes: int = 0
     #: ask the server to stream large transactions while they run (pgoutput streaming, PostgreSQL 14+):
-    #: their changes arrive as the server decodes them, held by the bridge until the commit
-    streaming: bool = True
+    #: the bridge holds their changes until the commit, spilling to its own disk instead of the server's
+    streaming: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import random
 import re
+import signal
 import subprocess
 import sys
-import threading
+import time
 
 import psycopg
 import pytest
 import redis
 
+from cdc.demo.local import wait_for
 from conftest import read_stream
+from test_crash_recovery import RIDER_MAPPING, assert_streams_exact
+from workload import MixedWorkload
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +110,7 @@ def test_streamed_transactions_publish_the_same_entries_as_unstreamed_ones(env):
     without write identical entries, positions included; rolled-back work leaves nothing."""
     env.apply_sql("10_rocket_rides.sql")
     env.write_mapping("ride.yaml", MAPPING)
-    env.write_config("batch: {stream_buffer_mb: 1}\n")
+    env.write_config("batch: {stream_buffer_mb: 1}\n", postgres=", streaming: true")
     _stream_small(env)
     env.cdc("init", check=True)
     plain = _second_config(env, "plain_" + env.slot, 1, "")
@@ -126,3 +131,74 @@ def test_streamed_transactions_publish_the_same_entries_as_unstreamed_ones(env):
     for e in streamed + unstreamed:
         del e["_id"]  # Redis' own ids: when each entry was appended
     assert streamed == unstreamed  # every field, source positions included
+
+
+class SavepointWorkload(MixedWorkload):
+    """The mixed workload whose large transactions also roll back a savepoint of 300 inserts."""
+
+    def _extra(self, conn: psycopg.Connection, n: int) -> None:
+        if self.big_every and n % self.big_every == self.big_every - 1:
+            conn.execute("SAVEPOINT undone")
+            conn.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT -g - %s, 1, 1 "
+                         "FROM generate_series(1, 300) g", (n * 1000,))
+            conn.execute("ROLLBACK TO SAVEPOINT undone")
+
+
+@pytest.mark.slow
+def test_kill_9_while_transactions_stream_loses_and_duplicates_nothing(env):
+    """The bridge is killed at random moments while large transactions stream (held in memory and
+    spilled, some with a rolled-back savepoint, some rolled back whole); the streams end exact."""
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml")
+    env.write_mapping("rider.yaml", RIDER_MAPPING)
+    env.write_config("batch: {max_entries: 40, max_delay_ms: 5, stream_buffer_mb: 1}\n", postgres=", streaming: true")
+    _stream_small(env)
+    env.cdc("init", check=True)
+    workload = SavepointWorkload(env.dsn, transactions=700, seed=7, big_every=10, big_size=1500, rate=60)
+    workload.start()
+    rng = random.Random(99)
+    kills = 0
+    while not workload.done.is_set() and kills < 12:
+        proc = env.start_bridge()
+        wait_for(lambda: env.slot_active() or proc.poll() is not None, 30, "the bridge to attach to the slot")
+        time.sleep(rng.uniform(0.2, 1.5))  # a random crash instant, not a wait for a condition
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        kills += 1
+        env.wait_slot_inactive()
+    workload.done.wait(300)
+    assert workload.error is None, workload.error
+    assert kills >= 8
+    env.cdc("run", "--until-caught-up", check=True, timeout=300)
+    assert_streams_exact(env, workload)
+    assert all(e["key"]["id"] > 0 for e in read_stream(env.redis, "cdc:ride"))  # nothing of a rolled-back savepoint
+    wait_for(lambda: _streamed(env)[0] > 0, 30, "the server's statistics to count streamed transactions")
+    print(f"{kills} kills; the server streamed {_streamed(env)[0]} transactions")
+
+
+def test_a_reconnection_while_a_transaction_streams_receives_it_again_whole(env):
+    """The replication connection drops while a large transaction is half streamed: the new session
+    drops what was held and receives the transaction again from its start; nothing doubles."""
+    env.apply_sql("10_rocket_rides.sql")
+    env.write_mapping("ride.yaml", MAPPING)
+    env.write_config("batch: {stream_buffer_mb: 1}\n", postgres=", streaming: true")
+    _stream_small(env)
+    env.cdc("init", check=True)
+    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'r', 'e')")
+    proc = env.start_bridge()
+    wait_for(env.slot_active, 30, "the bridge to attach to the slot")
+    ins = "INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1, g FROM generate_series(%s::int, %s::int) g"
+    with psycopg.connect(env.dsn, autocommit=True) as conn:
+        conn.execute("BEGIN")
+        conn.execute(ins, (1, 20000))
+        wait_for(lambda: _streamed(env)[0] > 0, 30, "the server to stream the open transaction")
+        env.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s", (env.slot,))
+        wait_for(lambda: "transient failure, retrying" in proc.log_path.read_text(), 30, "the bridge to reconnect")
+        conn.execute(ins, (20001, 30000))
+        conn.execute("COMMIT")
+    wait_for(lambda: env.redis.xlen("cdc:ride") >= 30000, 60, "the transaction's entries")
+    proc.terminate()
+    assert proc.wait(30) == 0
+    entries = read_stream(env.redis, "cdc:ride")
+    assert [e["key"]["id"] for e in entries] == list(range(1, 30001))
+    assert [int(e["seq"]) for e in entries] == list(range(30000))

@@ -222,7 +222,8 @@ def test_every_problem_at_once(rides, roles):
 
 def test_a_spill_directory_that_cannot_be_written_is_refused_by_check_and_run(rides):
     missing = rides.tmp / "no-such-dir"
-    result = check_as(rides, extra=f"batch: {{spill_dir: {missing}}}\n")
+    rides.write_config(f"batch: {{spill_dir: {missing}}}\n", postgres=", streaming: true")
+    result = rides.cdc("check")
     assert result.returncode == 2, result.stderr
     (line,) = problems(result)
     assert f"batch.spill_dir: cannot write spill files in {missing}" in line and "create the directory" in line

@@ -45,6 +45,7 @@ test: install test-deps reconcile-deps
 bench: install reconcile-deps
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/streaming.py
+	$(BIN)/python bench/streamed_bridge.py
 	$(BIN)/python bench/consume.py
 	$(BIN)/python bench/snapshot.py
 	$(BIN)/python bench/reconcile.py

@@ -28,7 +28,7 @@ steady 10,000 and then 50,000 changes/s (multi-row INSERTs in transactions of
 (ts_ms). The rate the writers actually achieved is printed beside p50/p99.
 
 Usage: python bench/throughput.py [--changes 1000000] [--workloads small,large,rss]
-       [--paths compiled,pure] [--modes script,transaction] [--streaming on,off] [--rounds 2]
+       [--paths compiled,pure] [--modes script,transaction] [--streaming off] [--rounds 2]
        [--latency-rates 10000,50000] [--latency-seconds 10]
 """
 
@@ -338,7 +338,7 @@ def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, fir
 
 
 def latency_runs(args, root: Path, pg, rd, client: redis.Redis) -> list[tuple[int, float, list[int]]]:
-    config = write_config(root, "cdc-latency.yaml", pg.dsn, rd.url, "latency", "transaction", "on")
+    config = write_config(root, "cdc-latency.yaml", pg.dsn, rd.url, "latency", "transaction", "off")
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_create_logical_replication_slot('latency', 'pgoutput')")
     client.flushall()
@@ -377,7 +377,7 @@ def main() -> int:
     parser.add_argument("--paths", type=csv(str), default=["compiled", "pure"],
                         help="the bridge's implementation: compiled (default), pure (CDC_PURE_PYTHON=1)")
     parser.add_argument("--modes", type=csv(str), default=["script", "transaction"], help="redis.append modes")
-    parser.add_argument("--streaming", type=csv(str), default=["on", "off"], help="postgres.streaming: on, off")
+    parser.add_argument("--streaming", type=csv(str), default=["off"], help="postgres.streaming: on, off (default: off)")
     parser.add_argument("--rounds", type=int, default=2, help="drains of each reader, alternating; the best is shown")
     parser.add_argument("--seed", type=float, default=0.42, help="setseed() of the small transactions' sizes")
     parser.add_argument("--latency-rates", type=csv(int), default=[10_000, 50_000], help="changes/s; empty: no latency run")

@@ -1,8 +1,9 @@
 """Decoders of the messages of streamed and two-phase transactions.
 
-The bridge enables neither (it only receives whole committed transactions), so
-these never run on its path; they complete the decoder for other readers of a
-pgoutput slot. `cdc.source.pgoutput` registers them in its dispatch table.
+The bridge asks for streamed transactions with `postgres.streaming: true` (see
+`cdc.bridge.streamed`) and never for two-phase ones; those decoders complete the
+decoder for other readers of a pgoutput slot. `cdc.source.pgoutput` registers
+them all in its dispatch table.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import struct
 
+import orjson
+
 from cdc.bridge.loop import Bridge
 from cdc.bridge.session import Session
 from cdc.config import Settings
@@ -21,8 +23,8 @@ def xlog(message: po.PgOutputMessage) -> bytes:
     return b"w" + struct.pack(">QQq", 0, 0, 0) + encode(message)
 
 
-def keepalive(wal_end: int) -> bytes:
-    return b"k" + struct.pack(">QqB", wal_end, 0, 0)
+def keepalive(wal_end: int, reply: bool = False) -> bytes:
+    return b"k" + struct.pack(">QqB", wal_end, 0, reply)
 
 
 def transaction(final: int, ids: range) -> list[bytes]:
@@ -64,11 +66,13 @@ class Publisher:
         self.unconfirmed: list[tuple[int, int]] = []
         self.confirmed: set[tuple[int, int]] = set()  # (commit LSN, seq) of every entry Redis confirmed
         self.recorded: list[tuple[int, frozenset]] = []
+        self.keys: list[int] = []  # the ride id of every entry sent, in order
 
     def send(self, batches, flushed=None) -> None:
         assert not self.unconfirmed, "one batch in flight at most"
         entries = [e for b in batches for e in b.entries]
         self.batches.append([e[e.index(b"seq") + 1] for e in entries])
+        self.keys += [orjson.loads(e[e.index(b"key") + 1])["id"] for e in entries]
         self.unconfirmed = [(int(e[e.index(b"lsn") + 1]), e[e.index(b"seq") + 1]) for e in entries]
 
     def confirm(self) -> int:
@@ -142,3 +146,40 @@ def test_an_unmapped_table_publishes_nothing_but_its_commit_is_acknowledged():
     bridge, stream, publisher = run(messages, max_entries=100)
     assert publisher.batches == [] and bridge.changes_read == 1 and stream.statuses[-1][0] == 3008
     assert publisher.recorded[-1][0] == 3008, "Redis records how far it holds the source before the slot is told"
+
+
+def streamed_block(xid: int, changes: list[tuple[int, int]], first: bool) -> list[bytes]:
+    """A Stream Start/Stop block of inserts, each (subtransaction xid, ride id)."""
+    return ([xlog(po.StreamStart(xid, first))] + [xlog(po.Insert(16400, (str(i), "2.5"), xid=sub)) for sub, i in changes]
+            + [xlog(po.StreamStop())])
+
+
+def test_a_streamed_transaction_is_sent_after_its_commit_with_the_positions_of_an_unstreamed_one():
+    """Blocks of a running transaction arrive between other transactions; a subtransaction aborts;
+    keepalives come while it runs. Nothing of it is sent before its Stream Commit, the slot is not
+    told past the last whole transaction before it, and its entries take seqs 0.. at its commit LSN,
+    its aborted subtransaction's left out. A transaction aborted whole leaves nothing."""
+    messages = (
+        [xlog(RIDES)]
+        + streamed_block(50, [(50, 100), (51, 101), (50, 102)], first=True)
+        + transaction(1000, range(0, 3))
+        + [keepalive(1500)]
+        + streamed_block(60, [(60, 200), (60, 201)], first=True)
+        + streamed_block(50, [(51, 103), (52, 104), (50, 105)], first=False)
+        + [xlog(po.StreamAbort(50, 51)), keepalive(1600), xlog(po.StreamAbort(60, 60))]
+        + transaction(2000, range(3, 5))
+        + [keepalive(2900), keepalive(2950, reply=True)]  # all sent and confirmed, but a transaction is open
+        + [xlog(po.StreamCommit(50, 0, Lsn(3000), Lsn(3008), 0))]
+        + transaction(4000, range(5, 6))
+    )
+    bridge, stream, publisher = run(messages, max_entries=2)
+    sent = [e for batch in publisher.batches for e in batch]
+    assert len(sent) == 6 + 4  # the plain transactions' 6, the streamed one's 4 (100, 102, 104, 105)
+    assert sorted(publisher.confirmed) == sorted(
+        [(1000, s) for s in range(3)] + [(2000, s) for s in range(2)] + [(3000, s) for s in range(4)] + [(4000, 0)])
+    # told nothing past 2008 (the last whole transaction) until the streamed one committed at 3008
+    commit_at = len(messages) - messages.index(xlog(po.StreamCommit(50, 0, Lsn(3000), Lsn(3008), 0))) - 1
+    assert all(flush <= 2008 for flush, left in stream.told if left > commit_at)
+    assert bridge.durable_lsn == 4008 and stream.told[-1][0] == 4008
+    assert bridge.streams.committed == 1 and bridge.streams.aborted == 1 and not bridge.streams.open
+    assert publisher.keys == [*range(3), *range(3, 5), 100, 102, 104, 105, 5]

@@ -221,7 +221,7 @@ class Session:
         every entry gets the position it would have had without streaming.
         """
         tx, targets, batcher, windows, decoder = self.tx, self.targets, self.batcher, self.windows, self.decoder
-        route, relid, now = route_change, _RELID, time.monotonic
+        route, relid, now, t = route_change, _RELID, time.monotonic, self.timers
         max_entries, max_delay = batcher.max_entries, batcher.max_delay
         tx.begin_at(int(msg.commit_lsn), msg.commit_ts, msg.xid)
         for body in self.streams.commit(msg.xid):
@@ -233,11 +233,18 @@ class Session:
                 tx.seq += 1
             else:
                 self.dispatch(kind, body)
+            # what the loop does between messages: send due batches, tell the slot, watch Redis' memory
+            at = now()
             pending = batcher.pending
-            if pending and (pending >= max_entries or now() - batcher.first_at >= max_delay):
+            if pending and (pending >= max_entries or at - batcher.first_at >= max_delay):
                 self.flush(wait=False)
                 self.report()
+            elif at >= t.status:
+                self.report()
+            if at >= t.guard:
+                self.guard(at)
         self.committed(tx.commit_at(int(msg.end_lsn)))
+        t.heard = now()  # the connection was not read meanwhile: its silence starts now
 
     def committed(self, end: Lsn) -> None:
         """A transaction ended at `end` (its Commit's end LSN)."""
@@ -256,8 +263,9 @@ class Session:
 
     def keepalive(self, raw: bytes) -> None:
         keepalive = parse_copy_data(raw)
-        quiet = not self.tx.open and not self.batcher.pending and not self.inflight.busy and not self.windows.open \
-            and not self.streams.open
+        # a streamed transaction still held does not count: the keepalive's position lies before its
+        # commit, and the server sends again, whole, every transaction committing past what it was told
+        quiet = not self.tx.open and not self.batcher.pending and not self.inflight.busy and not self.windows.open
         self.ack.keepalive(keepalive.wal_end, quiet)
         if keepalive.reply_requested:
             self.report()

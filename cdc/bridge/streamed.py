@@ -18,10 +18,12 @@ the largest one's messages move to a file of its own under `directory`, read bac
 at its commit. Spill files are anonymous (unlinked from the start): the system frees
 them when the bridge ends, even by kill -9, so none is ever left behind.
 
-The slot is never told a position on the strength of a held message: the session
-acknowledges only at commits, and counts an open held transaction as activity
-(`Acknowledger.keepalive` is not quiet), so after any crash the server streams
-the transaction again from its start.
+Held messages change nothing in what the slot is told: it moves at commits and
+quiet keepalives as without streaming, and every position it is told lies before
+the commit of any transaction still held. After a crash or a reconnection the
+server sends again every transaction committing past the told position, a
+streamed one from its start (tests/bridge/test_streaming.py drops the connection
+after the slot moved past an open transaction's start).
 """
 
 from __future__ import annotations

@@ -156,9 +156,10 @@ def streamed_block(xid: int, changes: list[tuple[int, int]], first: bool) -> lis
 
 def test_a_streamed_transaction_is_sent_after_its_commit_with_the_positions_of_an_unstreamed_one():
     """Blocks of a running transaction arrive between other transactions; a subtransaction aborts;
-    keepalives come while it runs. Nothing of it is sent before its Stream Commit, the slot is not
-    told past the last whole transaction before it, and its entries take seqs 0.. at its commit LSN,
-    its aborted subtransaction's left out. A transaction aborted whole leaves nothing."""
+    keepalives come while it runs. Nothing of it is sent before its Stream Commit, and its entries
+    take seqs 0.. at its commit LSN, its aborted subtransaction's left out. A transaction aborted
+    whole leaves nothing. The slot is told positions as without streaming (the server sends again
+    every transaction that commits past them)."""
     messages = (
         [xlog(RIDES)]
         + streamed_block(50, [(50, 100), (51, 101), (50, 102)], first=True)
@@ -168,7 +169,7 @@ def test_a_streamed_transaction_is_sent_after_its_commit_with_the_positions_of_a
         + streamed_block(50, [(51, 103), (52, 104), (50, 105)], first=False)
         + [xlog(po.StreamAbort(50, 51)), keepalive(1600), xlog(po.StreamAbort(60, 60))]
         + transaction(2000, range(3, 5))
-        + [keepalive(2900), keepalive(2950, reply=True)]  # all sent and confirmed, but a transaction is open
+        + [keepalive(2900), keepalive(2950, reply=True)]  # all sent and confirmed, a streamed one open
         + [xlog(po.StreamCommit(50, 0, Lsn(3000), Lsn(3008), 0))]
         + transaction(4000, range(5, 6))
     )
@@ -177,9 +178,11 @@ def test_a_streamed_transaction_is_sent_after_its_commit_with_the_positions_of_a
     assert len(sent) == 6 + 4  # the plain transactions' 6, the streamed one's 4 (100, 102, 104, 105)
     assert sorted(publisher.confirmed) == sorted(
         [(1000, s) for s in range(3)] + [(2000, s) for s in range(2)] + [(3000, s) for s in range(4)] + [(4000, 0)])
-    # told nothing past 2008 (the last whole transaction) until the streamed one committed at 3008
+    # nothing of the streamed transaction went out before its commit was read
     commit_at = len(messages) - messages.index(xlog(po.StreamCommit(50, 0, Lsn(3000), Lsn(3008), 0))) - 1
-    assert all(flush <= 2008 for flush, left in stream.told if left > commit_at)
+    before = [confirmed for (_, confirmed), (_, left) in zip(stream.statuses, stream.told) if left > commit_at]
+    assert before and all(lsn != 3000 for confirmed in before for lsn, _ in confirmed)
+    assert (2950, 4) in stream.told  # the quiet keepalive's position, told while it ran
     assert bridge.durable_lsn == 4008 and stream.told[-1][0] == 4008
     assert bridge.streams.committed == 1 and bridge.streams.aborted == 1 and not bridge.streams.open
     assert publisher.keys == [*range(3), *range(3, 5), 100, 102, 104, 105, 5]

@@ -177,8 +177,9 @@ def test_kill_9_while_transactions_stream_loses_and_duplicates_nothing(env):
 
 
 def test_a_reconnection_while_a_transaction_streams_receives_it_again_whole(env):
-    """The replication connection drops while a large transaction is half streamed: the new session
-    drops what was held and receives the transaction again from its start; nothing doubles."""
+    """The replication connection drops while a large transaction is half streamed, after the slot was
+    told a position past its start (a small transaction committed meanwhile): the new session drops
+    what was held, the server streams the transaction again from its start; nothing lost or doubled."""
     env.apply_sql("10_rocket_rides.sql")
     env.write_mapping("ride.yaml", MAPPING)
     env.write_config("batch: {stream_buffer_mb: 1}\n", postgres=", streaming: true")
@@ -189,16 +190,19 @@ def test_a_reconnection_while_a_transaction_streams_receives_it_again_whole(env)
     wait_for(env.slot_active, 30, "the bridge to attach to the slot")
     ins = "INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1, g FROM generate_series(%s::int, %s::int) g"
     with psycopg.connect(env.dsn, autocommit=True) as conn:
+        started = env.current_wal()
         conn.execute("BEGIN")
         conn.execute(ins, (1, 20000))
         wait_for(lambda: _streamed(env)[0] > 0, 30, "the server to stream the open transaction")
+        env.execute(ins, (50001, 50001))
+        wait_for(lambda: env.confirmed_flush() > started, 30, "the slot to move past the open transaction's start")
         env.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s", (env.slot,))
         wait_for(lambda: "transient failure, retrying" in proc.log_path.read_text(), 30, "the bridge to reconnect")
         conn.execute(ins, (20001, 30000))
         conn.execute("COMMIT")
-    wait_for(lambda: env.redis.xlen("cdc:ride") >= 30000, 60, "the transaction's entries")
+    wait_for(lambda: env.redis.xlen("cdc:ride") >= 30001, 60, "the transaction's entries")
     proc.terminate()
     assert proc.wait(30) == 0
     entries = read_stream(env.redis, "cdc:ride")
-    assert [e["key"]["id"] for e in entries] == list(range(1, 30001))
-    assert [int(e["seq"]) for e in entries] == list(range(30000))
+    assert [e["key"]["id"] for e in entries] == [50001, *range(1, 30001)]
+    assert [int(e["seq"]) for e in entries[1:]] == list(range(30000))

@@ -6,7 +6,10 @@ import contextlib
 import os
 import shutil
 import sys
+import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,25 @@ from cdc.demo.local import LocalPostgres, LocalRedis  # noqa: E402
 def cdc_command(command: str, config: Path, *args: str) -> list[str]:
     """The command line of `cdc <command>` on `config`, logging warnings only (run it with cwd=ROOT)."""
     return [sys.executable, "-m", "cdc", "--log-level", "warning", command, "--config", str(config), *args]
+
+
+def peak_rss(proc: subprocess.Popen) -> list[int]:
+    """[the process' peak RSS in bytes], sampled every 50 ms until it exits."""
+    import psutil
+
+    peak = [0]
+
+    def sample() -> None:
+        try:
+            p = psutil.Process(proc.pid)
+            while proc.poll() is None:
+                peak[0] = max(peak[0], p.memory_info().rss)
+                time.sleep(0.05)
+        except psutil.Error:
+            return
+
+    threading.Thread(target=sample, daemon=True).start()
+    return peak
 
 
 @contextlib.contextmanager

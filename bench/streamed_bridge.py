@@ -18,18 +18,16 @@ import argparse
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import psycopg
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from servers import bench_servers, cdc_command  # noqa: E402
+from servers import bench_servers, cdc_command, peak_rss  # noqa: E402
 
 SCHEMA = """
 CREATE TABLE items (id bigint PRIMARY KEY, qty int NOT NULL, price float8 NOT NULL, name text NOT NULL,
@@ -54,24 +52,17 @@ def bridge(config: Path, *args: str) -> tuple[subprocess.Popen, list[int]]:
     """`cdc run` logging at info (for its spill line), its peak RSS sampled every 50 ms."""
     cmd = [sys.executable, "-m", "cdc", "--log-format", "text", "run", "--config", str(config), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = [0]
-
-    def sample() -> None:
-        try:
-            p = psutil.Process(proc.pid)
-            while proc.poll() is None:
-                peak[0] = max(peak[0], p.memory_info().rss)
-                time.sleep(0.05)
-        except psutil.Error:
-            return
-
-    threading.Thread(target=sample, daemon=True).start()
-    return proc, peak
+    return proc, peak_rss(proc)
 
 
-def server_spill(conn: psycopg.Connection, slot: str) -> int:
-    row = conn.execute("SELECT spill_bytes FROM pg_stat_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
-    return row[0] if row else 0
+def spills(pg, slot: str, bridge_log: str) -> dict:
+    """What spilled to disk on the server's side (its slot statistics) and the bridge's (its log); the
+    slot is dropped then."""
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT spill_bytes FROM pg_stat_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    spilled = SPILLED.search(bridge_log)
+    return {"server_spill": row[0] if row else 0, "bridge_spill": int(spilled.group(1)) if spilled else 0}
 
 
 def backlog(root: Path, pg, rd, client: redis.Redis, rows: int, streaming: bool, n: int) -> dict:
@@ -89,12 +80,7 @@ def backlog(root: Path, pg, rd, client: redis.Redis, rows: int, streaming: bool,
     wall = time.monotonic() - t0
     if proc.returncode != 0 or client.xlen("cdc:item") != rows:
         raise SystemExit(f"backlog drain failed:\n{err[-2000:]}")
-    spilled = SPILLED.search(err)
-    with psycopg.connect(pg.dsn, autocommit=True) as conn:
-        server = server_spill(conn, slot)
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-    return {"rate": rows / wall, "wall": wall, "rss": peak[0], "server_spill": server,
-            "bridge_spill": int(spilled.group(1)) if spilled else 0}
+    return {"rate": rows / wall, "wall": wall, "rss": peak[0], **spills(pg, slot, err)}
 
 
 def live(root: Path, pg, rd, client: redis.Redis, rows: int, streaming: bool, n: int) -> dict:
@@ -133,12 +119,7 @@ def live(root: Path, pg, rd, client: redis.Redis, rows: int, streaming: bool, n:
     finally:
         proc.terminate()
         _, err = proc.communicate()
-    with psycopg.connect(pg.dsn, autocommit=True) as conn:
-        server = server_spill(conn, slot)
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-    spilled = SPILLED.search(err)
-    return {"write": written, "first": first, "last": last, "rss": peak[0], "server_spill": server,
-            "bridge_spill": int(spilled.group(1)) if spilled else 0}
+    return {"write": written, "first": first, "last": last, "rss": peak[0], **spills(pg, slot, err)}
 
 
 def main() -> int:

@@ -43,14 +43,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import psycopg
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from servers import bench_servers, cdc_command  # noqa: E402
+from servers import bench_servers, cdc_command, peak_rss  # noqa: E402
 from cdc.demo.local import PG_BIN, wait_for  # noqa: E402
 
 SCHEMA = """
@@ -173,19 +172,7 @@ def bridge_env(path: str) -> dict[str, str]:
 
 def run_bridge(config: Path, args: list[str], path: str) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(cdc_command("run", config, *args), cwd=ROOT, env=bridge_env(path))
-    peak = [0]
-
-    def sample() -> None:
-        try:
-            p = psutil.Process(proc.pid)
-            while proc.poll() is None:
-                peak[0] = max(peak[0], p.memory_info().rss)
-                time.sleep(0.05)
-        except psutil.Error:
-            return
-
-    threading.Thread(target=sample, daemon=True).start()
-    return proc, peak
+    return proc, peak_rss(proc)
 
 
 def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[str, ...], mode: str, path: str,

@@ -199,3 +199,17 @@ def test_settings_from_file_and_environment(tmp_path):
     cfg.write_text("batch: {max_entries: many}\n")
     with pytest.raises(ConfigError, match=r"cdc.yaml:1: batch.max_entries must be an integer, got 'many'"):
         Settings.from_file(cfg, env={})
+
+
+def test_streaming_settings(tmp_path):
+    cfg = tmp_path / "cdc.yaml"
+    cfg.write_text("postgres: {streaming: true}\nbatch: {stream_buffer_mb: 8, spill_dir: spill}\n")
+    s = Settings.from_file(cfg, env={})
+    assert s.postgres.streaming and s.batch.stream_buffer_mb == 8
+    assert s.batch.spill_dir == str(tmp_path / "spill")  # relative to the config file
+    assert not Settings.from_dict({}).postgres.streaming  # off unless asked
+    cfg.write_text("batch:\n  stream_buffer_mb: 0\n")
+    with pytest.raises(ConfigError, match=r"cdc.yaml:2: batch.stream_buffer_mb must be at least 1, got 0"):
+        Settings.from_file(cfg, env={})
+    with pytest.raises(ConfigError, match=r"CDC_POSTGRES_STREAMING: postgres.streaming must be true or false, got 'maybe'"):
+        Settings.from_file(cfg, env={"CDC_POSTGRES_STREAMING": "maybe"})

@@ -40,7 +40,11 @@ ROWS = ("INSERT INTO items SELECT g, (g % 1000)::int, g * 0.25, 'item ' || g, "
 SPILLED = re.compile(r"(\d+) bytes spilled to disk")
 
 
-def write_config(root: Path, slot: str, pg, rd, streaming: bool) -> Path:
+def fresh_config(root: Path, slot: str, pg, rd, streaming: bool) -> Path:
+    """An empty items table and Redis, and a bridge config with its slot created and registered."""
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE items")
+    redis.Redis.from_url(rd.url).flushall()
     config = root / f"{slot}.yaml"
     config.write_text(f"postgres: {{dsn: '{pg.dsn}', slot: {slot}, publication: cdc, streaming: {str(streaming).lower()}}}\n"
                       f"redis: {{url: '{rd.url}'}}\nmappings: mappings/\nhttp: {{port: 0}}\n")
@@ -67,10 +71,7 @@ def spills(pg, slot: str, bridge_log: str) -> dict:
 
 def backlog(root: Path, pg, rd, client: redis.Redis, rows: int, streaming: bool, n: int) -> dict:
     slot = f"backlog_{'on' if streaming else 'off'}_{n}"
-    with psycopg.connect(pg.dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE items")
-    client.flushall()
-    config = write_config(root, slot, pg, rd, streaming)
+    config = fresh_config(root, slot, pg, rd, streaming)
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         conn.execute(ROWS.format(lo=1, hi=rows))
         conn.execute("CHECKPOINT")
@@ -85,10 +86,7 @@ def backlog(root: Path, pg, rd, client: redis.Redis, rows: int, streaming: bool,
 
 def live(root: Path, pg, rd, client: redis.Redis, rows: int, streaming: bool, n: int) -> dict:
     slot = f"live_{'on' if streaming else 'off'}_{n}"
-    with psycopg.connect(pg.dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE items")
-    client.flushall()
-    config = write_config(root, slot, pg, rd, streaming)
+    config = fresh_config(root, slot, pg, rd, streaming)
     proc, peak = bridge(config)
     try:
         deadline = time.monotonic() + 30

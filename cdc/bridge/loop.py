@@ -48,7 +48,7 @@ from .changes import Target, bind
 from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
-from .streamed import StreamedTransactions, spill_dir_problem
+from .streamed import StreamedTransactions, spill_dir_error
 from .session import Session
 
 __all__ = ["Bridge"]
@@ -141,10 +141,9 @@ class Bridge:
             reraise=True,
         )
         if self.settings.postgres.streaming:
-            problem = spill_dir_problem(self.settings.batch.spill_dir)
-            if problem is not None:
-                raise ConfigError(f"{self.settings.source}: batch.spill_dir: {problem}",
-                                  hint="create the directory, or point batch.spill_dir at a writable one")
+            error = spill_dir_error(self.settings.batch.spill_dir, self.settings.source)
+            if error is not None:
+                raise error
         log.info("%s", speedups.describe())
         # Every change makes short-lived containers (its entry) and none makes a cycle: keep the
         # objects of the start-up out of the collector's sight and collect the young ones less often,

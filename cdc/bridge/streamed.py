@@ -33,27 +33,29 @@ import tempfile
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from ..errors import SourceError, TransientError
+from ..errors import ConfigError, SourceError, TransientError
 
-__all__ = ["Held", "StreamedTransactions", "OVERHEAD", "spill_dir_problem"]
+__all__ = ["Held", "StreamedTransactions", "OVERHEAD", "spill_dir_error"]
 
 #: the memory a held message costs beyond its bytes (the bytes object's header and its list slot)
 OVERHEAD = 41
 _LENGTH = struct.Struct(">I")
-_XID = struct.Struct(">I").unpack_from
+_XID = _LENGTH.unpack_from  # the (sub)transaction xid after a streamed message's kind
 #: messages a subtransaction's abort drops; a Relation (or Type) describes a table, whoever sent it
 _CHANGES = frozenset(b"IUDTM")
 _CHUNK = 1 << 20  # bytes written to a spill file at a time
 
 
-def spill_dir_problem(directory: str) -> str | None:
-    """Why streamed transactions could not spill to `directory` (empty: the system's), or None."""
-    where = directory or tempfile.gettempdir()
+def spill_dir_error(directory: str, source: str) -> ConfigError | None:
+    """Why streamed transactions could not spill to `directory` (empty: the system's), as `cdc run`
+    refuses to start and `cdc check` reports it (`source`: the config file), or None."""
     try:
         with tempfile.TemporaryFile(dir=directory or None, prefix="cdc-stream-") as f:
             f.write(b"x")
     except OSError as exc:
-        return f"cannot write spill files in {where}: {exc.strerror or exc}"
+        where = directory or tempfile.gettempdir()
+        return ConfigError(f"{source}: batch.spill_dir: cannot write spill files in {where}: {exc.strerror or exc}",
+                           hint="create the directory, or point batch.spill_dir at a writable one")
     return None
 
 

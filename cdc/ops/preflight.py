@@ -30,8 +30,8 @@ import redis
 from .. import keys
 from ..config import Settings
 from ..bridge.guards import check_redis_has_flushed
-from ..bridge.streamed import spill_dir_problem
-from ..errors import CdcError, ConfigError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
+from ..bridge.streamed import spill_dir_error
+from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..sink.redisconn import connect_redis
 from ..source.lsn import Lsn
@@ -70,13 +70,12 @@ def _check_spill(settings: Settings, report: CheckReport) -> None:
     """cdc run refuses to start when streamed transactions could not spill where batch.spill_dir says."""
     if not settings.postgres.streaming:
         return
-    problem = spill_dir_problem(settings.batch.spill_dir)
-    if problem is None:
+    error = spill_dir_error(settings.batch.spill_dir, settings.source)
+    if error is None:
         where = settings.batch.spill_dir or tempfile.gettempdir()
         report.ok.append(f"streamed transactions past {settings.batch.stream_buffer_mb} MiB spill to {where}")
     else:
-        report.problems.append(ConfigError(f"{settings.source}: batch.spill_dir: {problem}",
-                                           hint="create the directory, or point batch.spill_dir at a writable one"))
+        report.problems.append(error)
 
 
 def _check_http(settings: Settings, report: CheckReport) -> None:

@@ -49,6 +49,8 @@ _XLOG_HEADER = 25
 _BEGIN, _COMMIT, _RELATION, _TRUNCATE, _MESSAGE = (ord(c) for c in "BCRTM")
 _STREAM_START, _STREAM_STOP, _STREAM_COMMIT, _STREAM_ABORT = (ord(c) for c in "SEcA")
 _IGNORED = frozenset(ord(c) for c in "OY")
+#: inside a streamed block, held with its changes: relations, truncates, logical messages
+_HELD = frozenset(b"RTM")
 _RELID = struct.Struct(">I").unpack_from  # a change's relid, read before deciding to decode it
 _CAUGHT_UP_POLL_S = 0.1
 _GUARD_INTERVAL_S = 0.5
@@ -162,8 +164,8 @@ class Session:
                         if tlist:
                             route(kind, raw, header, tlist, tx, batcher, windows, decoder)
                         tx.seq += 1
-                elif streams.current is not None and kind != _STREAM_STOP:
-                    self.held(kind, raw[header:])
+                elif kind in _HELD and streams.current is not None:
+                    streams.add(raw[header:])
                 else:
                     self.dispatch(kind, raw[header:])
             pending = batcher.pending
@@ -206,14 +208,6 @@ class Session:
         else:
             raise SourceError(f"unexpected pgoutput message {type(msg).__name__} (two-phase is not enabled)")
 
-    def held(self, kind: int, message: bytes) -> None:
-        """A message other than a row change inside a streamed block: held with the changes, but for
-        the block's bounds (a Stream Start inside a block is the server's error, named by `streams`)."""
-        if kind == _STREAM_START:
-            self.dispatch(kind, message)
-        elif kind not in _IGNORED:
-            self.streams.add(message)
-
     def stream_commit(self, msg: pg.StreamCommit) -> None:
         """A streamed transaction committed: route what was held, as the same transaction unstreamed.
 
@@ -222,7 +216,6 @@ class Session:
         """
         tx, targets, batcher, windows, decoder = self.tx, self.targets, self.batcher, self.windows, self.decoder
         route, relid, now, t = route_change, _RELID, time.monotonic, self.timers
-        max_entries, max_delay = batcher.max_entries, batcher.max_delay
         tx.begin_at(int(msg.commit_lsn), msg.commit_ts, msg.xid)
         for body in self.streams.commit(msg.xid):
             kind = body[0]
@@ -235,8 +228,7 @@ class Session:
                 self.dispatch(kind, body)
             # what the loop does between messages: send due batches, tell the slot, watch Redis' memory
             at = now()
-            pending = batcher.pending
-            if pending and (pending >= max_entries or at - batcher.first_at >= max_delay):
+            if batcher.due(at):
                 self.flush(wait=False)
                 self.report()
             elif at >= t.status:

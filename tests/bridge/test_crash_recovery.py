@@ -33,6 +33,16 @@ def assert_streams_exact(env, workload: MixedWorkload) -> None:
         assert got == expected, f"{stream}: content differs"
 
 
+def kill_bridge_at_random(env, rng: random.Random, low_s: float, high_s: float) -> None:
+    """Start a bridge; once it attached to the slot, kill -9 it at a random moment low_s..high_s later."""
+    proc = env.start_bridge()
+    wait_for(lambda: env.slot_active() or proc.poll() is not None, 30, "the bridge to attach to the slot")
+    time.sleep(rng.uniform(low_s, high_s))  # a random crash instant, not a wait for a condition
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    env.wait_slot_inactive()
+
+
 def test_kill_9_at_random_moments_loses_and_duplicates_nothing(env):
     env.apply_sql("10_rocket_rides.sql")
     env.copy_mappings("ride.yaml")
@@ -46,15 +56,9 @@ def test_kill_9_at_random_moments_loses_and_duplicates_nothing(env):
     published_between_kills = []
     for _ in range(22):
         before = env.redis.xlen("cdc:ride")
-        proc = env.start_bridge()
-        # let it start streaming, then kill it at a random moment
-        wait_for(lambda: env.slot_active() or proc.poll() is not None, 30, "the bridge to attach to the slot")
-        time.sleep(rng.uniform(0.05, 0.6))  # a random crash instant, not a wait for a condition
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        kill_bridge_at_random(env, rng, 0.05, 0.6)
         kills += 1
         published_between_kills.append(env.redis.xlen("cdc:ride") - before)
-        env.wait_slot_inactive()
     workload.done.wait(300)
     assert workload.error is None, workload.error
     assert kills >= 20

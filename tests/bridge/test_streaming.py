@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import random
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import psycopg
 import pytest
@@ -15,7 +13,7 @@ import redis
 
 from cdc.demo.local import wait_for
 from conftest import read_stream
-from test_crash_recovery import RIDER_MAPPING, assert_streams_exact
+from test_crash_recovery import RIDER_MAPPING, assert_streams_exact, kill_bridge_at_random
 from workload import MixedWorkload
 
 pytestmark = pytest.mark.integration
@@ -159,13 +157,8 @@ def test_kill_9_while_transactions_stream_loses_and_duplicates_nothing(env):
     rng = random.Random(99)
     kills = 0
     while not workload.done.is_set() and kills < 12:
-        proc = env.start_bridge()
-        wait_for(lambda: env.slot_active() or proc.poll() is not None, 30, "the bridge to attach to the slot")
-        time.sleep(rng.uniform(0.2, 1.5))  # a random crash instant, not a wait for a condition
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        kill_bridge_at_random(env, rng, 0.2, 1.5)
         kills += 1
-        env.wait_slot_inactive()
     workload.done.wait(300)
     assert workload.error is None, workload.error
     assert kills >= 8

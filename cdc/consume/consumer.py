@@ -248,6 +248,24 @@ class Consumer:
         self.dead_lettered += 1
         log.warning("dead-lettered %s %s after %d failed deliveries: %s", stream, entry_id, failures, error)
 
+    def _finish_dead_letters(self, entries: list[Entry]) -> list[Entry]:
+        """Of entries read again from the pending list, dead-letter those whose recorded failures
+        already reached `max_deliveries` (a consumer stopped between counting the last failure and
+        dead-lettering) without handing them to the handler again; return the others."""
+        if not entries:
+            return entries
+        pipe = self.client.pipeline(transaction=False)
+        for e in entries:
+            pipe.hmget(keys.failures_key(e.stream, self.group), e.id, f"{e.id}:error")
+        left = []
+        for e, (failures, error) in zip(entries, pipe.execute()):
+            if failures is not None and int(failures) >= self.max_deliveries:
+                text = error.decode() if isinstance(error, bytes) else str(error or "")
+                self.dead_letter(e.stream, e.id, e, int(failures), text)
+            else:
+                left.append(e)
+        return left
+
     def _xreadgroup(self, ids: dict[str, str], count: int, block: int | None = None):
         """XREADGROUP over several streams; on a cluster, one call per stream (slots differ)."""
         if not self._cluster or len(ids) == 1:
@@ -283,12 +301,13 @@ class Consumer:
                 entries += self._parse(self._xreadgroup({s: "0" for s in several}, self.count), gone)
             for stream, entry_id in gone:  # nothing left to hand over: never blocks the stream
                 self.dead_letter(stream, entry_id, None, 0, "deleted from the stream (trimmed) while pending")
-            self._redelivered.update(e.id for e in entries)
             got = {e.stream for e in entries} | {stream for stream, _ in gone}
+            entries = self._finish_dead_letters(entries)
+            self._redelivered.update(e.id for e in entries)
             for stream in pending:
                 if stream not in got:
                     self._pending_phase.discard(stream)
-            if entries:
+            if got:  # even if all were dead-lettered: more may be pending behind them
                 self.delivered += len(entries)
                 return entries
         block = self.block_ms

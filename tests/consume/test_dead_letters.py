@@ -164,3 +164,40 @@ def test_a_server_away_is_no_failure_of_the_entry_but_a_cancelled_query_is(env):
     [letter] = dead_letters(env, "g")
     assert letter["deliveries"] == "2" and letter["error"].startswith("QueryCanceled: canceling statement")
     assert client.xpending("s", "g")["pending"] == 0 and client.hlen("{s}:failures:g") == 0
+
+
+@pytest.mark.parametrize("exclusive", [True, False])
+def test_a_consumer_stopped_between_the_last_failure_and_the_dead_letter_is_finished_by_the_next(env, exclusive):
+    """The last failure is counted, then the consumer dies before moving the entry to the dead
+    letters: whoever reads it next dead-letters it with the recorded count and error, without
+    handing it to the handler a time more."""
+    client = env.redis
+    ids = [client.xadd("s", {"op": "c", "key": f'{{"id": {i}}}', "lsn": "1", "seq": str(i)}) for i in range(3)]
+    first = Consumer(client, ["s"], "g", "c1", exclusive=exclusive, max_deliveries=3, block_ms=10)
+    first.create_group("0")
+    assert [e.id for e in first.read()] == [i.decode() for i in ids]
+    for i in ids[:2]:  # as `fail` leaves them when the process dies right after counting
+        client.hset("{s}:failures:g", mapping={i: 3, i + b":error": f"ValueError: bad {i.decode()}"})
+    later = client.xadd("s", {"op": "c", "key": '{"id": 3}', "lsn": "1", "seq": "3"})
+    restarted = Consumer(client, ["s"], "g", "c1", exclusive=exclusive, max_deliveries=3, block_ms=10)
+    batch = restarted.read()
+    assert [e.id for e in batch] == [ids[2].decode()], "only the entry behind them goes to the handler"
+    letters = dead_letters(env, "g")
+    assert [(d["source_id"], d["deliveries"], d["error"]) for d in letters] == [
+        (i.decode(), "3", f"ValueError: bad {i.decode()}") for i in ids[:2]]
+    assert [orjson.loads(d["entry"])["seq"] for d in letters] == ["0", "1"]
+    restarted.ack(batch)
+    assert [e.id for e in restarted.read()] == [later.decode()]
+    assert client.hlen("{s}:failures:g") == 0 and client.xpending("s", "g")["pending"] == 1
+
+
+def test_a_pending_batch_wholly_dead_lettered_on_reading_lets_the_entries_behind_it_come_next(env):
+    client = env.redis
+    ids = [client.xadd("s", {"op": "c", "key": f'{{"id": {i}}}', "lsn": "1", "seq": str(i)}) for i in range(3)]
+    first = Consumer(client, ["s"], "g", "c1", exclusive=False, count=2, max_deliveries=2, block_ms=10)
+    first.create_group("0")
+    assert len(first.read()) == 2 and len(first.read()) == 1  # all three pending with c1
+    client.hset("{s}:failures:g", mapping={ids[0]: 2, ids[1]: 2})
+    restarted = Consumer(client, ["s"], "g", "c1", exclusive=False, count=2, max_deliveries=2, block_ms=10)
+    assert restarted.read() == [] and client.xlen("cdc:dlq:g") == 2
+    assert [e.id for e in restarted.read()] == [ids[2].decode()], "the pending entry behind, before anything new"

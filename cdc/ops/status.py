@@ -34,12 +34,21 @@ FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_
 WHERE s.slot_name = %s
 """
 
+#: what the server decoded for the slot (PostgreSQL 14+): how much it spilled to its own disk
+#: (`pg_replslot/`) and how much it streamed in progress (`postgres.streaming`)
+DECODING_QUERY = """
+SELECT total_txns, total_bytes, spill_txns, spill_bytes, stream_txns, stream_bytes, stats_reset
+FROM pg_stat_replication_slots WHERE slot_name = %s
+"""
+
 
 def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: float = STALE_AFTER_S) -> dict:
     result: dict = {"slot": None, "streams": []}
     with connect(settings) as conn:
         try:
             row = conn.execute(SLOT_QUERY, (settings.postgres.slot,)).fetchone()
+            decoding = conn.execute(DECODING_QUERY, (settings.postgres.slot,)).fetchone() if row and conn.execute(
+                "SELECT to_regclass('pg_catalog.pg_stat_replication_slots') IS NOT NULL").fetchone()[0] else None
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         try:
@@ -74,7 +83,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
             "name": settings.postgres.slot, "active": row[0], "confirmed_flush_lsn": row[1],
             "current_wal_lsn": row[2], "lag_bytes": row[3], "lag_seconds": row[6],
             "retained_wal_bytes": row[4], "max_slot_wal_keep_size": row[7], "safe_wal_size_bytes": row[8],
-            "wal_status": row[5],
+            "wal_status": row[5], "decoding": _decoding(decoding, settings.postgres.streaming),
         }
     publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster)
     client = connect_redis(settings.redis)
@@ -118,6 +127,18 @@ def _id_time(entry_id: bytes) -> str:
 
 def _ms_time(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _decoding(row: tuple | None, streaming: bool) -> dict | None:
+    """The server's decoding counters for the slot since `stats_reset` (None before PostgreSQL 14)."""
+    if row is None:
+        return None
+    return {
+        "transactions": row[0], "bytes": row[1], "spilled_transactions": row[2], "spilled_bytes": row[3],
+        "streamed_transactions": row[4], "streamed_bytes": row[5],
+        "since": row[6].isoformat(timespec="seconds").replace("+00:00", "Z") if row[6] else None,
+        "streaming": streaming,
+    }
 
 
 def _bridge(state: dict[str, str], attached: bool) -> dict:

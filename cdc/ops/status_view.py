@@ -1,6 +1,7 @@
 """How `cdc status` looks: `cdc.ops.status.collect()`'s data as text, in `rich` tables.
 
-The slot on one line, then one table per subject (streams, consumer groups,
+The slot on one line, what the server decoded for it on the next (spilled to its disk,
+streamed in progress), then one table per subject (streams, consumer groups,
 consumers, backfills, reconciliations), each left out when empty. Colour only
 on a terminal; off a terminal the tables are wide enough never to cut a value.
 """
@@ -42,6 +43,23 @@ def _slot_line(slot: dict | None) -> str:
         f"retained WAL {slot['retained_wal_bytes']} bytes of max_slot_wal_keep_size {slot['max_slot_wal_keep_size']}, "
         f"wal_status {slot['wal_status']}"
     )
+
+
+def _decoding_line(decoding: dict | None) -> str | None:
+    """What the server decoded for the slot, and what of it went to its disk or was streamed."""
+    if decoding is None:
+        return None
+    since = f" since {decoding['since']}" if decoding["since"] else ""
+    return (
+        f"decoded{since}: {decoding['transactions']:,} transactions, {_mib(decoding['bytes'])}; "
+        f"spilled to the server's disk: {decoding['spilled_transactions']:,} transactions, {_mib(decoding['spilled_bytes'])}; "
+        f"streamed in progress (postgres.streaming {'on' if decoding['streaming'] else 'off'}): "
+        f"{decoding['streamed_transactions']:,} transactions, {_mib(decoding['streamed_bytes'])}"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _stream_tables(streams: list[dict]) -> list[Table]:
@@ -102,6 +120,9 @@ def render(status: dict, *, color: bool = False, width: int | None = None) -> st
     console = Console(file=out, width=width or _WIDE, force_terminal=color, no_color=not color, highlight=False,
                       emoji=False, markup=False)
     console.print(_slot_line(status["slot"]), soft_wrap=True)
+    decoding = _decoding_line((status["slot"] or {}).get("decoding"))
+    if decoding:
+        console.print(decoding, soft_wrap=True)
     for line in _bridge_lines(status.get("bridge") or {}):
         console.print(line, soft_wrap=True)
     for s in status["streams"]:

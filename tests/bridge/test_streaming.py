@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import orjson
 import psycopg
 import pytest
 import redis
@@ -129,6 +130,13 @@ def test_streamed_transactions_publish_the_same_entries_as_unstreamed_ones(env):
     for e in streamed + unstreamed:
         del e["_id"]  # Redis' own ids: when each entry was appended
     assert streamed == unstreamed  # every field, source positions included
+
+    # cdc status shows what the server streamed for one slot and spilled to its disk for the other
+    on = orjson.loads(env.cdc("status", "--json", check=True).stdout)["slot"]["decoding"]
+    off = orjson.loads(_cdc(plain, "status", "--json").stdout)["slot"]["decoding"]
+    assert on["streaming"] is True and on["streamed_transactions"] >= committed + aborted and on["streamed_bytes"] > 0
+    assert off["streaming"] is False and off["streamed_transactions"] == 0
+    assert off["spilled_transactions"] >= 1 and off["spilled_bytes"] > 0
 
 
 class SavepointWorkload(MixedWorkload):

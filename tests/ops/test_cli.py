@@ -46,6 +46,11 @@ def test_status_shows_slot_and_streams(env):
     assert stream["stream"] == "cdc:ride" and stream["length"] == 2 and stream["last_seq"] == 1
     text = env.cdc("status", check=True).stdout
     assert f"slot {env.slot}: inactive" in text and "cdc:ride" in text and "of max_slot_wal_keep_size -1" in text
+    decoding = status["slot"]["decoding"]  # what the server decoded for the slot: a small transaction, neither spilled nor streamed
+    assert decoding["transactions"] >= 1 and decoding["bytes"] > 0 and decoding["streaming"] is False
+    assert decoding["spilled_transactions"] == decoding["streamed_transactions"] == 0
+    assert f"decoded: {decoding['transactions']:,} transactions" in text
+    assert "spilled to the server's disk: 0 transactions, 0.0 MiB; streamed in progress (postgres.streaming off): 0" in text
 
 
 @pytest.mark.slow

@@ -65,6 +65,7 @@ def test_the_readme_flow_runs_as_cdc_bridge_with_snapshots_and_backfills(env, tm
     status = env.cdc("status", env=bridge)
     assert status.returncode == 0, status.stderr
     assert "ride" in status.stdout and "done" in status.stdout
+    assert "decoded: " in status.stdout and "spilled to the server's disk: " in status.stdout  # visible to any role
     env.redis.xgroup_create("cdc:ride", "billing", id="0")
     trim = env.cdc("trim", env=bridge)
     assert trim.returncode == 0 and "cdc:ride: trimmed" in trim.stdout, trim.stderr

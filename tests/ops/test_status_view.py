@@ -44,3 +44,13 @@ def test_long_values_are_not_cut_off_a_terminal():
         {"id": 1, "entity": "ride", "status": "pending", "rows_done": 0, "rows_total": None, "chunks": 0,
          "where": where, "rows_per_s": None}]})
     assert where in text
+
+
+def test_the_servers_decoding_counters_go_under_the_slot_line():
+    decoding = {"transactions": 1234, "bytes": 3 * 2**20 // 2, "spilled_transactions": 2, "spilled_bytes": 380 * 2**20,
+                "streamed_transactions": 0, "streamed_bytes": 0, "since": "2026-11-24T04:00:00Z", "streaming": False}
+    text = render({"slot": dict(SLOT, decoding=decoding), "streams": []})
+    assert text.splitlines()[1] == (
+        "decoded since 2026-11-24T04:00:00Z: 1,234 transactions, 1.5 MiB; spilled to the server's disk: "
+        "2 transactions, 380.0 MiB; streamed in progress (postgres.streaming off): 0 transactions, 0.0 MiB")
+    assert "decoded" not in render({"slot": dict(SLOT, decoding=None), "streams": []}), "nothing before PostgreSQL 14"

@@ -58,9 +58,14 @@ def xadd_command(stream: bytes, entry: Sequence) -> bytes:
     a stream's entries repeat, so their part of the command is formatted once.
     """
     names = tuple(entry[0:-1:2])
-    template = _templates.get((stream, names))
+    try:
+        template = _templates.get((stream, names))
+    except TypeError:  # an unhashable name: never cached
+        template = None
     if template is None:
-        template = _templates[(stream, names)] = _template(stream, names)
+        template = _template(stream, names)
+        if all(type(name) is bytes for name in names):  # 1, True and 1.0 are equal keys but pack differently
+            _templates[(stream, names)] = template
     args = []
     for value in entry[1:-1:2]:
         if type(value) is not bytes:

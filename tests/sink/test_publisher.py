@@ -182,6 +182,12 @@ def test_xadd_command_packs_what_hiredis_packs(stream, fields):
     assert xadd_command(stream, entry) == hiredis.pack_command((b"XADD", stream, b"*", *entry[:-1]))
 
 
+def test_names_that_are_equal_keys_but_not_equal_bytes_each_pack_as_themselves():
+    packed = [xadd_command(b"s", [name, b"v", "0" * 30]) for name in (1, True, 1.0, "1", b"1")]
+    assert [p.split(b"\r\n")[8] for p in packed] == [b"1", b"True", b"1.0", b"1", b"1"]
+    assert xadd_command(b"s", [bytearray(b"ab"), b"v", "p"]).split(b"\r\n")[8] == str(bytearray(b"ab")).encode()
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", MODES)
 def test_the_flushed_record_only_moves_forward(redis_server, client, mode):

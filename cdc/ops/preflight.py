@@ -265,6 +265,8 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
                 ("consumers", ("EVALSHA", _ANY_SHA, "2", lease, epoch)), ("consumers", ("SET", lease, "x", "PX", "1")),
                 ("consumers", ("PEXPIRE", lease, "1")), ("consumers", ("DEL", lease)), ("consumers", ("INCR", epoch)),
                 ("consumers", ("HINCRBY", keys.failures_key(s, group), "0-1", "1")),
+                ("consumers", ("HSET", keys.failures_key(s, group), "0-1:error", "e")),
+                ("consumers", ("HMGET", keys.failures_key(s, group), "0-1", "0-1:error")),
                 ("consumers", ("HDEL", keys.failures_key(s, group), "0-1")),
             ]
     return probes

@@ -197,6 +197,21 @@ def test_redis_conf_acl_user_can_run_the_bridge_and_nothing_else(env, servers_ro
         finally:
             consumer.terminate()
             consumer.wait(30)
+        # what a consumer does with an entry its handler keeps failing on: count, retry it alone, dead-letter
+        from cdc.consume.consumer import Consumer
+
+        def fail_on_the_first(entries):
+            if entries and entries[0].id == first_id:
+                raise ValueError("no")
+
+        first_id = client.xrange("cdc:ride", count=1)[0][0].decode()
+        failing = Consumer(client, ["cdc:ride"], "acl", "c", exclusive=False, max_deliveries=2, block_ms=10)
+        failing.create_group("0")
+        wait_for(lambda: failing.process(failing.read(), fail_on_the_first) or failing.acked == 9, 30,
+                 "the other nine rides acknowledged")
+        wait_for(lambda: failing.process(failing.read(), fail_on_the_first) or client.xlen("cdc:dlq:acl") == 1, 30,
+                 "the failing ride dead-lettered")
+        assert failing.failed == 2 and client.xpending("cdc:ride", "acl")["pending"] == 0
         for command in ("status", "trim"):
             env.cdc(command, check=True)
         # what cdc reconcile does in Redis: hold the stream, re-read it and the group, release

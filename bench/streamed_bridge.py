@@ -28,15 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from servers import bench_servers, cdc_command, peak_rss  # noqa: E402
+from items import ITEM_MAPPING, ITEM_ROWS, ITEMS_TABLE  # noqa: E402
+from cdc.demo.local import wait_for  # noqa: E402
 
-SCHEMA = """
-CREATE TABLE items (id bigint PRIMARY KEY, qty int NOT NULL, price float8 NOT NULL, name text NOT NULL,
-                    at timestamptz NOT NULL, secret text);
-CREATE PUBLICATION cdc FOR TABLE items;
-"""
-MAPPING = "entity: item\ntable: public.items\nkey: [id]\nfields: {id: id, qty: qty, price: price, name: name, at: at}\n"
-ROWS = ("INSERT INTO items SELECT g, (g % 1000)::int, g * 0.25, 'item ' || g, "
-        "timestamptz '2026-01-01 00:00:00+00' + g * interval '1 second', 'secret ' || g FROM generate_series({lo}, {hi}) g")
+SCHEMA = ITEMS_TABLE + "CREATE PUBLICATION cdc FOR TABLE items;\n"
+ROWS = "INSERT INTO items " + ITEM_ROWS
 SPILLED = re.compile(r"(\d+) bytes spilled to disk")
 
 
@@ -89,12 +85,9 @@ def live(root: Path, pg, rd, client: redis.Redis, rows: int, streaming: bool, n:
     config = fresh_config(root, slot, pg, rd, streaming)
     proc, peak = bridge(config)
     try:
-        deadline = time.monotonic() + 30
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            while not conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()[0]:
-                if time.monotonic() > deadline:
-                    raise SystemExit("the bridge did not attach to its slot")
-                time.sleep(0.05)
+            wait_for(lambda: conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()[0],
+                     30, "the bridge to attach to its slot")
         with psycopg.connect(pg.dsn) as conn:
             step = rows // 20
             t_write = time.monotonic()
@@ -130,7 +123,7 @@ def main() -> int:
     with bench_servers("cdc-bench-streamed-", settings) as (root, pg, rd):
         client = redis.Redis.from_url(rd.url)
         (root / "mappings").mkdir()
-        (root / "mappings" / "item.yaml").write_text(MAPPING)
+        (root / "mappings" / "item.yaml").write_text(ITEM_MAPPING)
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute(SCHEMA)
         for n in range(args.rounds):

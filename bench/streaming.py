@@ -41,16 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from servers import bench_servers  # noqa: E402
+from items import ITEM_ROWS, ITEMS_TABLE  # noqa: E402
 from cdc.demo.local import PG_BIN  # noqa: E402
 from cdc.source.framing import standby_status_update  # noqa: E402
 
-SCHEMA = """
-CREATE TABLE items (id bigint PRIMARY KEY, qty int NOT NULL, price float8 NOT NULL, name text NOT NULL,
-                    at timestamptz NOT NULL, secret text);
-CREATE PUBLICATION cdc FOR TABLE items;
-"""
-ITEM_ROWS = ("SELECT g, (g % 1000)::int, g * 0.25, 'item ' || g, timestamptz '2026-01-01 00:00:00+00' + g * interval '1 second', "
-             "'secret ' || g FROM generate_series(1, {n}) g")
+SCHEMA = ITEMS_TABLE + "CREATE PUBLICATION cdc FOR TABLE items;\n"
 MODES = {
     "proto1": ["proto_version=1", "publication_names=cdc"],
     "stream": ["proto_version=2", "streaming=on", "publication_names=cdc"],
@@ -161,7 +156,7 @@ def main() -> int:
             for slot in slot_of.values():
                 conn.execute(f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')")
             t0 = time.monotonic()
-            conn.execute("INSERT INTO items " + ITEM_ROWS.format(n=args.rows))
+            conn.execute("INSERT INTO items " + ITEM_ROWS.format(lo=1, hi=args.rows))
             if args.update_rows:
                 conn.execute(f"UPDATE items SET qty = qty + 1, price = price * 1.5 WHERE id <= {args.update_rows}")
             end_lsn = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]

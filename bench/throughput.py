@@ -50,14 +50,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from servers import bench_servers, cdc_command, peak_rss  # noqa: E402
+from items import ITEM_MAPPING, ITEM_ROWS, ITEMS_TABLE  # noqa: E402
 from cdc.demo.local import PG_BIN, wait_for  # noqa: E402
 
-SCHEMA = """
+SCHEMA = ITEMS_TABLE + """
 CREATE TABLE riders (id bigint PRIMARY KEY, name text NOT NULL, email text NOT NULL);
 CREATE TABLE rides (id bigint PRIMARY KEY, rider_id bigint NOT NULL, distance_m numeric(12,3) NOT NULL,
                     status text NOT NULL DEFAULT 'done', internal_note text);
-CREATE TABLE items (id bigint PRIMARY KEY, qty int NOT NULL, price float8 NOT NULL, name text NOT NULL,
-                    at timestamptz NOT NULL, secret text);
 CREATE PUBLICATION cdc FOR TABLE riders, rides, items;
 
 -- `total` changes over riders and rides in transactions of 1-20 changes (sizes from random(),
@@ -102,14 +101,12 @@ END $$;
 MAPPINGS = {
     "ride.yaml": "entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id, distance: distance_m, rider: rider_id, status: status}\n",
     "rider.yaml": "entity: rider\ntable: public.riders\nkey: [id]\nfields: {id: id, name: name, email: email}\n",
-    "item.yaml": "entity: item\ntable: public.items\nkey: [id]\nfields: {id: id, qty: qty, price: price, name: name, at: at}\n",
+    "item.yaml": ITEM_MAPPING,
 }
 STREAMS = {"small": ("cdc:ride", "cdc:rider"), "large": ("cdc:item",), "rss": ("cdc:item",)}
 WORKLOADS = ("small", "large", "rss")
 #: the command that appends a batch, whose INFO commandstats time includes the XADDs it runs
 APPEND_COMMAND = {"script": "cmdstat_evalsha", "transaction": "cmdstat_exec"}
-ITEM_ROWS = ("SELECT g, (g % 1000)::int, g * 0.25, 'item ' || g, timestamptz '2026-01-01 00:00:00+00' + g * interval '1 second', "
-             "'secret ' || g FROM generate_series({lo}, {hi}) g")
 
 
 def workload_small(conn: psycopg.Connection, changes: int, seed: float) -> tuple[int, str]:

@@ -112,11 +112,6 @@ class StreamedTransactions:
         self.spilled_bytes = 0  # written to spill files since start (a counter)
         self.committed = self.aborted = 0  # streamed transactions ended (counters)
 
-    @property
-    def open(self) -> bool:
-        """Some transaction has streamed messages and has not ended yet."""
-        return bool(self.held)
-
     def start(self, xid: int, first: bool) -> None:
         """Stream Start: the messages until Stream Stop belong to `xid`."""
         held = self.held.get(xid)

@@ -184,5 +184,5 @@ def test_a_streamed_transaction_is_sent_after_its_commit_with_the_positions_of_a
     assert before and all(lsn != 3000 for confirmed in before for lsn, _ in confirmed)
     assert (2950, 4) in stream.told  # the quiet keepalive's position, told while it ran
     assert bridge.durable_lsn == 4008 and stream.told[-1][0] == 4008
-    assert bridge.streams.committed == 1 and bridge.streams.aborted == 1 and not bridge.streams.open
+    assert bridge.streams.committed == 1 and bridge.streams.aborted == 1 and not bridge.streams.held
     assert publisher.keys == [*range(3), *range(3, 5), 100, 102, 104, 105, 5]

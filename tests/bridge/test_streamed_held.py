@@ -67,7 +67,7 @@ def test_commit_returns_what_an_unstreamed_transaction_carries(tmp_path, steps, 
         assert held.size <= max(limit, 0) or not held.held
         assert set(held.held) == set(model)
     held.close()
-    assert held.size == 0 and not held.held and not held.open
+    assert held.size == 0 and not held.held
 
 
 def test_spilled_messages_come_back_before_those_still_in_memory(tmp_path):
@@ -80,7 +80,7 @@ def test_spilled_messages_come_back_before_those_still_in_memory(tmp_path):
     assert held.spilled_bytes > 0 and held.held[7].messages  # some on disk, the last ones in memory
     assert os.listdir(tmp_path) == []  # spill files have no name: nothing is left behind, even by kill -9
     assert list(held.commit(7)) == [plain(m) for m in messages]
-    assert held.committed == 1 and not held.open
+    assert held.committed == 1 and not held.held
 
 
 def test_a_block_continuing_a_transaction_never_started_is_refused():

@@ -35,7 +35,7 @@ from typing import BinaryIO
 
 from ..errors import ConfigError, SourceError, TransientError
 
-__all__ = ["Held", "StreamedTransactions", "OVERHEAD", "spill_dir_error"]
+__all__ = ["Held", "StreamedTransactions", "OVERHEAD", "spill_dir_error", "spill_place"]
 
 #: the memory a held message costs beyond its bytes (the bytes object's header and its list slot)
 OVERHEAD = 41
@@ -46,6 +46,11 @@ _CHANGES = frozenset(b"IUDTM")
 _CHUNK = 1 << 20  # bytes written to a spill file at a time
 
 
+def spill_place(directory: str | None) -> str:
+    """Where spill files go for `batch.spill_dir` = `directory` (empty: the system's temporary directory)."""
+    return directory or tempfile.gettempdir()
+
+
 def spill_dir_error(directory: str, source: str) -> ConfigError | None:
     """Why streamed transactions could not spill to `directory` (empty: the system's), as `cdc run`
     refuses to start and `cdc check` reports it (`source`: the config file), or None."""
@@ -53,8 +58,8 @@ def spill_dir_error(directory: str, source: str) -> ConfigError | None:
         with tempfile.TemporaryFile(dir=directory or None, prefix="cdc-stream-") as f:
             f.write(b"x")
     except OSError as exc:
-        where = directory or tempfile.gettempdir()
-        return ConfigError(f"{source}: batch.spill_dir: cannot write spill files in {where}: {exc.strerror or exc}",
+        return ConfigError(f"{source}: batch.spill_dir: cannot write spill files in {spill_place(directory)}: "
+                           f"{exc.strerror or exc}",
                            hint="create the directory, or point batch.spill_dir at a writable one")
     return None
 
@@ -201,9 +206,8 @@ class StreamedTransactions:
             write(out)
             written += len(out)
         except OSError as exc:
-            where = self.directory or tempfile.gettempdir()
             raise TransientError(
-                f"cannot spill a streamed transaction to {where}: {exc.strerror or exc}; free space there, "
+                f"cannot spill a streamed transaction to {spill_place(self.directory)}: {exc.strerror or exc}; free space there, "
                 "point batch.spill_dir at a larger disk or raise batch.stream_buffer_mb"
             ) from exc
         held.spilled += written

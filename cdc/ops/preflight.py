@@ -19,7 +19,6 @@ failing command would exit with; `CheckReport.exit_code` is the smallest among t
 from __future__ import annotations
 
 import socket
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -30,7 +29,7 @@ import redis
 from .. import keys
 from ..config import Settings
 from ..bridge.guards import check_redis_has_flushed
-from ..bridge.streamed import spill_dir_error
+from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..sink.redisconn import connect_redis
@@ -72,8 +71,8 @@ def _check_spill(settings: Settings, report: CheckReport) -> None:
         return
     error = spill_dir_error(settings.batch.spill_dir, settings.source)
     if error is None:
-        where = settings.batch.spill_dir or tempfile.gettempdir()
-        report.ok.append(f"streamed transactions past {settings.batch.stream_buffer_mb} MiB spill to {where}")
+        report.ok.append(f"streamed transactions past {settings.batch.stream_buffer_mb} MiB spill to "
+                         f"{spill_place(settings.batch.spill_dir)}")
     else:
         report.problems.append(error)
 

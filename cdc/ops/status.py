@@ -47,8 +47,8 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
     with connect(settings) as conn:
         try:
             row = conn.execute(SLOT_QUERY, (settings.postgres.slot,)).fetchone()
-            decoding = conn.execute(DECODING_QUERY, (settings.postgres.slot,)).fetchone() if row and conn.execute(
-                "SELECT to_regclass('pg_catalog.pg_stat_replication_slots') IS NOT NULL").fetchone()[0] else None
+            decoding = (conn.execute(DECODING_QUERY, (settings.postgres.slot,)).fetchone()
+                        if row and conn.info.server_version >= 140000 else None)  # the view is new in 14
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         try:

@@ -9,6 +9,7 @@ loop over the mapped fields only. Pure: no I/O.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -89,7 +90,10 @@ def _integer(text: str) -> Any:
 
 def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, mapping: Mapping) -> Callable[[str], Any]:
     base = _base_oid(col.type_oid, catalog)
-    if spec.hash == "sha256":
+    if spec.hash == "hmac-sha256":
+        key = spec.key
+        return lambda text: hmac.digest(key, text.encode(), "sha256").hex()
+    if spec.hash == "sha256":  # unkeyed: true
         salt = spec.salt
         return lambda text: hashlib.sha256(salt + text.encode()).hexdigest()
     if spec.redact:

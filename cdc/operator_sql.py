@@ -435,7 +435,8 @@ def check_select(text: str, what: str = "source.query") -> SelectCheck:
             raise _refuse(what, text, tok.pos, f"{tok.text.upper()} has no place in a read-only query", SELECT_HINT)
         elif tok.word in ("share", "key") and n > 0 and tokens[n - 1].word in ("for", "no"):
             raise _refuse(what, text, tokens[n - 1].pos, "a row lock (FOR UPDATE/SHARE)", SELECT_HINT)
-        if tok.kind in ("ident", "qident") and tokens[n + 1].text == "(":
+        if tok.kind in ("ident", "qident") and (tokens[n + 1].text == "(" or (n > 0 and tokens[n - 1].text == ".")):
+            # name(...), or row.name: PostgreSQL's functional notation calls name(row)
             name = tok.text.lower() if tok.kind == "ident" else tok.text[1:-1].replace('""', '"')
             functions.add(name)
         elif tok.kind == "op" and tok.text not in ("(", ")", ",", ".", "::"):

@@ -267,3 +267,11 @@ def test_the_sample_mappings_hash_with_a_key():
     assert next(f for f in rider.fields if f.name == "email").hash == "hmac-sha256"
     with pytest.raises(ConfigError, match="no hash key is set"):
         load_mappings(sample, {}, None)
+
+
+@pytest.mark.parametrize("key", [b"k" * 16, b"k" * 64, b"k" * 65, "kéy-ünïcode-0123456789".encode(), bytes(range(200))])
+@pytest.mark.parametrize("text", ["", "ann@example.com", "ünïcode ✓", "x" * 1000])
+def test_the_keyed_hash_is_rfc_2104_hmac_sha256(key, text):
+    from cdc.mapping.projector import hmac_sha256
+
+    assert hmac_sha256(key)(text) == hmac.new(key, text.encode(), hashlib.sha256).hexdigest()

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(ids=[])
     backfill = command("backfill", cmd_backfill, "re-publish an entity's table (op r) while streaming continues")
     backfill.add_argument("--entity", help="the entity to re-publish")
-    backfill.add_argument("--where", help="SQL condition selecting part of the table")
+    backfill.add_argument("--where", help="a condition on the table's columns selecting part of it (a small SQL subset: README, Snapshots and backfills)")
     backfill.add_argument("--wait", action="store_true", help="show progress until every chunk is read")
     backfill.add_argument("--watch", action="store_true", help="follow the snapshots and backfills in progress")
     schema = command("schema", cmd_schema, "print a JSON Schema per entity")

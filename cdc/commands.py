@@ -19,7 +19,9 @@ def load_config(args: argparse.Namespace):
     settings = Settings.from_file(args.config)
     for secret in (settings.postgres.dsn, settings.redis.url, settings.reconcile.state_dsn):
         redact.register(secret)
-    return settings, load_mappings(settings.mappings)
+    if settings.hash_key:
+        redact.register_secret(settings.hash_key.decode())
+    return settings, load_mappings(settings.mappings, hash_key=settings.hash_key or None)
 
 
 def entity_named(mappings, name: str):

@@ -122,6 +122,10 @@ class Settings:
     http: HttpSettings = field(default_factory=HttpSettings)
     reconcile: ReconcileSettings = field(default_factory=ReconcileSettings)
     mappings: Path = Path("mappings")
+    #: the file holding the secret that keys hmac-sha256 fields (relative to the config file; CDC_HASH_KEY_FILE)
+    hash_key_file: str = ""
+    #: that secret (or CDC_HASH_KEY's value); empty when none is set; never shown
+    hash_key: bytes = field(default=b"", repr=False)
     source: str = "<defaults>"
 
     @classmethod
@@ -148,7 +152,7 @@ class Settings:
     ) -> "Settings":
         env = {} if env is None else env
         sections: dict[str, Any] = {}
-        known = {f.name for f in dataclasses.fields(cls)} - {"source"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"source", "hash_key"}
         for key in raw:
             if key not in known:
                 raise ConfigError(
@@ -156,7 +160,7 @@ class Settings:
                     hint=f"expected one of: {', '.join(sorted(known))}",
                 )
         for f in dataclasses.fields(cls):
-            if f.name in ("source", "mappings"):
+            if f.name in ("source", "mappings", "hash_key_file", "hash_key"):
                 continue
             section_cls = f.type if isinstance(f.type, type) else globals()[f.type]
             sections[f.name] = _section(section_cls, f.name, raw.get(f.name) or {}, raw, env)
@@ -170,7 +174,39 @@ class Settings:
         spill = sections["batch"].spill_dir
         if spill and not Path(spill).is_absolute():
             sections["batch"] = dataclasses.replace(sections["batch"], spill_dir=str(base_dir / spill))
-        return cls(**sections, mappings=mappings_path, source=source)
+        key_file, key = _hash_key(raw, base_dir, env)
+        return cls(**sections, mappings=mappings_path, hash_key_file=key_file, hash_key=key, source=source)
+
+
+#: shortest hash key accepted, in bytes: a short secret can be found by trying keys against one known value
+HASH_KEY_MIN_BYTES = 16
+
+
+def _hash_key(raw: Mapping[str, Any], base_dir: Path, env: Mapping[str, str]) -> tuple[str, bytes]:
+    """(the key file, the key): CDC_HASH_KEY's value, else the content of CDC_HASH_KEY_FILE or
+    hash_key_file (whitespace around it removed); the key itself is never put in a message."""
+    if env.get("CDC_HASH_KEY"):
+        origin, key_file, text = "CDC_HASH_KEY", "", env["CDC_HASH_KEY"]
+    else:
+        key_file = env.get("CDC_HASH_KEY_FILE") or raw.get("hash_key_file") or ""
+        if not isinstance(key_file, str):
+            raise ConfigError(f"{where(raw, 'hash_key_file')}: hash_key_file must be a file name")
+        if not key_file:
+            return "", b""
+        origin = "CDC_HASH_KEY_FILE" if env.get("CDC_HASH_KEY_FILE") else f"{where(raw, 'hash_key_file')}: hash_key_file"
+        if not Path(key_file).is_absolute():
+            key_file = str(base_dir / key_file)
+        try:
+            text = Path(key_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"{origin}: cannot read the hash key file {key_file}: {reason}",
+                              hint="point it at a readable file holding the key") from None
+    key = text.strip().encode()
+    if len(key) < HASH_KEY_MIN_BYTES:
+        raise ConfigError(f"{origin}: the hash key is {len(key)} bytes, shorter than {HASH_KEY_MIN_BYTES}",
+                          hint="use a random key, e.g. made with: head -c 32 /dev/urandom | base64 > hash.key")
+    return key_file, key
 
 
 def _override(env: Mapping[str, str], name: str, default: Any) -> Any:

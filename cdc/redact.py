@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["MASK", "redact", "register", "secrets_of"]
+__all__ = ["MASK", "redact", "register", "register_secret", "secrets_of"]
 
 MASK = "***"
 
@@ -49,6 +49,12 @@ def register(value: str | None) -> None:
     """Remember the secrets inside a configured DSN or URL, to hide them wherever they appear."""
     if value:
         _registered.update(secrets_of(value))
+
+
+def register_secret(value: str) -> None:
+    """Remember a bare secret (the hash key) to hide wherever it appears."""
+    if value:
+        _registered.add(value)
 
 
 def redact(text: str) -> str:

@@ -21,6 +21,10 @@ from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
 ROOT = Path(__file__).resolve().parent.parent
 SQL = ROOT / "sql"
 _counter = itertools.count()
+#: the key of hmac-sha256 fields (mappings/rider.yaml) in every test and the cdc commands they start;
+#: a test without a key sets CDC_HASH_KEY to ""
+TEST_HASH_KEY = "test-hash-key-0123456789abcdef"
+os.environ.setdefault("CDC_HASH_KEY", TEST_HASH_KEY)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ from psycopg import sql
 
 from ..errors import ConfigError, PrivilegeError
 from ..mapping.model import Mapping
+from ..operator_sql import WHERE_HINT, Condition, SqlRefused, parse_where
 from ..source.privileges import fix_for
 
 __all__ = ["BACKFILL_DDL", "WATERMARK_PREFIX", "BackfillDriver", "Windows", "enqueue", "ensure_table"]
@@ -52,7 +53,7 @@ CREATE TABLE IF NOT EXISTS public.cdc_backfills (
     last_key    jsonb,                              -- resume after this key (text values, key order)
     chunks      bigint NOT NULL DEFAULT 0,
     rows_done   bigint NOT NULL DEFAULT 0,
-    rows_total  bigint,                             -- estimate, for progress
+    rows_total  bigint,                             -- estimate, for progress (exact once done)
     created_at  timestamptz NOT NULL DEFAULT now(),
     updated_at  timestamptz NOT NULL DEFAULT now()
 )
@@ -82,24 +83,49 @@ def _refused(exc: psycopg.Error, conn: psycopg.Connection, need: str) -> Privile
     return PrivilegeError(f"postgres refused: {text}", hint=fix_for(text, conn.info.user, need))
 
 
+def table_columns(conn: psycopg.Connection, schema: str, table: str) -> list[str]:
+    """The live columns of a table (none when it does not exist)."""
+    return [r[0] for r in conn.execute(
+        "SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid = to_regclass(quote_ident(%s) || '.' || quote_ident(%s)) "
+        "AND attnum > 0 AND NOT attisdropped ORDER BY attnum", (schema, table),
+    )]
+
+
+def where_condition(conn: psycopg.Connection, mapping: Mapping, where: str) -> Condition:
+    """An operator's --where, parsed into the allowlisted grammar against the table's columns
+    (`cdc.operator_sql`): the SQL that runs is composed from the parse, never the text itself."""
+    schema, table = mapping.table
+    return parse_where(where, table_columns(conn, schema, table), f"{schema}.{table}")
+
+
 def enqueue(conn: psycopg.Connection, slot: str, mapping: Mapping, where: str | None = None) -> int:
-    """Ask the bridge on `slot` to (re)publish `mapping`'s table as `r` entries."""
+    """Ask the bridge on `slot` to (re)publish `mapping`'s table as `r` entries.
+
+    A condition is only validated here (parsed, then planned without running in a
+    READ ONLY transaction, which also estimates the rows for progress): the bridge
+    alone evaluates it, from the text recorded in `cdc_backfills`, parsed again.
+    """
     if mapping.table is None:
         raise ConfigError(f"entity {mapping.entity!r} has no table to backfill")
     schema, table = mapping.table
-    where_sql = f" WHERE {where}" if where else ""
+    ident = sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(table))
+    condition = where_condition(conn, mapping, where) if where is not None else None  # "" too: refused as empty
     try:
-        total = conn.execute(
-            sql.SQL("SELECT count(*) FROM {}.{}").format(sql.Identifier(schema), sql.Identifier(table))
-            + sql.SQL(where_sql)
-        ).fetchone()[0]
+        if condition is None:
+            total = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(ident)).fetchone()[0]
+        else:
+            with conn.transaction():
+                conn.execute("SET TRANSACTION READ ONLY")
+                plan = conn.execute(sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {} WHERE ").format(ident)
+                                    + condition.sql, condition.params).fetchone()[0]
+            total = int(plan[0]["Plan"]["Plan Rows"])
     except psycopg.errors.InsufficientPrivilege as exc:
         raise _refused(exc, conn, "SELECT") from None
     except psycopg.OperationalError:
         raise
     except psycopg.Error as exc:
-        raise ConfigError(f"backfill of {mapping.entity}: cannot read {schema}.{table}{where_sql}: "
-                          f"{str(exc).strip().splitlines()[0]}", hint="fix --where (an SQL condition on the table's columns)") from None
+        raise ConfigError(f"backfill of {mapping.entity}: --where on {schema}.{table}: "
+                          f"{str(exc).strip().splitlines()[0]}", hint=WHERE_HINT) from None
     try:
         with conn.transaction():
             backfill_id = conn.execute(
@@ -182,6 +208,12 @@ class BackfillDriver:
             log.error("backfill %d: no mapping for entity %r; cancelled", backfill_id, entity)
             conn.execute("UPDATE cdc_backfills SET status = 'cancelled', updated_at = now() WHERE id = %s", (backfill_id,))
             return True
+        try:  # parsed again: what runs is composed from the parse, whoever wrote the row
+            condition = where_condition(conn, mapping, where) if where else None
+        except SqlRefused as exc:
+            log.error("backfill %d: %s; cancelled", backfill_id, exc)
+            conn.execute("UPDATE cdc_backfills SET status = 'cancelled', updated_at = now() WHERE id = %s", (backfill_id,))
+            return True
         chunk_id = f"{backfill_id}:{chunks}"
         schema, table = mapping.table
         key_columns = [next(f.column for f in mapping.fields if f.name == k) for k in mapping.key]
@@ -194,13 +226,18 @@ class BackfillDriver:
         if last_key is not None:
             conditions.append(sql.SQL("({}) > ({})").format(keys_sql, sql.SQL(", ").join(sql.Placeholder() * len(key_columns))))
             params += last_key
-        if where:
-            conditions.append(sql.SQL("(") + sql.SQL(where) + sql.SQL(")"))
+        if condition is not None:
+            conditions.append(condition.sql)
+            params += condition.params
         query = sql.SQL("SELECT * FROM {}").format(ident)
         if conditions:
             query += sql.SQL(" WHERE ") + sql.SQL(" AND ").join(conditions)
         query += sql.SQL(" ORDER BY {} LIMIT {}").format(keys_sql, sql.Literal(self.chunk_rows))
         with conn.transaction(), conn.cursor() as cur:
+            # the read (and so the --where) runs read-only: a savepoint can turn a transaction read-only,
+            # and rolling back to it makes it writable again for the progress row and the watermark
+            cur.execute("SAVEPOINT cdc_chunk_read")
+            cur.execute("SET LOCAL transaction_read_only = on")
             cur.execute(query, params, prepare=False)
             result = cur.pgresult  # the text the server sent, as pgoutput would send it
             names = [result.fname(i).decode() for i in range(result.nfields)]
@@ -208,13 +245,15 @@ class BackfillDriver:
                 [None if (v := result.get_value(r, c)) is None else v.decode() for c in range(result.nfields)]
                 for r in range(result.ntuples)
             ]
+            cur.execute("ROLLBACK TO SAVEPOINT cdc_chunk_read")
             positions = [names.index(c) for c in key_columns]
             done = len(rows) < self.chunk_rows
             new_key = [rows[-1][i] for i in positions] if rows else last_key
             cur.execute(
                 "UPDATE cdc_backfills SET last_key = %s, chunks = chunks + 1, rows_done = rows_done + %s, "
+                "rows_total = CASE WHEN %s THEN rows_done + %s ELSE rows_total END, "  # an estimate until done
                 "status = %s, updated_at = now() WHERE id = %s",
-                (orjson.dumps(new_key).decode() if new_key is not None else None, len(rows),
+                (orjson.dumps(new_key).decode() if new_key is not None else None, len(rows), done, len(rows),
                  "done" if done else "running", backfill_id),
             )
             high = {"kind": "high", "chunk": chunk_id, "schema": schema, "table": table, "entity": entity,

@@ -8,6 +8,7 @@ the bridge and prints entries as they arrive in the streams. Ctrl-C stops it all
 from __future__ import annotations
 
 import argparse
+import base64
 import fcntl
 import logging
 import os
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             for sql in sorted((project / "sql").glob("*.sql")):
                 conn.execute(sql.read_text())
+        hash_key = root / "hash.key"  # keys the rider's hashed email; generated once, kept with the demo's data
+        if not hash_key.exists():
+            hash_key.touch(mode=0o600)
+            hash_key.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
         config = root / "cdc.yaml"
         config.write_text(
             f"postgres: {{dsn: '{pg.dsn}', slot: cdc, publication: cdc}}\n"
@@ -73,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             f"mappings: {project / 'mappings'}\n"
             f"http: {{port: {args.http_port}}}\n"
             f"reconcile: {{specs: {project / 'reconcile'}}}\n"
+            f"hash_key_file: {hash_key}\n"
         )
         settings = Settings.from_file(config)
-        mappings = load_mappings(settings.mappings)
+        mappings = load_mappings(settings.mappings, hash_key=settings.hash_key)
         for line in init(settings, mappings):
             print(line)
         print(f"config written to {config}; try: .venv/bin/cdc status --config {config}")

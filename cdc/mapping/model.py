@@ -22,7 +22,12 @@ __all__ = ["Condition", "FieldSpec", "Mapping", "load_mappings", "parse_mapping"
 
 ALL_OPS = ("c", "u", "d", "t", "r")
 CASTS = ("string", "float", "integer", "epoch_ms", "epoch_s", "date")
-HASHES = ("sha256",)
+#: hmac-sha256: keyed with the deployment's hash key (cdc.config: CDC_HASH_KEY_FILE); sha256: unkeyed, only with
+#: `unkeyed: true`, for values that are not private (a dictionary of likely values reverses it)
+HASHES = ("hmac-sha256", "sha256")
+KEYED_HASHES = ("hmac-sha256",)
+HASH_KEY_HINT = ("set CDC_HASH_KEY_FILE (or hash_key_file: in cdc.yaml) to a file holding a secret key, e.g. made with: "
+                 "head -c 32 /dev/urandom | base64 > hash.key")
 FILTER_OPS = ("eq", "ne", "in", "not_in", "gt", "gte", "lt", "lte", "is_null")
 REDACTED = "***"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -41,7 +46,9 @@ class FieldSpec:
     const: Any = None
     cast: str | None = None
     hash: str | None = None
-    salt: bytes = b""
+    salt: bytes = field(default=b"", repr=False)
+    #: the secret of a keyed hash (never shown)
+    key: bytes = field(default=b"", repr=False)
     redact: bool = False
     where: str = ""
 
@@ -123,7 +130,7 @@ def _parse_table(raw: Any, place: str) -> tuple[str, str]:
     raise _fail(place, f"table {raw!r} is not 'schema.table' or 'table'")
 
 
-def _parse_field(name: Any, raw: Any, place: str, env: MappingABC[str, str]) -> FieldSpec:
+def _parse_field(name: Any, raw: Any, place: str, env: MappingABC[str, str], hash_key: bytes | None) -> FieldSpec:
     if not isinstance(name, str) or not _NAME.match(name):
         raise _fail(place, f"field name {name!r} is not a valid public name", "use letters, digits, '_', '.', '-'")
     if isinstance(raw, str):
@@ -134,7 +141,7 @@ def _parse_field(name: Any, raw: Any, place: str, env: MappingABC[str, str]) -> 
             f"field {name!r} must be a column name or a mapping",
             f"for example: {name}: {{column: some_column, cast: float}}",
         )
-    allowed = {"column", "const", "cast", "hash", "salt_env", "redact"}
+    allowed = {"column", "const", "cast", "hash", "salt_env", "unkeyed", "redact"}
     unknown = set(raw) - allowed
     if unknown:
         bad = sorted(map(str, unknown))[0]
@@ -162,10 +169,29 @@ def _parse_field(name: Any, raw: Any, place: str, env: MappingABC[str, str]) -> 
         raise _fail(where(raw, "redact"), f"field {name!r}: redact must be true or false")
     if sum(x is not None and x is not False for x in (cast, hash_name, redact or None)) > 1:
         raise _fail(place, f"field {name!r}: use only one of cast, hash, redact")
+    unkeyed = raw.get("unkeyed", False)
+    if not isinstance(unkeyed, bool):
+        raise _fail(where(raw, "unkeyed"), f"field {name!r}: unkeyed must be true or false")
+    if unkeyed and hash_name != "sha256":
+        raise _fail(where(raw, "unkeyed"), f"field {name!r}: unkeyed only applies with hash: sha256")
+    if hash_name == "sha256" and not unkeyed:
+        raise _fail(
+            where(raw, "hash"),
+            f"field {name!r}: hash sha256 is unkeyed, so anyone can reverse it by hashing likely values",
+            "use hash: hmac-sha256 (keyed with the secret in CDC_HASH_KEY_FILE), or add unkeyed: true "
+            "if the values are not private",
+        )
+    key = b""
+    if hash_name in KEYED_HASHES:
+        if not hash_key:
+            raise ConfigError(f"{where(raw, 'hash')}: field {name!r} is hashed with {hash_name}, and no hash key is set",
+                              hint=HASH_KEY_HINT)
+        key = hash_key
     salt = b""
     if "salt_env" in raw:
-        if hash_name is None:
-            raise _fail(where(raw, "salt_env"), f"field {name!r}: salt_env only applies with hash")
+        if hash_name != "sha256":
+            raise _fail(where(raw, "salt_env"), f"field {name!r}: salt_env only applies with hash: sha256",
+                        "hmac-sha256 takes its key from CDC_HASH_KEY_FILE" if hash_name else None)
         var = raw["salt_env"]
         if not isinstance(var, str) or var not in env:
             raise _fail(
@@ -174,7 +200,7 @@ def _parse_field(name: Any, raw: Any, place: str, env: MappingABC[str, str]) -> 
                 f"export {var}=... before starting",
             )
         salt = env[var].encode()
-    return FieldSpec(name=name, column=column, cast=cast, hash=hash_name, salt=salt, redact=redact, where=place)
+    return FieldSpec(name=name, column=column, cast=cast, hash=hash_name, salt=salt, key=key, redact=redact, where=place)
 
 
 def _parse_filter(raw: Any, place: str) -> tuple[Condition, ...]:
@@ -251,8 +277,9 @@ def _parse_partitions(praw: Any, pplace: str, key: tuple[str, ...]) -> tuple[int
     return praw["count"], partition_by
 
 
-def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
-    """Validate one mapping document (as loaded by `cdc.yamlsrc`) into a `Mapping`."""
+def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None, hash_key: bytes | None = None) -> Mapping:
+    """Validate one mapping document (as loaded by `cdc.yamlsrc`) into a `Mapping`; `hash_key` keys
+    hmac-sha256 fields (`Settings.hash_key`)."""
     env = os.environ if env is None else env
     place = where(raw)
     if not isinstance(raw, dict):
@@ -281,7 +308,7 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None) -> Mapping:
     fields_raw = raw["fields"]
     if not isinstance(fields_raw, dict) or not fields_raw:
         raise _fail(where(raw, "fields"), "fields must map public names to source columns", "for example: fields: {id: id}")
-    fields = tuple(_parse_field(name, spec, where(fields_raw, name), env) for name, spec in fields_raw.items())
+    fields = tuple(_parse_field(name, spec, where(fields_raw, name), env, hash_key) for name, spec in fields_raw.items())
     key = _parse_key(raw, fields)
     ops = _parse_ops(raw["ops"], where(raw, "ops")) if "ops" in raw else frozenset(ALL_OPS)
     snapshot = raw.get("snapshot", "never")
@@ -312,10 +339,10 @@ def _documents(path: Path) -> Iterable[Any]:
             yield doc
 
 
-def load_mappings(path: Path, env: MappingABC[str, str] | None = None) -> list[Mapping]:
+def load_mappings(path: Path, env: MappingABC[str, str] | None = None, hash_key: bytes | None = None) -> list[Mapping]:
     """Every mapping in a folder of ``*.yaml``/``*.yml`` (or one file); validated together."""
     files = yaml_files(path, "mappings", "set mappings: to a folder of *.yaml files")
-    mappings = [parse_mapping(doc, env) for file in files for doc in _documents(file)]
+    mappings = [parse_mapping(doc, env, hash_key) for file in files for doc in _documents(file)]
     if not mappings:
         raise ConfigError(f"no mappings found in {path}", hint="add a *.yaml file with entity, table, key and fields")
     seen_entities: dict[str, Mapping] = {}

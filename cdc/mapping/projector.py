@@ -24,7 +24,7 @@ from ..source.pgoutput import UNCHANGED_TOAST
 from ..source.shapes import ColumnShape, TableShape
 from ..source.values import TypeCatalog, converter_for, type_name
 
-__all__ = ["Projected", "Projector", "message_entry"]
+__all__ = ["Projected", "Projector", "hmac_sha256", "message_entry"]
 
 INTEGER_OIDS = frozenset({20, 21, 23, 26})
 NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
@@ -87,9 +87,31 @@ def _integer(text: str) -> Any:
             return text  # NaN / Infinity have no integer form
 
 
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
+
+
+def hmac_sha256(key: bytes) -> Callable[[str], str]:
+    """Hex HMAC-SHA256 (RFC 2104) of a value's text under `key`, the key's two pads hashed once:
+    `hmac.digest` redoes them for every value (1.7 µs a value against 0.7 µs here)."""
+    block = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
+    inner0, outer0 = hashlib.sha256(block.translate(_IPAD)), hashlib.sha256(block.translate(_OPAD))
+
+    def digest(text: str) -> str:
+        inner = inner0.copy()
+        inner.update(text.encode())
+        outer = outer0.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest()
+
+    return digest
+
+
 def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, mapping: Mapping) -> Callable[[str], Any]:
     base = _base_oid(col.type_oid, catalog)
-    if spec.hash == "sha256":
+    if spec.hash == "hmac-sha256":
+        return hmac_sha256(spec.key)
+    if spec.hash == "sha256":  # unkeyed: true
         salt = spec.salt
         return lambda text: hashlib.sha256(salt + text.encode()).hexdigest()
     if spec.redact:

@@ -152,6 +152,16 @@ def _json_text(schema: dict) -> dict:
     return {"type": "string", "contentMediaType": "application/json", "contentSchema": schema}
 
 
+#: what a consumer can and cannot do with a hashed field (README "Mappings")
+_HASH_DESCRIPTIONS = {
+    "hmac-sha256": "HMAC-SHA256 of the source value under the deployment's secret hash key, as hex: equal values give "
+                   "equal hashes, so it can be compared and joined on (with other fields hashed under the same key); "
+                   "it cannot be reversed without the key; rotating the key changes every value",
+    "sha256": "SHA-256 of the source value (unkeyed), as hex: equal values give equal hashes; anyone can find the "
+              "value by hashing likely values, so it is not private",
+}
+
+
 def _entity_schema(mapping: Mapping, projector: Projector | None, catalog: TypeCatalog) -> dict:
     key_props: dict = {}
     props: dict = {}
@@ -163,7 +173,7 @@ def _entity_schema(mapping: Mapping, projector: Projector | None, catalog: TypeC
             props[spec.name] = {"const": value, "type": kind}
             continue
         if spec.hash:
-            schema: dict = {"type": "string", "description": f"{spec.hash} of the source value"}
+            schema = {"type": "string", "pattern": "^[0-9a-f]{64}$", "description": _HASH_DESCRIPTIONS[spec.hash]}
         elif spec.redact:
             schema = {"type": "string", "const": "***"}
         elif spec.cast == "string":

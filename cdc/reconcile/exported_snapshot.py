@@ -78,11 +78,11 @@ class ExportedSnapshot:
 def import_snapshot(conn: psycopg.Connection, name: str) -> str:
     """Begin a REPEATABLE READ transaction on `conn` that sees exactly the exported snapshot `name`;
     returns it as ``pg_current_snapshot()`` shows it, to compare other importers with."""
-    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")  # it reads the operator's source.query
     conn.execute(f"SET TRANSACTION SNAPSHOT '{name}'")
     return conn.execute("SELECT pg_current_snapshot()::text").fetchone()[0]
 
 
 def session_init_statement(name: str) -> str:
-    """What each JDBC connection runs first to read under the snapshot (needs autocommit off)."""
-    return f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{name}'"
+    """What each JDBC connection runs first to read under the snapshot (needs autocommit off), read-only."""
+    return f"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{name}'"

@@ -205,8 +205,15 @@ def _check_source(settings: Settings, spec: ReconcileSpec) -> None:
             if spec.table is not None and conn.execute("SELECT to_regclass(%s)", (spec.table,)).fetchone()[0] is None:
                 raise ConfigError(f"{spec.source_where}: source.table {spec.table} does not exist in the source database",
                                   hint="fix source.table (schema.table), or create the table")
+            if spec.query is not None:
+                _refuse_volatile_calls(conn, spec)
             try:
-                columns = _columns_of(conn, source_from(spec))
+                with conn.transaction():
+                    conn.execute("SET TRANSACTION READ ONLY")
+                    columns = _columns_of(conn, source_from(spec))
+            except psycopg.errors.ReadOnlySqlTransaction as exc:
+                raise ConfigError(f"{spec.source_where}: source.query: {str(exc).splitlines()[0]}",
+                                  hint="the query must only read: SELECT ... FROM ...") from None
             except psycopg.errors.InsufficientPrivilege as exc:
                 raise ConfigError(f"{spec.source_where}: {str(exc).splitlines()[0]}",
                                   hint="grant SELECT on the source to the reconciliation's role") from None
@@ -224,6 +231,18 @@ def _check_source(settings: Settings, spec: ReconcileSpec) -> None:
         if column not in columns:
             raise ConfigError(f"{place}: the source ({spec.table or 'source.query'}) has no column {column!r}",
                               hint=f"its columns: {', '.join(columns)}")
+
+
+def _refuse_volatile_calls(conn: psycopg.Connection, spec: ReconcileSpec) -> None:
+    """A source.query may call no volatile function or operator: those are the ones that can have side
+    effects (write WAL, change sequences or settings, sleep), which a READ ONLY transaction does not stop."""
+    from ..operator_sql import check_select, volatile_calls
+
+    volatile = volatile_calls(conn, check_select(spec.query, f"{spec.source_where}: source.query"))
+    if volatile:
+        raise ConfigError(f"{spec.source_where}: source.query calls {', '.join(volatile)}, which may change the database "
+                          "(a volatile function)",
+                          hint="read with plain SELECT expressions and immutable or stable functions (count, sum, lower, ...)")
 
 
 Targets = list[tuple[ConsumerTarget, list[str], Apply]]

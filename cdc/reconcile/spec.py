@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..operator_sql import check_select
 from ..yamlsrc import load_yaml_file, where, yaml_files
 
 __all__ = ["Aggregate", "ConsumerTarget", "ReconcileSpec", "load_specs", "parse_spec"]
@@ -223,6 +224,8 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
         raise _fail(where(src, "query"), "source.query must be a SELECT statement")
     if isinstance(query, str):
         query = query.strip().rstrip(";")
+        # one SELECT that stays inside the subquery it is read as; what it calls is checked live (job._check_source)
+        check_select(query, f"{where(src, 'query')}: source.query")
     partition_column = _ident(src, "partition_column", "partition_column") if "partition_column" in src else None
     partitions = _positive(src, "partitions", 4)
     if partitions > 1 and partition_column is None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import importlib.util
 
 import pytest
 
-from conftest import read_stream
+from conftest import TEST_HASH_KEY, read_stream
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +66,7 @@ def test_inserts_updates_deletes_reach_streams_in_commit_order(env):
     riders = read_stream(env.redis, "cdc:rider")
     assert len(riders) == 1
     data = riders[0]["data"]
-    assert data["email"] == hashlib.sha256(b"ann@example.com").hexdigest()
+    assert data["email"] == hmac.new(TEST_HASH_KEY.encode(), b"ann@example.com", hashlib.sha256).hexdigest()
     assert data["phone"] == "***"
     assert isinstance(data["since"], int)
 

@@ -38,6 +38,7 @@ from cdc.source.values import TypeCatalog, TypeInfo
 from pgoutput_encoder import encode
 
 SALT_ENV = {"CDC_TEST_SALT": "p\u00e9pper"}
+HASH_KEY = "k\u00e9y-for-the-twin-tests".encode()
 RELID = 16500
 XID = 9001
 BEGIN = po.Begin(Lsn(0x2_0000_0100), 810_000_000_000_000, 4242)
@@ -295,13 +296,15 @@ def mappings(draw, rel: po.Relation, entity: str):
         fields[name] = col.name if cast is None else {"column": col.name, "cast": cast}
         key.append(name)
     for i, col in enumerate(mapped):
-        how = draw(st.sampled_from(["plain", "plain", "cast", "hash", "redact"]))
+        how = draw(st.sampled_from(["plain", "plain", "cast", "hash", "keyed", "redact"]))
         if how == "plain":
             spec: object = col.name
         elif how == "cast":
             spec = {"column": col.name, "cast": draw(st.sampled_from(casts_for(col.type_oid)))}
         elif how == "hash":
-            spec = {"column": col.name, "hash": "sha256", "salt_env": "CDC_TEST_SALT"}
+            spec = {"column": col.name, "hash": "sha256", "unkeyed": True, "salt_env": "CDC_TEST_SALT"}
+        elif how == "keyed":
+            spec = {"column": col.name, "hash": "hmac-sha256"}
         else:
             spec = {"column": col.name, "redact": True}
         fields[f"f{i}"] = spec
@@ -326,7 +329,7 @@ def mappings(draw, rel: po.Relation, entity: str):
         raw["partitions"] = {"count": draw(st.sampled_from([1, 3]))}
         if draw(st.booleans()):
             raw["partitions"]["by"] = draw(st.lists(st.sampled_from(key), min_size=1, max_size=len(key), unique=True))
-    mapping = parse_mapping(raw, SALT_ENV)
+    mapping = parse_mapping(raw, SALT_ENV, HASH_KEY)
     # public names that YAML would not allow: quotes, backslashes, any unicode (and now and then a repeat)
     names = draw(st.lists(field_names, min_size=len(mapping.fields), max_size=len(mapping.fields),
                           unique=draw(st.integers(0, 9)) > 0))
@@ -476,7 +479,7 @@ ALL_TYPES = po.Relation(RELID, "public", "t", "d", tuple(
 def plain_mapping(rel: po.Relation, **extra) -> object:
     raw = {"entity": "e0", "table": "public.t", "key": ["id"],
            "fields": {"id": "c0", **{f"v{i}": c.name for i, c in enumerate(rel.columns[1:], 1)}}, **extra}
-    return parse_mapping(raw, SALT_ENV)
+    return parse_mapping(raw, SALT_ENV, HASH_KEY)
 
 
 # the types the compiled path writes itself, more often than the others
@@ -575,7 +578,7 @@ RIDES = po.Relation(RELID, "public", "t", "d", (
 
 def rides_mapping(**extra):
     raw = {"entity": "e0", "table": "public.t", "key": ["id"], "fields": {"id": "c0", "name": "c1", "x": "c2"}}
-    return parse_mapping({**raw, **extra}, SALT_ENV)
+    return parse_mapping({**raw, **extra}, SALT_ENV, HASH_KEY)
 
 
 # domains over the types the compiled path writes itself, an enum, an array of a domain

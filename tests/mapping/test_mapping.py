@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import zlib
 
 import orjson
@@ -24,8 +25,11 @@ RIDES = TableShape("public", "rides", (
 ))
 
 
-def mapping(text: str, env=None):
-    return parse_mapping(load_yaml_documents(text, "m.yaml")[0], env or {})
+KEY = b"k" * 32
+
+
+def mapping(text: str, env=None, hash_key=KEY):
+    return parse_mapping(load_yaml_documents(text, "m.yaml")[0], env or {}, hash_key)
 
 
 def fields_dict(projected) -> dict:
@@ -68,7 +72,10 @@ def projected_values(out: dict):
     ("entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id, r: rider_id}\npartitions: {count: 2, by: [r]}\n", "partitions.by field 'r' is not a key field", 5),
     ("entity: ride\ntable: public.rides\nfields: {id: id}\n", "has no 'key'", 1),
     ("entity: ride\ntable: a.b.c\nkey: [id]\nfields: {id: id}\n", "is not 'schema.table'", 2),
-    ("entity: ride\ntable: public.rides\nkey: [id]\nfields:\n  id: id\n  e: {column: email, hash: sha256, salt_env: NOPE}\n", "'NOPE' (the hash salt) is not set", 6),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields:\n  id: id\n  e: {column: email, hash: sha256, unkeyed: true, salt_env: NOPE}\n", "'NOPE' (the hash salt) is not set", 6),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields:\n  id: id\n  e: {column: email, hash: sha256}\n", "hash sha256 is unkeyed, so anyone can reverse it", 6),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields:\n  id: id\n  e: {column: email, hash: hmac-sha256, unkeyed: true}\n", "unkeyed only applies with hash: sha256", 6),
+    ("entity: ride\ntable: public.rides\nkey: [id]\nfields:\n  id: id\n  e: {column: email, hash: hmac-sha256, salt_env: S}\n", "salt_env only applies with hash: sha256", 6),
 ])
 def test_invalid_mappings_name_file_line_and_fix(text, message, line):
     with pytest.raises(MappingError) as info:
@@ -96,7 +103,8 @@ def test_casts_hash_redact_const_and_filter():
           whole: {column: distance_m, cast: integer}
           at: {column: created_at, cast: epoch_ms}
           day: {column: created_at, cast: date}
-          note: {column: note, hash: sha256, salt_env: SALT}
+          note: {column: note, hash: sha256, unkeyed: true, salt_env: SALT}
+          keyed: {column: note, hash: hmac-sha256}
           status: {column: status, redact: true}
           source: {const: pg}
         """.replace("        ", ""), {"SALT": "s"})
@@ -105,7 +113,8 @@ def test_casts_hash_redact_const_and_filter():
     data = orjson.loads(fields_dict(p.insert(row))["data"])
     assert data == {
         "id": 1, "km": 1500.75, "whole": 1500, "at": 1795256100500, "day": "2026-11-21",
-        "note": hashlib.sha256(b"sn").hexdigest(), "status": "***", "source": "pg",
+        "note": hashlib.sha256(b"sn").hexdigest(), "keyed": hmac.new(KEY, b"n", hashlib.sha256).hexdigest(),
+        "status": "***", "source": "pg",
     }
     assert p.insert(("1", "2", "1500", "test", "2026-11-21 10:15:00+00", None)) is None
     assert p.insert(("1", "2", "0.5", "done", "2026-11-21 10:15:00+00", None)) is None
@@ -213,3 +222,56 @@ def test_streaming_settings(tmp_path):
         Settings.from_file(cfg, env={})
     with pytest.raises(ConfigError, match=r"CDC_POSTGRES_STREAMING: postgres.streaming must be true or false, got 'maybe'"):
         Settings.from_file(cfg, env={"CDC_POSTGRES_STREAMING": "maybe"})
+
+
+def test_an_unkeyed_hash_is_refused_with_the_fix():
+    with pytest.raises(MappingError) as info:
+        mapping("entity: rider\ntable: riders\nkey: [id]\nfields:\n  id: id\n  email: {column: email, hash: sha256}\n")
+    assert info.value.exit_code == 3 and str(info.value).startswith("m.yaml:6: field 'email': hash sha256 is unkeyed")
+    assert "use hash: hmac-sha256" in info.value.hint and "unkeyed: true" in info.value.hint
+
+
+def test_a_keyed_hash_without_a_key_names_the_setting():
+    with pytest.raises(ConfigError) as info:
+        mapping("entity: rider\ntable: riders\nkey: [id]\nfields:\n  id: id\n  email: {column: email, hash: hmac-sha256}\n",
+                hash_key=None)
+    assert info.value.exit_code == 2 and not isinstance(info.value, MappingError)
+    assert str(info.value).startswith("m.yaml:6: field 'email' is hashed with hmac-sha256, and no hash key is set; ")
+    assert "CDC_HASH_KEY_FILE" in info.value.hint and "hash_key_file" in info.value.hint
+
+
+def test_the_hash_key_comes_from_the_environment_or_a_file_and_is_never_shown(tmp_path):
+    (tmp_path / "hash.key").write_text("  file-key-0123456789abcdef\n")
+    from_file = Settings.from_dict({"hash_key_file": "hash.key"}, base_dir=tmp_path, env={})
+    assert from_file.hash_key == b"file-key-0123456789abcdef" and from_file.hash_key_file == str(tmp_path / "hash.key")
+    assert "file-key" not in repr(from_file)
+    by_env = Settings.from_dict({"hash_key_file": "hash.key"}, base_dir=tmp_path,
+                                env={"CDC_HASH_KEY_FILE": str(tmp_path / "other.key")} | {"CDC_HASH_KEY": "env-key-0123456789abcdef"})
+    assert by_env.hash_key == b"env-key-0123456789abcdef"
+    assert Settings.from_dict({}, env={}).hash_key == b""
+    with pytest.raises(ConfigError) as info:
+        Settings.from_dict({}, base_dir=tmp_path, env={"CDC_HASH_KEY_FILE": str(tmp_path / "missing.key")})
+    assert str(info.value).startswith(f"CDC_HASH_KEY_FILE: cannot read the hash key file {tmp_path / 'missing.key'}: "
+                                      "No such file or directory; ")
+    (tmp_path / "short.key").write_text("s3cret\n")
+    with pytest.raises(ConfigError) as info:
+        Settings.from_dict({}, base_dir=tmp_path, env={"CDC_HASH_KEY_FILE": str(tmp_path / "short.key")})
+    assert "the hash key is 6 bytes, shorter than 16" in str(info.value) and "s3cret" not in str(info.value) + info.value.hint
+
+
+def test_the_sample_mappings_hash_with_a_key():
+    from pathlib import Path
+
+    sample = Path(__file__).resolve().parents[2] / "mappings"
+    rider = next(m for m in load_mappings(sample, {}, KEY) if m.entity == "rider")
+    assert next(f for f in rider.fields if f.name == "email").hash == "hmac-sha256"
+    with pytest.raises(ConfigError, match="no hash key is set"):
+        load_mappings(sample, {}, None)
+
+
+@pytest.mark.parametrize("key", [b"k" * 16, b"k" * 64, b"k" * 65, "kéy-ünïcode-0123456789".encode(), bytes(range(200))])
+@pytest.mark.parametrize("text", ["", "ann@example.com", "ünïcode ✓", "x" * 1000])
+def test_the_keyed_hash_is_rfc_2104_hmac_sha256(key, text):
+    from cdc.mapping.projector import hmac_sha256
+
+    assert hmac_sha256(key)(text) == hmac.new(key, text.encode(), hashlib.sha256).hexdigest()

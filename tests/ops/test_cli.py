@@ -12,6 +12,8 @@ import pytest
 
 from cdc.demo.local import wait_for
 
+from conftest import TEST_HASH_KEY
+
 pytestmark = pytest.mark.integration
 
 
@@ -32,6 +34,14 @@ def test_schema_describes_each_entity_from_the_live_types(env):
     assert rocket["source"] == {"const": "rocket-rides", "type": "string"}
     one = orjson.loads(env.cdc("schema", "--entity", "ride", check=True).stdout)
     assert one["title"] == "ride"
+    email = schemas["rider"]["properties"]["data"]["contentSchema"]["properties"]["email"]["anyOf"][0]
+    assert email["pattern"] == "^[0-9a-f]{64}$" and email["description"].startswith("HMAC-SHA256 of the source value")
+    assert "cannot be reversed without the key" in email["description"] and "rotating the key changes every value" in email["description"]
+    # the key is needed to load the mapping, and never shown
+    missing = env.cdc("schema", env={"CDC_HASH_KEY": ""})
+    assert missing.returncode == 2 and "field 'email' is hashed with hmac-sha256, and no hash key is set" in missing.stderr
+    assert "CDC_HASH_KEY_FILE" in missing.stderr and missing.stderr.count("\n") == 1
+    assert TEST_HASH_KEY not in result.stdout + result.stderr
 
 
 def test_status_shows_slot_and_streams(env):

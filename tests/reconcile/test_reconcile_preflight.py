@@ -91,3 +91,76 @@ def test_a_missing_pyspark_names_the_make_target_that_installs_it(env, tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert error.startswith("cdc: error: pyspark is not installed; run: make reconcile-deps"), result.stderr
     assert "make install" not in result.stderr
+
+
+#: (source.query, what the refusal says): each refused before anything runs on the server
+HOSTILE_QUERIES = [
+    ("SELECT id, rider_id, distance_m FROM rides) AS q; CREATE TABLE public.pwned (x int); SELECT (1",
+     "a statement separator ';' at character"),
+    ("SELECT id, rider_id, distance_m FROM rides) AS q, (SELECT 1", "a ')' closing more than the query opened"),
+    ("SELECT id, rider_id, distance_m FROM rides -- ) AS q", "a comment at character"),
+    ("SELECT id, rider_id, distance_m FROM rides /* */", "a comment at character"),
+    ("SELECT id, rider_id, distance_m FROM rides WHERE status = $$done$$", "a dollar quote or parameter"),
+    ('SELECT U&"\\0069d", rider_id, distance_m FROM rides', "a unicode escape"),
+    ("SELECT id, rider_id, distance_m INTO public.pwned FROM rides", "INTO has no place in a read-only query"),
+    ("SELECT id, rider_id, distance_m FROM rides FOR UPDATE", "a row lock (FOR UPDATE/SHARE)"),
+    ("WITH gone AS (DELETE FROM rides RETURNING *) SELECT id, rider_id, distance_m FROM gone", "DELETE has no place"),
+    ("SELECT id, rider_id, distance_m FROM rides WHERE pg_logical_emit_message(true, 'ride_events', '{}') IS NOT NULL",
+     "source.query calls pg_logical_emit_message, which may change the database"),
+    ("SELECT id, rider_id, distance_m FROM rides WHERE setval('rides_id_seq', 1) > 0", "source.query calls setval"),
+    ("SELECT nextval('rides_id_seq') AS id, rider_id, distance_m FROM rides", "source.query calls nextval"),
+    ("SELECT id, rider_id, distance_m FROM rides WHERE pg_sleep(5) IS NOT NULL", "source.query calls pg_sleep"),
+    ("SELECT id, rider_id, distance_m, set_config('default_transaction_read_only', 'off', false) FROM rides",
+     "source.query calls set_config"),
+    ("SELECT id, rider_id, distance_m FROM rides WHERE lo_import('/etc/hostname') > 0", "source.query calls lo_import"),
+    ('SELECT id, rider_id, distance_m FROM rides WHERE "pg_logical_emit_message"(true, \'x\', \'y\') IS NULL',
+     "source.query calls pg_logical_emit_message"),
+]
+
+
+def test_a_hostile_query_is_refused_before_anything_runs(env):
+    import json
+
+    setup(env, "ride-totals")
+    env.execute("CREATE TABLE public.secret_tbl (id int)")
+    sequence = env.execute("SELECT last_value, is_called FROM rides_id_seq")
+    messages = _messages_in_slot(env)
+    spec = env.tmp / "reconcile" / "totals.yaml"
+    for query, message in HOSTILE_QUERIES:
+        spec.write_text(spec_yaml("ride-totals").replace("table: public.rides,", f"query: {json.dumps(query)},"))
+        started = time.monotonic()
+        result = env.cdc("reconcile", "--dry-run")
+        assert result.returncode == 2, (query, result.stderr)
+        assert result.stderr.startswith(f"cdc: error: {spec}:2: "), result.stderr
+        assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+        assert "GRANT" not in result.stderr and "starting Spark" not in result.stderr
+        assert time.monotonic() - started < 15
+    assert env.execute("SELECT to_regclass('public.pwned'), to_regclass('public.secret_tbl')") == [(None, "secret_tbl")]
+    assert env.execute("SELECT last_value, is_called FROM rides_id_seq") == sequence
+    assert env.execute("SELECT count(*) FROM pg_largeobject_metadata") == [(0,)]
+    assert _messages_in_slot(env) == messages, "no logical message was emitted"
+
+
+def _messages_in_slot(env) -> list[bytes]:
+    rows = env.execute("SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', "
+                       "'publication_names', %s, 'messages', 'true')", (env.slot, env.publication))
+    return [bytes(d) for (d,) in rows if bytes(d)[:1] == b"M"]
+
+
+def test_an_accepted_query_passes_and_is_read_in_read_only_transactions(env):
+    from pathlib import Path
+
+    from cdc.config import Settings
+    from cdc.mapping.model import load_mappings
+    from cdc.reconcile.exported_snapshot import session_init_statement
+    from cdc.reconcile.job import preflight
+
+    assert session_init_statement("s").startswith("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY;")
+    setup(env, "ride-totals")
+    spec = env.tmp / "reconcile" / "totals.yaml"
+    spec.write_text(spec_yaml("ride-totals").replace(
+        "table: public.rides,", "query: \"SELECT id, rider_id, distance_m FROM rides WHERE lower(status) = 'done' "
+                                "AND (id > 0 OR id IN (SELECT 1)) AND created_at < now()\","))
+    settings = Settings.from_file(env.config_path)
+    [loaded] = load_specs(Path(settings.reconcile.specs))
+    assert preflight(settings, load_mappings(settings.mappings), loaded)

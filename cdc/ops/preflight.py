@@ -117,8 +117,8 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
             _check_mappings(conn, mappings, superuser, report)
             _check_publication_and_slot(conn, settings, mappings, report)
             _check_backfills(conn, superuser, report)
-            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                               (pgs.slot,)).fetchone()
+            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s "
+                               "AND wal_status IS DISTINCT FROM 'lost'", (pgs.slot,)).fetchone()  # lost: nothing to compare
             return Lsn.parse(row[0]) if row and row[0] else None
         except psycopg.Error as exc:
             report.problems.append(classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication,

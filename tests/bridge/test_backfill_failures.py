@@ -154,3 +154,28 @@ def test_a_bridge_on_another_slot_neither_logs_nor_holds_for_a_backfill(env):
         bridge_b.wait(30)
     text = log_b.read_text()
     assert "backfill" not in text and "watermark" not in text and "chunk" not in text, text
+
+
+def test_a_late_high_of_a_writer_that_lost_the_slot_is_dropped_and_fails_its_backfill(env):
+    """A writer whose commit reached the server after the next session's resume (it had lost the slot):
+    its rows cannot be checked against the changes since its low, so they are never published."""
+    setup(env, rows=100, chunk=30)
+    env.cdc("backfill", "--entity", "ride", check=True)
+
+    def emit(info: dict) -> None:
+        env.execute("SELECT pg_logical_emit_message(true, 'cdc.wm', %s)", (orjson.dumps({**info, "slot": env.slot}).decode(),))
+
+    emit({"kind": "low", "chunk": "1:0:0ld0ld00", "schema": "public", "table": "rides"})
+    emit({"kind": "resume", "writer": "5ecd5ecd"})
+    emit({"kind": "high", "chunk": "1:0:0ld0ld00", "schema": "public", "table": "rides", "entity": "ride",
+          "columns": ["id", "rider_id", "distance_m"], "rows": [["5", "1", "12345"]], "last": False})
+    proc = env.start_bridge()
+    wait_for(lambda: backfills(env)[1][0] == "failed", 60, "the backfill to be marked failed")
+    assert backfills(env)[1][2] == "chunk 1:0:0ld0ld00 was read by a writer that had lost the slot; run cdc backfill again"
+    env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 7)")
+    caught_up(env, "the slot to move on")
+    entries = read_stream(env.redis, "cdc:ride")
+    assert all(e["data"]["distance"] != "12345.000" for e in entries), "a late chunk is never published unfiltered"
+    assert sorted(reads(env)) == list(range(1, 31)), "the new writer's first chunk only"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0

@@ -65,9 +65,10 @@ def missing_slot_error(slot: str, held: Lsn | None | bool) -> SlotError:
     deployment; True: Redis could not be asked). Advice that streams on past a gap is never given."""
     if held is None:
         return SlotError(f"replication slot {slot!r} does not exist", hint="run: cdc init --config <file>")
-    since = "since the position redis records" if held is True else f"since {held}, where redis holds the source up to,"
+    held_text = ("redis could not say how far it holds the source: every change committed since that position"
+                 if held is True else f"redis holds the source up to {held}: every change committed since")
     return SlotError(
-        f"replication slot {slot!r} does not exist: every change committed {since} was lost to the slot "
+        f"replication slot {slot!r} does not exist, and {held_text} was lost to the slot "
         "(dropped, invalidated, or not carried over a failover)",
         hint=f"run cdc init, then cdc recover before cdc run ({_NOT_RESTORED}); "
         "cdc init alone would stream on past the gap",

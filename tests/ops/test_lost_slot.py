@@ -55,8 +55,8 @@ def test_the_readme_recovery_of_a_lost_slot_puts_each_row_once_after_the_marker(
 
     fix = ("run cdc init, then cdc recover before cdc run (the streams then replay to the tables' current state; "
            "the individual changes in between cannot be restored); cdc init alone would stream on past the gap")
-    lost = (f"cdc: error: replication slot '{env.slot}' does not exist: every change committed since {held}, where "
-            "redis holds the source up to, was lost to the slot (dropped, invalidated, or not carried over a failover); "
+    lost = (f"cdc: error: replication slot '{env.slot}' does not exist, and redis holds the source up to {held}: "
+            "every change committed since was lost to the slot (dropped, invalidated, or not carried over a failover); "
             + fix)
     run = env.cdc("run", "--until-caught-up")
     assert run.returncode == 4 and run.stderr.strip().endswith(lost), run.stderr

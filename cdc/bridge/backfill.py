@@ -252,8 +252,10 @@ class BackfillDriver:
         try:
             self._emit(conn, {"kind": "resume", "writer": self.token})
         except psycopg.errors.InsufficientPrivilege as exc:
-            # it can write no low watermark either: no window of its own can open
-            log.warning("backfills disabled: %s", _first_line(exc))
+            # it can write no low watermark either: no window of its own can open (cdc check reports it)
+            log.warning("backfills disabled: %s; a window an earlier bridge left open would hold the slot until "
+                        "GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO %s",
+                        _first_line(exc), conn.info.user)
             self.disabled = self.idle = True
         self.resumed = True
 

@@ -5,6 +5,8 @@ slot whose bridge wrote them."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import orjson
 import pytest
@@ -37,7 +39,7 @@ def caught_up(env, what: str) -> None:
     wait_for(lambda: env.confirmed_flush() >= target, 60, what)
 
 
-def reads(env, backfill_where=None) -> list[int]:
+def reads(env) -> list[int]:
     return [e["key"]["id"] for e in read_stream(env.redis, "cdc:ride") if e["op"] == "r"]
 
 
@@ -112,9 +114,6 @@ def test_a_bridge_on_another_slot_neither_logs_nor_holds_for_a_backfill(env):
     config = other / "cdc.yaml"
     config.write_text(env.config_path.read_text().replace(f"slot: {env.slot}", f"slot: {env.slot}_b")
                       .replace("publication: cdc", "publication: cdc_b").replace("mappings: mappings/", f"mappings: {other}/mappings/"))
-    import subprocess
-    import sys
-
     def cdc_b(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "cdc", "--log-format", "text", args[0], "--config", str(config),
                                *args[1:]], capture_output=True, text=True, timeout=120)

@@ -182,8 +182,11 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
             if (s, t) not in published:
                 report.problems.append(SlotError(f"table {s}.{t} is not in publication {pgs.publication!r}", hint=init))
     slot = conn.execute("SELECT plugin, wal_status FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
-    if slot is None:
-        report.problems.append(missing_slot_error(pgs.slot, _redis_held(settings)))
+    held = _redis_held(settings) if slot is None else None
+    if slot is None and held is None:  # a new deployment
+        report.problems.append(SlotError(f"replication slot {pgs.slot!r} does not exist", hint=init))
+    elif slot is None:  # changes since Redis' record were lost to it
+        report.problems.append(missing_slot_error(pgs.slot, held))
     elif slot[1] == "lost":
         report.problems.append(invalidated_slot_error(pgs.slot))
     elif slot[0] != "pgoutput":

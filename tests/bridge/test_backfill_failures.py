@@ -178,3 +178,42 @@ def test_a_late_high_of_a_writer_that_lost_the_slot_is_dropped_and_fails_its_bac
     assert sorted(reads(env)) == list(range(1, 31)), "the new writer's first chunk only"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
+
+
+def test_a_chunk_whose_backfill_changed_while_it_was_read_closes_its_window_without_rows(env):
+    """The driver against the database alone: a backfill superseded while its chunk waits for the row
+    lock records no progress and emits a drop watermark; a failing read emits a failed one."""
+    import threading
+
+    from cdc.bridge.backfill import BackfillDriver, enqueue
+    from cdc.mapping.model import parse_mapping
+    from cdc.yamlsrc import load_yaml_documents
+
+    setup(env, rows=100, chunk=30)
+    env.execute("SELECT pg_create_logical_replication_slot('wm_peek', 'test_decoding')")
+    ride = parse_mapping(load_yaml_documents(RIDE, "ride.yaml")[0], {})
+    with env.connect() as conn:
+        enqueue(conn, env.slot, ride)
+    driver = BackfillDriver(env.slot, [ride], chunk_rows=30)
+    with env.connect() as locker, env.connect() as conn:
+        locker.execute("BEGIN")
+        locker.execute("UPDATE cdc_backfills SET status = 'superseded' WHERE id = 1")  # holds the row lock
+        ticking = threading.Thread(target=driver.tick, args=(conn,))
+        ticking.start()
+        wait_for(lambda: env.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")[0][0] > 0, 30,
+                 "the chunk's update to wait for the lock")
+        locker.execute("COMMIT")
+        ticking.join(30)
+        assert driver.waiting_for == f"1:0:{driver.token}"
+        assert env.execute("SELECT status, chunks, rows_done FROM cdc_backfills") == [("superseded", 0, 0)]
+        env.execute("INSERT INTO cdc_backfills (slot, entity, where_sql) VALUES (%s, 'ride', '1 / 0 = 0')", (env.slot,))
+        driver.seen(driver.waiting_for)
+        driver.tick(conn)
+    assert backfills(env)[2] == ("failed", 0, "division by zero")
+    messages = [orjson.loads(text.partition(" content:")[2]) for (text,) in env.execute(
+        "SELECT data FROM pg_logical_slot_peek_changes('wm_peek', NULL, NULL) WHERE data LIKE 'message:%%cdc.wm%%'")]
+    token = driver.token
+    assert [(m["kind"], m.get("chunk"), m["slot"]) for m in messages] == [
+        ("resume", None, env.slot), ("low", f"1:0:{token}", env.slot), ("drop", f"1:0:{token}", env.slot),
+        ("low", f"2:0:{token}", env.slot), ("failed", f"2:0:{token}", env.slot)]
+    assert messages[-1]["error"] == "division by zero"

@@ -6,7 +6,8 @@ CREATE TABLE IF NOT EXISTS public.cdc_backfills (
     slot        text NOT NULL,
     entity      text NOT NULL,
     where_sql   text,
-    status      text NOT NULL DEFAULT 'pending',   -- pending, running, done
+    status      text NOT NULL DEFAULT 'pending',   -- pending, running, done, failed, superseded, cancelled
+    error       text,                               -- why it failed or was superseded
     last_key    jsonb,                              -- resume after this key (text values, key order)
     chunks      bigint NOT NULL DEFAULT 0,
     rows_done   bigint NOT NULL DEFAULT 0,
@@ -14,3 +15,6 @@ CREATE TABLE IF NOT EXISTS public.cdc_backfills (
     created_at  timestamptz NOT NULL DEFAULT now(),
     updated_at  timestamptz NOT NULL DEFAULT now()
 );
+
+-- a table made before failures were recorded
+ALTER TABLE public.cdc_backfills ADD COLUMN IF NOT EXISTS error text;

@@ -11,7 +11,25 @@ chunk is bracketed by two logical messages in the WAL (prefix ``cdc.wm``):
 The bridge decodes both in commit order. Keys of that table changed between the
 two watermarks are dropped from the chunk (their newer change is already in the
 stream, so a snapshot row never overwrites it); the rest are published as
-``op: r`` at the high watermark's position. Because the rows travel inside the
+``op: r`` at the high watermark's position.
+
+A window always closes, so the slot (held at a window's low watermark) never stays
+pinned:
+
+- a chunk whose read fails (any SQL error but a lost connection) is rolled back; one
+  transaction then marks the backfill ``failed`` with its error and emits a *failed*
+  watermark, which closes the window with no rows at its position;
+- a chunk whose backfill changed meanwhile (superseded by `cdc recover`, failed, raced
+  by a writer that had lost the slot) emits a *drop* watermark instead of its rows;
+- a writer that died between its low watermark and its high (a crash, a lost
+  connection) can never send its high. Each session's driver, once its own replication
+  connection holds the slot, first emits a *resume* watermark: every window still open
+  when the stream reaches it was opened by an earlier writer, which is gone, and is
+  closed with no rows. Chunk ids carry their writer's token, so a late high of such a
+  writer never closes a newer window: it is dropped, and its backfill marked failed.
+
+Every watermark names the slot whose bridge wrote it: bridges on other slots (which
+decode the same WAL) ignore it and never hold their acknowledgements for it. Because the rows travel inside the
 WAL, a crash at any instant replays the same message at the same position, and
 the streams' high-water marks drop what was already written: no chunk is read
 twice into a stream, and progress is committed with the chunk itself. No
@@ -22,6 +40,7 @@ written to the WAL once more.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +53,8 @@ from ..mapping.model import Mapping
 from ..operator_sql import WHERE_HINT, Condition, SqlRefused, parse_where
 from ..source.privileges import fix_for
 
-__all__ = ["BACKFILL_DDL", "WATERMARK_PREFIX", "BackfillDriver", "Windows", "enqueue", "ensure_table"]
+__all__ = ["BACKFILL_DDL", "WATERMARK_PREFIX", "BackfillDriver", "Windows", "enqueue", "ensure_table", "request_slot",
+           "supersede"]
 
 log = logging.getLogger("cdc.backfill")
 
@@ -49,7 +69,8 @@ CREATE TABLE IF NOT EXISTS public.cdc_backfills (
     slot        text NOT NULL,
     entity      text NOT NULL,
     where_sql   text,
-    status      text NOT NULL DEFAULT 'pending',   -- pending, running, done
+    status      text NOT NULL DEFAULT 'pending',   -- pending, running, done, failed, superseded, cancelled
+    error       text,                               -- why it failed or was superseded
     last_key    jsonb,                              -- resume after this key (text values, key order)
     chunks      bigint NOT NULL DEFAULT 0,
     rows_done   bigint NOT NULL DEFAULT 0,
@@ -67,6 +88,11 @@ def ensure_table(conn: psycopg.Connection) -> None:
     privilege on the schema even when the table is there, which the bridge's role lacks.
     """
     if conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0]:
+        if not has_error_column(conn):  # a table from before failures were recorded: its owner adds the column
+            try:
+                conn.execute(ADD_ERROR_COLUMN)
+            except psycopg.errors.InsufficientPrivilege:
+                pass  # failures are then recorded by their status alone, until cdc init runs as the owner
         return
     try:
         conn.execute(BACKFILL_DDL)
@@ -76,6 +102,21 @@ def ensure_table(conn: psycopg.Connection) -> None:
             f"{str(exc).strip().splitlines()[0]}",
             hint="run cdc init as the tables' owner (or apply sql/25_backfills.sql), then sql/30_grants.sql",
         ) from None
+
+
+ADD_ERROR_COLUMN = "ALTER TABLE public.cdc_backfills ADD COLUMN IF NOT EXISTS error text"
+
+
+def has_error_column(conn: psycopg.Connection) -> bool:
+    return conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'public.cdc_backfills'::regclass "
+        "AND attname = 'error' AND NOT attisdropped)"
+    ).fetchone()[0]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _refused(exc: psycopg.Error, conn: psycopg.Connection, need: str) -> PrivilegeError:
@@ -132,10 +173,34 @@ def enqueue(conn: psycopg.Connection, slot: str, mapping: Mapping, where: str | 
                 "INSERT INTO cdc_backfills (slot, entity, where_sql, rows_total) VALUES (%s, %s, %s, %s) RETURNING id",
                 (slot, mapping.entity, where, total),
             ).fetchone()[0]
-            conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (REQUEST_PREFIX, str(backfill_id)))
+            conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (REQUEST_PREFIX, f"{slot}:{backfill_id}"))
     except psycopg.errors.InsufficientPrivilege as exc:
         raise _refused(exc, conn, "INSERT") from None
     return backfill_id
+
+
+def request_slot(content: bytes | str) -> str | None:
+    """The slot a backfill request (`REQUEST_PREFIX` message) is for; None in the old form (an id alone)."""
+    text = content.decode() if isinstance(content, bytes) else content
+    slot, sep, _ = text.rpartition(":")
+    return slot if sep else None
+
+
+def supersede(conn: psycopg.Connection, slot: str, entities: Sequence[str], why: str) -> list[tuple[int, str]]:
+    """Mark the unfinished snapshots and backfills of `slot` for `entities` superseded; (id, entity) of each.
+
+    `cdc recover` calls it once its rebuild holds every row of those entities: re-publishing
+    them afterwards would put each row twice after the rebuild's marker.
+    """
+    if not entities or not conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0]:
+        return []
+    error = ", error = %s" if has_error_column(conn) else ""
+    params = [why] if error else []
+    return [tuple(r) for r in conn.execute(
+        f"UPDATE cdc_backfills SET status = 'superseded'{error}, updated_at = now() "
+        "WHERE slot = %s AND entity = ANY(%s) AND status IN ('pending', 'running') RETURNING id, entity",
+        (*params, slot, list(entities)),
+    ).fetchall()]
 
 
 @dataclass
@@ -164,6 +229,13 @@ class Windows:
         for window in self.tables.get(table, ()):
             window.changed.add(TRUNCATED)
 
+    def close_all(self) -> list[str]:
+        """Close every open window (their writer is gone); the chunk ids closed."""
+        chunks = list(self.open)
+        self.open.clear()
+        self.tables.clear()
+        return chunks
+
     def close(self, chunk: str) -> set | None:
         """Close a window; the keys changed inside it (None if its low watermark was not seen)."""
         window = self.open.pop(chunk, None)
@@ -177,19 +249,46 @@ class Windows:
 
 
 class BackfillDriver:
-    """Reads chunks for pending backfills of one slot and writes them into the WAL (runs in the bridge)."""
+    """Reads chunks for pending backfills of one slot and writes them into the WAL (runs in the bridge).
+
+    One driver per session: its token names its chunks, so that a window is only ever
+    closed by the writer that opened it.
+    """
 
     def __init__(self, slot: str, mappings: Sequence[Mapping], chunk_rows: int = 1000) -> None:
         self.slot = slot
         self.mappings = {m.entity: m for m in mappings if m.table is not None}
         self.chunk_rows = chunk_rows
-        self.waiting_for: str | None = None  # chunk id whose high watermark the stream has not shown yet
+        self.token = secrets.token_hex(4)
+        self.waiting_for: str | None = None  # chunk id whose high (or failed/drop) watermark the stream has not shown yet
+        self.resumed = False  # the resume watermark is written (first thing, once per session)
         self.disabled = False
         self.idle = False  # the last look found no unfinished backfill
+        self.failed = 0
+        self._error_column: bool | None = None
+
+    def _emit(self, conn_or_cur, info: dict) -> None:
+        info["slot"] = self.slot
+        conn_or_cur.execute("SELECT pg_logical_emit_message(true, %s, %s)", (WATERMARK_PREFIX, orjson.dumps(info).decode()))
+
+    def resume(self, conn: psycopg.Connection) -> None:
+        """Close, at this point of the WAL, every window an earlier writer left open (see the module)."""
+        if self.resumed:
+            return
+        try:
+            self._emit(conn, {"kind": "resume", "writer": self.token})
+        except psycopg.errors.InsufficientPrivilege as exc:
+            # it can write no low watermark either: no window of its own can open (cdc check reports it)
+            log.warning("backfills disabled: %s; a window an earlier bridge left open would hold the slot until "
+                        "GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO %s",
+                        _first_line(exc), conn.info.user)
+            self.disabled = self.idle = True
+        self.resumed = True
 
     def tick(self, conn: psycopg.Connection) -> bool:
         """Write the next chunk of the oldest unfinished backfill; False when there is none."""
-        if self.waiting_for is not None:
+        self.resume(conn)
+        if self.waiting_for is not None or self.disabled:
             return True
         if not conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0]:
             self.disabled = self.idle = True  # `cdc init` creates it
@@ -207,18 +306,32 @@ class BackfillDriver:
         if mapping is None:
             log.error("backfill %d: no mapping for entity %r; cancelled", backfill_id, entity)
             conn.execute("UPDATE cdc_backfills SET status = 'cancelled', updated_at = now() WHERE id = %s", (backfill_id,))
-            return True
+            return self.tick(conn)  # the next one
         try:  # parsed again: what runs is composed from the parse, whoever wrote the row
             condition = where_condition(conn, mapping, where) if where else None
         except SqlRefused as exc:
             log.error("backfill %d: %s; cancelled", backfill_id, exc)
             conn.execute("UPDATE cdc_backfills SET status = 'cancelled', updated_at = now() WHERE id = %s", (backfill_id,))
-            return True
-        chunk_id = f"{backfill_id}:{chunks}"
+            return self.tick(conn)  # the next one
+        chunk_id = f"{backfill_id}:{chunks}:{self.token}"
+        schema, table = mapping.table
+        self._emit(conn, {"kind": "low", "chunk": chunk_id, "schema": schema, "table": table})
+        self.waiting_for = chunk_id  # from here on, the window must close: with rows, dropped, or failed
+        try:
+            with conn.transaction():
+                self._chunk(conn, mapping, backfill_id, chunk_id, condition, last_key, chunks)
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise  # a lost connection: the next session's resume watermark closes the window
+            self.fail(conn, backfill_id, entity, chunk_id, exc)
+        return True
+
+    def _chunk(self, conn: psycopg.Connection, mapping: Mapping, backfill_id: int, chunk_id: str,
+               condition: Condition | None, last_key: list | None, chunks: int) -> None:
+        """Read one chunk, record the progress and emit its high watermark, all in the caller's transaction."""
+        entity = mapping.entity
         schema, table = mapping.table
         key_columns = [next(f.column for f in mapping.fields if f.name == k) for k in mapping.key]
-        low = {"kind": "low", "chunk": chunk_id, "schema": schema, "table": table}
-        conn.execute("SELECT pg_logical_emit_message(true, %s, %s)", (WATERMARK_PREFIX, orjson.dumps(low).decode()))
         ident = sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(table))
         keys_sql = sql.SQL(", ").join(sql.Identifier(c) for c in key_columns)
         conditions = []
@@ -233,7 +346,7 @@ class BackfillDriver:
         if conditions:
             query += sql.SQL(" WHERE ") + sql.SQL(" AND ").join(conditions)
         query += sql.SQL(" ORDER BY {} LIMIT {}").format(keys_sql, sql.Literal(self.chunk_rows))
-        with conn.transaction(), conn.cursor() as cur:
+        with conn.cursor() as cur:
             # the read (and so the --where) runs read-only: a savepoint can turn a transaction read-only,
             # and rolling back to it makes it writable again for the progress row and the watermark
             cur.execute("SAVEPOINT cdc_chunk_read")
@@ -249,22 +362,53 @@ class BackfillDriver:
             positions = [names.index(c) for c in key_columns]
             done = len(rows) < self.chunk_rows
             new_key = [rows[-1][i] for i in positions] if rows else last_key
+            # only if the backfill is still where this writer read it: not superseded, failed, or
+            # advanced by a writer that had lost the slot (its row lock serialises the two)
             cur.execute(
                 "UPDATE cdc_backfills SET last_key = %s, chunks = chunks + 1, rows_done = rows_done + %s, "
                 "rows_total = CASE WHEN %s THEN rows_done + %s ELSE rows_total END, "  # an estimate until done
-                "status = %s, updated_at = now() WHERE id = %s",
+                "status = %s, updated_at = now() WHERE id = %s AND chunks = %s AND status IN ('pending', 'running')",
                 (orjson.dumps(new_key).decode() if new_key is not None else None, len(rows), done, len(rows),
-                 "done" if done else "running", backfill_id),
+                 "done" if done else "running", backfill_id, chunks),
             )
+            if cur.rowcount != 1:
+                log.warning("backfill %d of %s changed while chunk %s was read; its rows are dropped", backfill_id,
+                            entity, chunk_id)
+                self._emit(cur, {"kind": "drop", "chunk": chunk_id})
+                return
             high = {"kind": "high", "chunk": chunk_id, "schema": schema, "table": table, "entity": entity,
                     "columns": names, "rows": rows, "last": done}
-            cur.execute("SELECT pg_logical_emit_message(true, %s, %s)", (WATERMARK_PREFIX, orjson.dumps(high).decode()))
-        self.waiting_for = chunk_id
+            self._emit(cur, high)
         if done:
             log.info("backfill %d of %s: last chunk written (%d chunks)", backfill_id, entity, chunks + 1)
-        return True
+
+    def fail(self, conn: psycopg.Connection, backfill_id: int, entity: str, chunk_id: str | None,
+             exc: BaseException | str) -> None:
+        """Mark the backfill failed with its error and, for an open window, emit the failed watermark closing it.
+
+        One transaction, so the failure and the window's end are in the WAL together.
+        """
+        error = exc if isinstance(exc, str) else _first_line(exc)
+        log.error("backfill %d of %s failed: %s; streaming goes on (run cdc backfill again once fixed)",
+                  backfill_id, entity, error)
+        if self._error_column is None:
+            self._error_column = has_error_column(conn)
+        with conn.transaction():
+            if self._error_column:
+                conn.execute("UPDATE cdc_backfills SET status = 'failed', error = %s, updated_at = now() "
+                             "WHERE id = %s AND status IN ('pending', 'running')", (error, backfill_id))
+            else:
+                conn.execute("UPDATE cdc_backfills SET status = 'failed', updated_at = now() "
+                             "WHERE id = %s AND status IN ('pending', 'running')", (backfill_id,))
+            if chunk_id is not None:
+                self._emit(conn, {"kind": "failed", "chunk": chunk_id, "error": error})
+        self.failed += 1
+
+    def ours(self, chunk_id: str) -> bool:
+        """A chunk this driver wrote (its token)."""
+        return chunk_id.rpartition(":")[2] == self.token
 
     def seen(self, chunk_id: str) -> None:
-        """The stream showed this chunk's high watermark: the next chunk may be read."""
+        """The stream showed this chunk's closing watermark: the next chunk may be read."""
         if self.waiting_for == chunk_id:
             self.waiting_for = None

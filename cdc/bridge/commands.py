@@ -8,7 +8,7 @@ import signal
 import time
 
 from ..commands import entity_named, load_config
-from ..errors import UsageError
+from ..errors import CdcError, UsageError
 
 __all__ = ["cmd_run", "cmd_backfill"]
 
@@ -58,23 +58,30 @@ def cmd_backfill(args: argparse.Namespace) -> int:
         else:
             raise UsageError("give --entity to queue a backfill, or --watch to follow the ones in progress")
         if args.wait or args.watch:
-            for backfill_id in ids:
-                _follow(conn, backfill_id)
+            failed = [f for f in (_follow(conn, backfill_id) for backfill_id in ids) if f is not None]
+            if failed:
+                raise failed[0]
     return 0
 
 
-def _follow(conn, backfill_id: int) -> None:
-    """Show one backfill's progress until every chunk is read."""
+def _follow(conn, backfill_id: int) -> CdcError | None:
+    """Show one backfill's progress until every chunk is read; its failure, if it failed."""
     from ..ops.progress import ProgressDisplay
+    from .backfill import has_error_column
 
     entity = conn.execute("SELECT entity FROM cdc_backfills WHERE id = %s", (backfill_id,)).fetchone()[0]
+    error_sql = "error" if has_error_column(conn) else "NULL"
     with ProgressDisplay(f"backfill {backfill_id} of {entity}") as display:
         while True:
-            status, done, total = conn.execute(
-                "SELECT status, rows_done, rows_total FROM cdc_backfills WHERE id = %s", (backfill_id,)
+            status, done, total, error = conn.execute(
+                f"SELECT status, rows_done, rows_total, {error_sql} FROM cdc_backfills WHERE id = %s", (backfill_id,)
             ).fetchone()
             display.update(done, total or 0)
-            if status in ("done", "cancelled"):
+            if status in ("done", "cancelled", "failed", "superseded"):
                 break
             time.sleep(0.2)  # polling the progress row: the work happens in the bridge
-    print(f"backfill {backfill_id}: {status}, {done} row(s) read")
+    print(f"backfill {backfill_id}: {status}, {done} row(s) read" + (f" ({error})" if status == "superseded" else ""))
+    if status == "failed":
+        return CdcError(f"backfill {backfill_id} of {entity} failed after {done} row(s): {error or 'see the bridge log'}",
+                        hint="fix the cause, then run cdc backfill again (streaming went on: no change was lost)")
+    return None

@@ -16,7 +16,8 @@ from .. import keys
 from ..errors import DataLossError, SlotError
 from ..source.lsn import Lsn
 
-__all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss"]
+__all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
+           "invalidated_slot_error", "missing_slot_error", "record_data_loss", "redis_record"]
 
 log = logging.getLogger("cdc.guard")
 
@@ -54,11 +55,51 @@ class SlotHealth:
     level: str = "ok"
 
 
+#: the individual changes a slot lost cannot be brought back; `cdc recover` rebuilds the streams from the tables
+_NOT_RESTORED = ("the streams then replay to the tables' current state; the individual changes in between "
+                 "cannot be restored")
+
+
+def missing_slot_error(slot: str, held: Lsn | None | bool) -> SlotError:
+    """The slot is gone. `held`: how far Redis records holding the source for it (None: no record, a new
+    deployment; True: Redis could not be asked). Advice that streams on past a gap is never given."""
+    if held is None:
+        return SlotError(f"replication slot {slot!r} does not exist", hint="run: cdc init --config <file>")
+    held_text = ("redis could not say how far it holds the source: every change committed since that position"
+                 if held is True else f"redis holds the source up to {held}: every change committed since")
+    return SlotError(
+        f"replication slot {slot!r} does not exist, and {held_text} was lost to the slot "
+        "(dropped, invalidated, or not carried over a failover)",
+        hint=f"run cdc init, then cdc recover before cdc run ({_NOT_RESTORED}); "
+        "cdc init alone would stream on past the gap",
+    )
+
+
+def invalidated_slot_error(slot: str) -> SlotError:
+    return SlotError(
+        f"replication slot {slot!r} was invalidated (wal_status lost): the WAL it needed was removed, "
+        "so changes were lost to it",
+        hint=f"run SELECT pg_drop_replication_slot('{slot}'); then cdc init, then cdc recover before cdc run "
+        f"({_NOT_RESTORED}); raise max_slot_wal_keep_size to avoid it",
+    )
+
+
+def redis_record(client: redis.Redis, slot: str) -> Lsn | None | bool:
+    """How far Redis records holding the source for `slot`: None without a record, True if it cannot say."""
+    try:
+        raw = client.get(keys.flushed_key(slot))
+    except redis.RedisError:
+        return True
+    return None if raw is None else Lsn(int(raw))
+
+
 class SlotWatch:
     """Watches the slot: retained WAL against alarm levels, and invalidation."""
 
     def __init__(self, slot: str, warn_bytes: int = 0, critical_bytes: int = 0) -> None:
         self.slot = slot
+        #: asks Redis how far it holds the source, for the error of a missing slot (`redis_record`)
+        self.redis_held: Callable[[], Lsn | None | bool] = lambda: True
         self.warn_bytes = warn_bytes
         self.critical_bytes = critical_bytes
         self.health = SlotHealth()
@@ -73,15 +114,10 @@ class SlotWatch:
     def check(self, conn: psycopg.Connection) -> SlotHealth:
         row = conn.execute(SLOT_QUERY, (self.slot,)).fetchone()
         if row is None:
-            raise SlotError(f"replication slot {self.slot!r} does not exist", hint="run: cdc init --config <file>")
+            raise missing_slot_error(self.slot, self.redis_held())
         status, retained, lag, confirmed, keep = row
         if status == "lost":
-            raise SlotError(
-                f"replication slot {self.slot!r} was invalidated (wal_status lost): the WAL it needed was removed, "
-                "so changes were lost to it",
-                hint=f"recover: SELECT pg_drop_replication_slot('{self.slot}'); then cdc init, and cdc recover to re-snapshot "
-                "the mapped tables into the streams; raise max_slot_wal_keep_size to avoid it",
-            )
+            raise invalidated_slot_error(self.slot)
         health = SlotHealth(status, int(retained or 0), int(lag or 0), Lsn.parse(confirmed) if confirmed else Lsn(0), _size(keep))
         warn, critical = self.thresholds(health.max_keep_bytes)
         if status == "unreserved" or health.retained_bytes >= critical:
@@ -166,8 +202,9 @@ class MemoryWatch:
 DATA_LOSS_FIELDS = ("data_loss_from", "data_loss_to", "data_loss_at_ms", "data_loss")
 
 
-def _record_data_loss(client: redis.Redis, slot: str, held: Lsn | None, confirmed: Lsn, message: str) -> None:
-    """Leave the loss where `cdc status` shows it, until cdc init accepts it or Redis holds everything again."""
+def record_data_loss(client: redis.Redis, slot: str, held: Lsn | None, confirmed: Lsn, message: str) -> None:
+    """Leave the loss where `cdc status` shows it, until cdc recover repairs it (or cdc init accepts it, or
+    Redis holds everything again)."""
     client.hset(keys.bridge_state_key(slot), mapping={
         "data_loss_from": "" if held is None else str(held), "data_loss_to": str(confirmed),
         "data_loss_at_ms": int(time.time() * 1000), "data_loss": message,
@@ -187,7 +224,14 @@ def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> L
         held = _check_flushed(client, slot, confirmed)
     except DataLossError as exc:
         raw = client.get(keys.flushed_key(slot))
-        _record_data_loss(client, slot, None if raw is None else Lsn(int(raw)), confirmed, exc.message)
+        held = None if raw is None else Lsn(int(raw))
+        state = client.hgetall(keys.bridge_state_key(slot))
+        recorded = state.get(b"data_loss", b"").decode()
+        if (recorded and state.get(b"data_loss_to") == str(confirmed).encode()
+                and state.get(b"data_loss_from", b"").decode() == ("" if held is None else str(held))):
+            # the same gap, recorded with its cause (cdc init on a new slot): that says more
+            raise DataLossError(recorded, hint="run cdc recover (the bridge stopped), then cdc run") from None
+        record_data_loss(client, slot, held, confirmed, exc.message)
         raise
     clear_data_loss(client, slot)
     return held

@@ -45,7 +45,7 @@ from .backfill import BackfillDriver
 from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
-from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
+from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, redis_record
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
@@ -270,6 +270,7 @@ class Bridge:
             except psycopg.Error as exc:
                 raise classify_pg_error(exc) from exc
             publisher.ping()
+            self.slot_watch.redis_held = lambda: redis_record(client, pgs.slot)  # for a missing slot's error
             health = self.check_slot(catalog_conn)
             try:
                 held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
@@ -320,6 +321,10 @@ class Bridge:
             # snapshots and backfills must not silently stop: the operator grants, then runs again
             raise classify_pg_error(exc, role=catalog_conn.info.user, need="SELECT, UPDATE") from exc
         except psycopg.Error as exc:
+            if backfill.waiting_for is not None:
+                # a window is open and its closing watermark could not be written: a new session
+                # (whose resume watermark closes it) rather than a slot held until a restart
+                raise TransientError(f"backfill chunk {backfill.waiting_for}: {str(exc).strip()}") from exc
             log.warning("backfill paused: %s", str(exc).strip())
             backfill.disabled = True
 

@@ -31,7 +31,7 @@ from ..source.deadline import ConnectionSilent, bounded
 from ..source.framing import parse_copy_data
 from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
-from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows
+from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows, request_slot
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .inflight import InFlight
 from .snapshot import queue_chunk
@@ -249,7 +249,8 @@ class Session:
             self.watermark(msg)
         elif msg.prefix == REQUEST_PREFIX:  # `cdc backfill` queued one
             self.tx.seq += 1
-            self.drive_backfill()
+            if request_slot(msg.content) in (None, self.backfill.slot):
+                self.drive_backfill()
         else:
             route_message(msg, self.messages, self.tx, self.batcher)
 
@@ -357,30 +358,60 @@ class Session:
     def watermark(self, msg: pg.Message) -> None:
         """Open or close a backfill window; at the high watermark queue the chunk's unchanged rows.
 
-        The message takes the transaction's next seq, each queued row another.
+        The message takes the transaction's next seq, each queued row another. A watermark
+        of another slot's bridge is none of ours: ignored, it holds nothing.
         """
         info = orjson.loads(msg.content)
         self.tx.seq += 1
+        if info.get("slot", self.backfill.slot) != self.backfill.slot:
+            return
+        kind = info["kind"]
+        if kind == "resume":
+            # every window still open was opened by a writer that is gone: it never sends its high
+            for chunk in self.windows.close_all():
+                log.warning("backfill chunk %s: its writer is gone; window closed without rows (its backfill "
+                            "goes on from its recorded progress)", chunk)
+            return
         chunk = info["chunk"]
-        if info["kind"] == "low":
+        if kind == "low":
             self.windows.low(chunk, (info["schema"], info["table"]))
             return
         changed = self.windows.close(chunk)
-        if changed is None:
-            log.warning("backfill chunk %s: its low watermark was not seen; publishing it unfiltered", chunk)
-            changed = set()
-        projector = self.snapshot_projector(info["entity"])
-        if projector is None:
-            log.error("backfill chunk %s: entity %s is not mapped to an existing table; skipped", chunk, info["entity"])
-        else:
-            queued, skipped = queue_chunk(info, projector, changed, self.batcher, self.tx)
-            if queued:
-                self.bridge.backfill_rows[info["entity"]] += queued
-            self.bridge.backfill_skipped += skipped
-        if info["last"]:
-            log.info("backfill of %s complete at chunk %s", info["entity"], chunk)
+        if kind == "high" and changed is None and ":" in chunk.partition(":")[2]:
+            # a high whose window a resume watermark closed: its writer had lost the slot, and its
+            # rows cannot be checked against the changes since its low; never published unfiltered
+            self.abandoned_high(chunk, info["entity"])
+        elif kind == "high":
+            if changed is None:  # a chunk written before watermarks named their writer
+                log.warning("backfill chunk %s: its low watermark was not seen; publishing it unfiltered", chunk)
+                changed = set()
+            projector = self.snapshot_projector(info["entity"])
+            if projector is None:
+                log.error("backfill chunk %s: entity %s is not mapped to an existing table; skipped", chunk, info["entity"])
+            else:
+                queued, skipped = queue_chunk(info, projector, changed, self.batcher, self.tx)
+                if queued:
+                    self.bridge.backfill_rows[info["entity"]] += queued
+                self.bridge.backfill_skipped += skipped
+            if info["last"]:
+                log.info("backfill of %s complete at chunk %s", info["entity"], chunk)
+        elif kind == "failed":
+            log.error("backfill chunk %s failed: %s; its window is closed and streaming goes on", chunk, info.get("error"))
         self.backfill.seen(chunk)
         self.drive_backfill()
+
+    def abandoned_high(self, chunk: str, entity: str) -> None:
+        """Drop a late chunk's rows and mark its backfill failed, so that its gap is visible."""
+        log.error("backfill chunk %s of %s arrived after its writer lost the slot; its rows are dropped", chunk, entity)
+        if self.backfill.ours(chunk):
+            return  # cannot happen: this session's windows close only with its own watermarks
+        backfill_id = int(chunk.partition(":")[0])
+        try:
+            with bounded(self.conn, self.receive_timeout, "marking a backfill failed"):
+                self.backfill.fail(self.conn, backfill_id, entity, None,
+                                   f"chunk {chunk} was read by a writer that had lost the slot; run cdc backfill again")
+        except psycopg.Error as exc:
+            log.error("could not mark backfill %d failed: %s", backfill_id, exc)
 
     def snapshot_projector(self, entity: str) -> Projector | None:
         projector = self.snapshot_projectors.get(entity)

@@ -14,7 +14,7 @@ import psycopg
 import redis
 
 from ..bridge.backfill import enqueue, ensure_table
-from ..bridge.guards import clear_data_loss
+from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_data_loss
 from ..source.catalog import load_types, table_shape
 from ..config import Settings
 from .. import keys
@@ -89,8 +89,12 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                 done.append(f"publication {pgs.publication} already publishes all tables")
             ensure_table(conn)
             slot = conn.execute(
-                "SELECT plugin, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)
+                "SELECT plugin, confirmed_flush_lsn::text, wal_status FROM pg_replication_slots WHERE slot_name = %s",
+                (pgs.slot,),
             ).fetchone()
+            created = slot is None
+            if slot is not None and slot[2] == "lost":
+                raise invalidated_slot_error(pgs.slot)
             if slot is None:
                 # what the function returns is the new slot's confirmed position
                 confirmed = conn.execute(
@@ -108,29 +112,40 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                 confirmed = slot[1]
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
-    done.append(_register_redis(settings, Lsn.parse(confirmed)))
+    done.append(_register_redis(settings, Lsn.parse(confirmed), created))
     return done
 
 
-def _register_redis(settings: Settings, confirmed: Lsn) -> str:
+def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False) -> str:
     """Record in Redis that it holds the source up to the slot's position, unless it already does.
 
     `cdc run` compares this record with the slot to detect a Redis that lost data;
-    a new (or deliberately emptied) Redis is registered here.
+    a new (or deliberately emptied) Redis is registered here. A slot `created` now while
+    Redis holds the source up to an older position has a gap nothing can fill: every
+    change in between was lost to the slot. The record then stays where it is and the gap
+    is recorded as a data loss, so `cdc run` refuses (exit 6) until `cdc recover` rebuilds
+    the streams from the tables.
     """
-    key = keys.flushed_key(settings.postgres.slot)
+    slot = settings.postgres.slot
+    key = keys.flushed_key(slot)
     client = None
     try:
         client = connect_redis(settings.redis)
         if client.set(key, str(int(confirmed)), nx=True):
-            clear_data_loss(client, settings.postgres.slot)
-            return f"registered redis for slot {settings.postgres.slot} at {confirmed}"
+            clear_data_loss(client, slot)
+            return f"registered redis for slot {slot} at {confirmed}"
         current = Lsn(int(client.get(key)))
+        if current < confirmed and created:
+            message = (f"slot {slot!r} was created at {confirmed}, but redis holds the source up to {current} only: "
+                       f"every change committed in ({current}, {confirmed}] was lost to the slot")
+            record_data_loss(client, slot, current, confirmed, message)
+            return (f"{message}; run cdc recover before cdc run (the streams then replay to the tables' current "
+                    "state; the individual changes in between cannot be restored)")
         if current < confirmed:
             client.set(key, str(int(confirmed)))
-            clear_data_loss(client, settings.postgres.slot)
+            clear_data_loss(client, slot)
             return f"redis held changes up to {current} only; accepted the loss up to {confirmed}"
-        return f"redis already holds slot {settings.postgres.slot} up to {current}"
+        return f"redis already holds slot {slot} up to {current}"
     except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
         raise as_cdc_error(exc) from exc
     finally:

@@ -10,7 +10,7 @@ import orjson
 from .. import redact
 from ..cliargs import check_positive
 from ..commands import entity_named, load_config, redis_for
-from ..errors import UsageError
+from ..errors import SlotError, UsageError
 
 __all__ = ["cmd_init", "cmd_check", "cmd_schema", "cmd_status", "cmd_trim", "cmd_recover"]
 
@@ -71,6 +71,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         terminal = sys.stdout.isatty()
         sys.stdout.write(render(status, color=terminal, width=shutil.get_terminal_size().columns if terminal else None))
+    alarm = status.get("slot_alarm")
+    if alarm:  # a missing or invalidated slot: shown above, and the exit code says it (4)
+        sys.stdout.flush()
+        raise SlotError(alarm["error"], hint=alarm["fix"])
     return 0
 
 

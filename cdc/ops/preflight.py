@@ -28,7 +28,7 @@ import redis
 
 from .. import keys
 from ..config import Settings
-from ..bridge.guards import check_redis_has_flushed
+from ..bridge.guards import check_redis_has_flushed, invalidated_slot_error, missing_slot_error, redis_record
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
@@ -117,8 +117,8 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
             _check_mappings(conn, mappings, superuser, report)
             _check_publication_and_slot(conn, settings, mappings, report)
             _check_backfills(conn, superuser, report)
-            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                               (pgs.slot,)).fetchone()
+            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s "
+                               "AND wal_status IS DISTINCT FROM 'lost'", (pgs.slot,)).fetchone()  # lost: nothing to compare
             return Lsn.parse(row[0]) if row and row[0] else None
         except psycopg.Error as exc:
             report.problems.append(classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication,
@@ -181,14 +181,31 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
         for s, t in _tables(mappings):
             if (s, t) not in published:
                 report.problems.append(SlotError(f"table {s}.{t} is not in publication {pgs.publication!r}", hint=init))
-    slot = conn.execute("SELECT plugin FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
-    if slot is None:
+    slot = conn.execute("SELECT plugin, wal_status FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
+    held = _redis_held(settings) if slot is None else None
+    if slot is None and held is None:  # a new deployment
         report.problems.append(SlotError(f"replication slot {pgs.slot!r} does not exist", hint=init))
+    elif slot is None:  # changes since Redis' record were lost to it
+        report.problems.append(missing_slot_error(pgs.slot, held))
+    elif slot[1] == "lost":
+        report.problems.append(invalidated_slot_error(pgs.slot))
     elif slot[0] != "pgoutput":
         report.problems.append(SlotError(f"replication slot {pgs.slot!r} uses plugin {slot[0]!r}, not pgoutput",
                                          hint="drop it or choose another postgres.slot"))
     else:
         report.ok.append(f"slot {pgs.slot} (pgoutput) exists")
+
+
+def _redis_held(settings: Settings) -> Lsn | None | bool:
+    """How far Redis records holding the source for the slot (see `redis_record`), for a missing slot's advice."""
+    try:
+        client = connect_redis(settings.redis)
+    except Exception:  # a bad URL or an unreachable cluster: the Redis half reports it
+        return True
+    try:
+        return redis_record(client, settings.postgres.slot)
+    finally:
+        client.close()
 
 
 def _check_backfills(conn: psycopg.Connection, superuser: bool, report: CheckReport) -> None:

@@ -13,9 +13,11 @@ Runs with the bridge stopped, and keeps it stopped while it works:
    after it, exactly once through the high-water marks: a delete (``op d``) for each key
    the stream holds that the snapshot has not, the marker (``op x``), then every row of
    the snapshot (``op r``). A mark that moved meanwhile stops the command.
-4. Only then does the record move to the slot's position and the recorded loss go. The
-   bridge resumes from the slot; the marks drop its changes below P, which the snapshot
-   already holds.
+4. Only then are the unfinished snapshots and backfills of the slot for the rebuilt
+   entities marked ``superseded`` in `cdc_backfills` (the rebuild holds every row: going
+   on with them would publish each row again after the marker), and the record moves to
+   the slot's position and the recorded loss goes. The bridge resumes from the slot; the
+   marks drop its changes below P, which the snapshot already holds.
 
 Run again after a failure: the next rebuild replays the partial one too, at a newer position.
 """
@@ -30,7 +32,8 @@ import psycopg
 from psycopg import sql
 
 from .. import keys
-from ..bridge.guards import clear_data_loss
+from ..bridge.backfill import supersede
+from ..bridge.guards import clear_data_loss, invalidated_slot_error
 from ..commands import redis_for
 from ..config import Settings
 from ..errors import CdcError, SlotError
@@ -57,10 +60,12 @@ PROGRESS_EVERY = 100_000
 def _idle_slot(conn: psycopg.Connection, slot: str) -> Lsn:
     """The slot's confirmed position; refuses while a bridge is attached to it."""
     row = conn.execute(
-        "SELECT active, active_pid, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        "SELECT active, active_pid, confirmed_flush_lsn::text, wal_status FROM pg_replication_slots WHERE slot_name = %s", (slot,)
     ).fetchone()
     if row is None:
-        raise SlotError(f"replication slot {slot!r} does not exist", hint="run: cdc init --config <file>")
+        raise SlotError(f"replication slot {slot!r} does not exist", hint="run: cdc init --config <file>, then cdc recover")
+    if row[3] == "lost":
+        raise invalidated_slot_error(slot)
     if row[0]:
         raise CdcError(f"a bridge is attached to slot {slot!r} (walsender pid {row[1]})",
                        hint="stop it (cdc run), then run cdc recover again")
@@ -221,15 +226,20 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                 try:
                     catalog = TypeCatalog()
                     marker = rebuild.marker(str(snap.position), lost_from, lost_to)
+                    rebuilt = []
                     for m in mappings:
                         if m.table is None or "r" not in m.ops:
                             why = "logical messages are no table" if m.table is None else "its ops leave out r"
                             say(f"{m.entity}: not rebuilt ({why}); its lost entries stay missing")
                             continue
                         _rebuild(conn, client, publisher, bind_live(conn, m, catalog), base, marker, say)
+                        rebuilt.append(m.entity)
                     conn.execute("COMMIT")
                     _idle_slot(conn, slot)
                     _still_fenced(client, slot)
+                    # the rebuild holds every row: a snapshot or backfill published after it would repeat them
+                    for backfill_id, entity in supersede(conn, slot, rebuilt, f"superseded by cdc recover at {snap.position}"):
+                        say(f"backfill {backfill_id} of {entity}: superseded (the rebuild holds every row)")
                     publisher.record_flushed(confirmed)
                 finally:
                     publisher.close()

@@ -11,6 +11,8 @@ from datetime import datetime, timezone
 
 from .. import keys
 from .admin import connect
+from ..bridge.backfill import has_error_column
+from ..bridge.guards import invalidated_slot_error, missing_slot_error, redis_record
 from ..config import Settings
 from ..sink.entry import reply_text
 from ..exits import as_cdc_error
@@ -52,13 +54,15 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         try:
+            readable = conn.execute(
+                "SELECT coalesce(has_table_privilege(to_regclass('public.cdc_backfills'), 'SELECT'), false)"
+            ).fetchone()[0]
+            error = "error" if readable and has_error_column(conn) else "NULL::text"
             backfills = conn.execute(
                 "SELECT id, entity, status, rows_done, rows_total, chunks, where_sql, "
-                "extract(epoch FROM updated_at - created_at)::float8 FROM cdc_backfills WHERE slot = %s ORDER BY id",
+                f"extract(epoch FROM updated_at - created_at)::float8, {error} FROM cdc_backfills WHERE slot = %s ORDER BY id",
                 (settings.postgres.slot,),
-            ).fetchall() if conn.execute(
-                "SELECT coalesce(has_table_privilege(to_regclass('public.cdc_backfills'), 'SELECT'), false)"
-            ).fetchone()[0] else []
+            ).fetchall() if readable else []
             reconciliations = conn.execute(
                 "SELECT DISTINCT ON (spec, consumer) spec, consumer, status, reason, finished_at, dry_run, "
                 "keys_compared, keys_drifted, position FROM cdc_reconcile_runs ORDER BY spec, consumer, id DESC"
@@ -75,7 +79,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
     ]
     result["backfills"] = [
         {"id": b[0], "entity": b[1], "status": b[2], "rows_done": b[3], "rows_total": b[4], "chunks": b[5],
-         "where": b[6], "rows_per_s": round(b[3] / b[7], 1) if b[7] else None}
+         "where": b[6], "rows_per_s": round(b[3] / b[7], 1) if b[7] else None, "error": b[8]}
         for b in backfills
     ]
     if row:
@@ -93,6 +97,11 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
         trim_stats = {k.decode(): int(v) for k, v in client.hgetall(keys.TRIM_STATS).items()}
         bridge_state = {k.decode(): v.decode() for k, v in client.hgetall(keys.bridge_state_key(settings.postgres.slot)).items()}
         result["bridge"] = _bridge(bridge_state, bool(result["slot"] and result["slot"]["active"]))
+        alarm = (missing_slot_error(settings.postgres.slot, redis_record(client, settings.postgres.slot))
+                 if result["slot"] is None else
+                 invalidated_slot_error(settings.postgres.slot) if result["slot"]["wal_status"] == "lost" else None)
+        # `cdc status` exits 4 with it, after showing everything else
+        result["slot_alarm"] = None if alarm is None else {"error": alarm.message, "fix": alarm.hint}
         for entity, stream in streams:
             length = client.xlen(stream)
             first = client.xrange(stream, count=1)

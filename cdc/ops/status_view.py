@@ -33,14 +33,17 @@ def _dash(value: object) -> str:
     return "-" if value is None or value == "" else str(value)
 
 
-def _slot_line(slot: dict | None) -> str:
+def _slot_line(slot: dict | None, alarm: dict | None = None) -> str:
     if slot is None:
-        return "slot: missing (run cdc init)"
+        return f"slot: MISSING: {alarm['error']}; {alarm['fix']}" if alarm else "slot: missing (run cdc init)"
+    if alarm:  # invalidated: it holds no WAL, so it has no retained size to show
+        return (f"slot {slot['name']}: INVALIDATED (wal_status {slot['wal_status']}), "
+                f"{'active' if slot['active'] else 'inactive'}: {alarm['error']}; {alarm['fix']}")
     lag_s = "" if slot["lag_seconds"] is None else f" ({slot['lag_seconds']:.2f}s)"
     return (
         f"slot {slot['name']}: {'active' if slot['active'] else 'inactive'}, confirmed {slot['confirmed_flush_lsn']}, "
         f"current {slot['current_wal_lsn']}, lag {slot['lag_bytes']} bytes{lag_s}, "
-        f"retained WAL {slot['retained_wal_bytes']} bytes of max_slot_wal_keep_size {slot['max_slot_wal_keep_size']}, "
+        f"retained WAL {_dash(slot['retained_wal_bytes'])} bytes of max_slot_wal_keep_size {slot['max_slot_wal_keep_size']}, "
         f"wal_status {slot['wal_status']}"
     )
 
@@ -82,10 +85,14 @@ def _stream_tables(streams: list[dict]) -> list[Table]:
 
 
 def _backfill_table(backfills: list[dict]) -> Table:
-    table = _table("backfills", "id", "entity", "where", "status", "rows done", "rows total", "rows/s")
+    errors = any(b.get("error") for b in backfills)  # why one failed or was superseded: a column only then
+    table = _table("backfills", "id", "entity", "where", "status", "rows done", "rows total", "rows/s",
+                   *(["error"] if errors else []))
     for b in backfills:
-        table.add_row(str(b["id"]), b["entity"], _dash(b["where"]), b["status"], str(b["rows_done"]),
-                      _dash(b["rows_total"]), f"{b['rows_per_s']:,.0f}" if b["rows_per_s"] else "-")
+        status = b["status"].upper() if b["status"] == "failed" else b["status"]
+        table.add_row(str(b["id"]), b["entity"], _dash(b["where"]), status, str(b["rows_done"]),
+                      _dash(b["rows_total"]), f"{b['rows_per_s']:,.0f}" if b["rows_per_s"] else "-",
+                      *([_dash(b.get("error"))] if errors else []))
     return table
 
 
@@ -119,7 +126,7 @@ def render(status: dict, *, color: bool = False, width: int | None = None) -> st
     out = io.StringIO()
     console = Console(file=out, width=width or _WIDE, force_terminal=color, no_color=not color, highlight=False,
                       emoji=False, markup=False)
-    console.print(_slot_line(status["slot"]), soft_wrap=True)
+    console.print(_slot_line(status["slot"], status.get("slot_alarm")), soft_wrap=True)
     decoding = _decoding_line((status["slot"] or {}).get("decoding"))
     if decoding:
         console.print(decoding, soft_wrap=True)

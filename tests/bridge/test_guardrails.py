@@ -153,10 +153,21 @@ def test_lost_slot_stops_with_the_way_to_recover(servers_root, env):
             conn.execute("CHECKPOINT")
             wait_for(lambda: conn.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (env.slot,)).fetchone()[0] == "lost",
                      30, "the slot to be invalidated")
+        lost = (f"replication slot '{env.slot}' was invalidated (wal_status lost): the WAL it needed was removed, so "
+                f"changes were lost to it; run SELECT pg_drop_replication_slot('{env.slot}'); then cdc init, then cdc "
+                "recover before cdc run (the streams then replay to the tables' current state; the individual changes "
+                "in between cannot be restored); raise max_slot_wal_keep_size to avoid it")
         result = env.cdc("run", "--until-caught-up")
         assert result.returncode == 4
-        assert "was invalidated (wal_status lost)" in result.stderr
-        assert f"pg_drop_replication_slot('{env.slot}')" in result.stderr and "re-snapshot" in result.stderr
+        assert result.stderr.strip().endswith(f"cdc: error: {lost}"), result.stderr
+        checked = env.cdc("check")  # never "ok: slot exists"
+        assert checked.returncode == 4 and f"problem: {lost}" in checked.stderr, checked.stderr
+        assert f"slot {env.slot} (pgoutput) exists" not in checked.stdout and "position" not in checked.stdout
+        status = env.cdc("status")  # an alarm, never "None bytes"
+        assert status.returncode == 4 and status.stderr.strip() == f"cdc: error: {lost}", status.stderr
+        assert status.stdout.startswith(f"slot {env.slot}: INVALIDATED (wal_status lost), inactive: ")
+        assert "None" not in status.stdout
+        assert env.cdc("init").returncode == 4  # it does not stream on from the broken slot either
     finally:
         server.stop("immediate")
 

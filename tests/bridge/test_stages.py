@@ -126,6 +126,18 @@ def test_a_truncate_empties_the_windows_of_its_table(bound):
     assert [e["op"] for e in entries(batcher)] == [b"t"]
 
 
+def test_a_resume_closes_every_window_left_open_and_requests_name_their_slot():
+    from cdc.bridge.backfill import request_slot
+
+    windows = Windows()
+    windows.low("1:0:aa", ("public", "rides"))
+    windows.low("2:3:aa", ("public", "riders"))
+    assert sorted(windows.close_all()) == ["1:0:aa", "2:3:aa"]
+    assert not windows.open and not windows.tables, "nothing holds the acknowledgements any more"
+    assert windows.close("1:0:aa") is None, "a late high of a closed window finds none"
+    assert request_slot(b"cdc_a:17") == "cdc_a" and request_slot("17") is None
+
+
 def test_messages_go_to_the_first_matching_prefix_and_take_a_seq():
     batcher = Batcher(1000, 1.0)
     note = mapping(NOTE)

@@ -95,6 +95,24 @@ def test_a_missing_grant_names_the_exact_grant(env, tmp_path):
     assert backfill.returncode == 4 and "GRANT SELECT ON TABLE rides TO cdc_bridge" in backfill.stderr
 
 
+def test_a_revoked_grant_fails_the_snapshot_visibly_and_streaming_goes_on(env, tmp_path):
+    """The initial snapshot cannot read its table: failed, with the refusal; the slot moves on."""
+    bridge = _as_owner_then_bridge(env, tmp_path)  # the initial snapshot is queued
+    env.execute("REVOKE SELECT ON public.rides FROM cdc_bridge")
+    proc = env.start_bridge(env=bridge)
+    wait_for(lambda: env.execute("SELECT status FROM cdc_backfills")[0][0] == "failed", 60, "the snapshot to fail")
+    assert env.execute("SELECT error FROM cdc_backfills") == [("permission denied for table rides",)]
+    env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (1, 99)")
+    target = env.current_wal()
+    wait_for(lambda: env.confirmed_flush() >= target, 60, "the slot to move on")
+    assert _ops(read_stream(env.redis, "cdc:ride")) == ["c"]
+    env.execute("GRANT SELECT ON public.rides TO cdc_bridge")
+    waited = env.cdc("backfill", "--entity", "ride", "--wait", env=bridge, timeout=60)
+    assert waited.returncode == 0 and "done, 31 row(s) read" in waited.stdout, waited.stderr
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
 def test_init_as_a_role_that_does_not_own_the_tables_says_who_must_run_it(env, tmp_path):
     bridge = _as_owner_then_bridge(env, tmp_path)
     env.write_mapping("rider.yaml", "entity: rider\ntable: public.riders\nkey: [id]\nfields: {id: id}\n")

@@ -154,7 +154,8 @@ def test_recover_without_a_slot_says_to_run_init(env):
     env.copy_mappings("ride.yaml")
     result = env.cdc("recover")
     assert result.returncode == 4
-    assert result.stderr.strip() == f"cdc: error: replication slot '{env.slot}' does not exist; run: cdc init --config <file>"
+    assert result.stderr.strip() == (f"cdc: error: replication slot '{env.slot}' does not exist; "
+                                     "run: cdc init --config <file>, then cdc recover")
 
 
 def test_recover_after_the_slot_was_dropped_and_created_again(env):

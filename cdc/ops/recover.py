@@ -30,6 +30,7 @@ import psycopg
 from psycopg import sql
 
 from .. import keys
+from ..bridge.gate import record_current
 from ..bridge.guards import clear_data_loss
 from ..commands import redis_for
 from ..config import Settings
@@ -231,6 +232,8 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                     _idle_slot(conn, slot)
                     _still_fenced(client, slot)
                     publisher.record_flushed(confirmed)
+                    # the streams replay to the tables as they are now: bind them from the snapshot on
+                    record_current(conn, client, slot, [m.table for m in mappings if m.table], snap.position)
                 finally:
                     publisher.close()
             clear_data_loss(client, slot)

@@ -36,7 +36,7 @@ import psycopg
 import redis
 
 from .. import keys
-from ..errors import CdcError, PrivilegeError, SlotError, SourceError
+from ..errors import CdcError, MappingError, PrivilegeError, SlotError
 from ..mapping.model import Mapping
 from ..source.coverage import (Publication, TableCoverage, identity_problem, publication_problem, read_coverage,
                                read_publication, where_is)
@@ -125,7 +125,7 @@ class TableGate:
         self.by_oid = {b.oid: t for t, b in self.bound.items()}
 
     def verify(self, conn: psycopg.Connection, adopt: set[tuple[str, str]] = frozenset()) -> None:
-        """One reading of the catalog; raises `SourceError` (exit 4) with the fix when it does not vouch."""
+        """One reading of the catalog; raises `SlotError` (exit 4) with the fix when it does not vouch."""
         self.verifications += 1
         if not self.tables:
             return
@@ -149,7 +149,7 @@ class TableGate:
         name = _field(t)
         if now.oid is None:
             if bound is None:
-                raise SourceError(f"mapped table {name} does not exist", hint="create it, or fix the mapping's table")
+                raise MappingError(f"mapped table {name} does not exist", hint="create it first, or fix the mapping's table")
             moved = where_is(conn, bound.oid)
             what = f"renamed or moved: it is now {moved}," if moved else "dropped:"
             raise SlotError(

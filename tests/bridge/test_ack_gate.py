@@ -129,6 +129,31 @@ def test_a_table_recreated_while_the_bridge_is_stopped_is_refused_at_start(rides
     assert replayed(rides.redis, "cdc:ride") == rides_now(rides)
 
 
+@pytest.mark.parametrize("change, says", [
+    ("ALTER PUBLICATION cdc DROP TABLE rides", "table public.rides is not in publication 'cdc'"),
+    ("DROP TABLE rides", "was dropped: its changes since are not in the stream"),
+])
+def test_a_table_leaving_the_publication_or_dropped_while_running_holds_the_slot(rides, change, says):
+    rides.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = rides.start_bridge()
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1)")
+    wait_for(lambda: rides.redis.xlen("cdc:ride") == 1, 30, "the first row")
+    before = lsn_now(rides)
+    rides.execute(change)
+    if "DROP TABLE" not in change:
+        rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (2, 1, 2); DELETE FROM rides WHERE id = 1")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert says in line and "cdc init, then cdc recover" in line, line
+    assert rides.confirmed_flush() <= before
+    if "DROP TABLE" in change:
+        return
+    rides.cdc("init", check=True)
+    rides.cdc("recover", check=True)
+    rides.cdc("run", "--until-caught-up", check=True)
+    assert replayed(rides.redis, "cdc:ride") == rides_now(rides) == {(("id", 2),): {"id": 2, "distance": "2.000", "rider": 1}}
+
+
 @pytest.mark.parametrize("change, now", [
     ("ALTER TABLE rides RENAME TO rides_old", "public.rides_old"),
     ("CREATE SCHEMA archive; ALTER TABLE rides SET SCHEMA archive", "archive.rides"),

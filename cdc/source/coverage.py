@@ -35,9 +35,9 @@ SELECT puballtables, pubviaroot, pubupdate OR pubdelete FROM pg_publication WHER
 # cannot carry updates and deletes, as "<qualified name> <relreplident>".
 COVERAGE_QUERY = """
 WITH asked(schema, name) AS (SELECT * FROM unnest(%(schemas)s::text[], %(names)s::text[])),
-pub AS (SELECT oid FROM pg_publication WHERE pubname = %(pub)s),
+pub AS (SELECT oid, puballtables, pubviaroot FROM pg_publication WHERE pubname = %(pub)s),
 found AS (
-    SELECT a.schema, a.name, c.oid, c.relkind
+    SELECT a.schema, a.name, c.oid, c.relkind, c.relispartition, c.relpersistence
     FROM asked a
     LEFT JOIN pg_namespace n ON n.nspname = a.schema
     LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = a.name AND c.relkind IN ('r', 'p')
@@ -50,8 +50,12 @@ leaves AS (
 )
 SELECT f.schema, f.name, f.oid::int8, f.relkind = 'p',
        ARRAY(SELECT l.leaf::int8 FROM leaves l WHERE l.root = f.oid ORDER BY 1),
-       EXISTS (SELECT 1 FROM pg_publication_tables p
-               WHERE p.pubname = %(pub)s AND p.schemaname = f.schema AND p.tablename = f.name),
+       CASE WHEN (SELECT puballtables FROM pub) THEN
+           -- what pg_publication_tables would say, without listing every table of the database
+           f.relpersistence = 'p' AND CASE WHEN f.relkind = 'p' THEN (SELECT pubviaroot FROM pub) AND NOT f.relispartition
+                                           ELSE NOT (f.relispartition AND (SELECT pubviaroot FROM pub)) END
+       ELSE EXISTS (SELECT 1 FROM pg_publication_tables p
+                    WHERE p.pubname = %(pub)s AND p.schemaname = f.schema AND p.tablename = f.name) END,
        EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pub ON pub.oid = r.prpubid WHERE r.prrelid = f.oid),
        (SELECT format('%%I.%%I', ln.nspname, lc.relname) || ' ' || lc.relreplident::text
         FROM leaves l JOIN pg_class lc ON lc.oid = l.leaf JOIN pg_namespace ln ON ln.oid = lc.relnamespace

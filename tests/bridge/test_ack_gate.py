@@ -256,8 +256,9 @@ def test_a_partitioned_table_mapped_by_its_parent(meas):
     assert meas.cdc("init").returncode == 0
 
 
-def test_init_sets_publish_via_partition_root_on_an_existing_publication(meas):
-    meas.execute("CREATE PUBLICATION cdc FOR TABLE meas")  # partitions published as themselves
+@pytest.mark.parametrize("target", ["FOR TABLE meas", "FOR ALL TABLES"])
+def test_init_sets_publish_via_partition_root_on_an_existing_publication(meas, target):
+    meas.execute(f"CREATE PUBLICATION cdc {target}")  # partitions published as themselves
     check = meas.cdc("check")
     assert check.returncode == 4 and "lacks publish_via_partition_root" in check.stderr and "cdc init" in check.stderr
     meas.cdc("init", check=True)

@@ -94,10 +94,14 @@ def _publication(conn: psycopg.Connection, name: str, tables: list[tuple[str, st
             done.append(f"publication {name} already covers the mapped tables")
     pub, coverage = read_publication(conn, name), read_coverage(conn, name, tables)
     for c in coverage.values():
-        if not c.covered:  # a member that publishes nothing under its name: a partition of a published parent
+        if c.covered:
+            continue
+        if c.member:  # a member that publishes nothing under its name: a partition of a published parent
             raise SlotError(
                 f"table {c.qualified} is in publication {name!r} but its changes are published as those of its "
                 "partitioned parent (publish_via_partition_root)", hint="map the parent table instead of the partition")
+        raise SlotError(f"table {c.qualified} is still not published by publication {name!r} (PostgreSQL never "
+                        "publishes an unlogged table)", hint=f"run: ALTER TABLE {c.qualified} SET LOGGED, then cdc init again")
 
 
 def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:

@@ -182,9 +182,12 @@ class TableGate:
         for oid in now.leaves:
             if oid in bound.leaves:
                 continue
-            leaf = where_is(conn, oid) or f"OID {oid}"
+            leaf = where_is(conn, oid)
+            if leaf is None:
+                continue  # gone again since: the next reading finds it missing, and stops the bridge
             try:
-                holds = conn.execute(f"SELECT EXISTS (SELECT 1 FROM ONLY {_quoted(leaf)})").fetchone()[0]
+                # `leaf` is format('%I.%I'): quoted already
+                holds = conn.execute(f"SELECT EXISTS (SELECT 1 FROM ONLY {leaf})").fetchone()[0]
             except psycopg.errors.InsufficientPrivilege as exc:
                 raise PrivilegeError(
                     f"partition {leaf} joined mapped table {name} and role {conn.info.user} may not read it to see "
@@ -238,8 +241,3 @@ class TableGate:
             f"mapped table {_field(other)} (OID {relid}) was renamed or moved: the stream names it {_field(t)}, a name "
             f"no mapping reads, slot {self.slot} held before its changes under that name",
             hint=f"rename it back or map {_field(t)}, then run: cdc init, then {RECOVER}")
-
-
-def _quoted(qualified: str) -> str:
-    """`where_is` gives format('%I.%I'): already quoted."""
-    return qualified

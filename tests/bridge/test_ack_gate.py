@@ -256,6 +256,35 @@ def test_a_partitioned_table_mapped_by_its_parent(meas):
     assert meas.cdc("init").returncode == 0
 
 
+def test_a_partition_attached_holding_rows_stops_the_bridge_until_recover(meas):
+    meas.cdc("init", check=True)
+    proc = meas.start_bridge()
+    meas.execute("INSERT INTO meas VALUES (1, '2025-03-01', 1)")
+    wait_for(lambda: meas.redis.xlen("cdc:meas") == 1, 30, "the first change")
+    meas.execute("CREATE TABLE meas_2027 (LIKE meas INCLUDING ALL); INSERT INTO meas_2027 VALUES (7, '2027-02-01', 7)")
+    before = meas.current_wal()
+    meas.execute("ALTER TABLE meas ATTACH PARTITION meas_2027 FOR VALUES FROM ('2027-01-01') TO ('2028-01-01')")
+    meas.execute("INSERT INTO meas VALUES (8, '2027-03-01', 8)")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert "partition public.meas_2027 joined mapped table public.meas holding rows" in line and "cdc recover" in line
+    assert meas.confirmed_flush() <= before
+    meas.cdc("recover", check=True)
+    meas.cdc("run", "--until-caught-up", check=True)
+    assert replayed(meas.redis, "cdc:meas") == meas_now(meas)
+    assert len(meas_now(meas)) == 3
+
+
+def test_init_refuses_a_partition_mapped_while_its_parent_is_published(meas):
+    meas.cdc("init", check=True)
+    meas.write_mapping("part.yaml", "entity: part\ntable: public.meas_2025\nkey: [id, at]\nfields: {id: id, at: at}\n")
+    result = meas.cdc("init")
+    assert result.returncode == 4
+    line = error_line(result.stderr)
+    assert "published as those of its partitioned parent" in line and "map the parent table" in line, line
+    assert meas.cdc("init").returncode == 4, "the same answer again, not an error of PostgreSQL"
+
+
 @pytest.mark.parametrize("target", ["FOR TABLE meas", "FOR ALL TABLES"])
 def test_init_sets_publish_via_partition_root_on_an_existing_publication(meas, target):
     meas.execute(f"CREATE PUBLICATION cdc {target}")  # partitions published as themselves

@@ -196,7 +196,8 @@ class Bridge:
         r.histogram("cdc_publish_seconds", "time from sending a batch to Redis confirming it", self.publish_seconds)
         r.histogram("cdc_commit_to_publish_seconds", "time from a transaction's commit to Redis confirming it",
                     self.commit_lag_seconds)
-        r.gauge("cdc_confirmed_flush_lsn", "position acknowledged to the slot (bytes)", lambda: int(self.durable_lsn))
+        r.gauge("cdc_confirmed_flush_lsn", "position acknowledged to the slot (bytes): Redis holds it and the ack gate vouched for it",
+                lambda: int(self.ack.acked))
         r.gauge("cdc_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed one",
                 lambda: self.slot_watch.health.lag_bytes)
         r.gauge("cdc_retained_wal_bytes", "WAL the slot keeps on the server's disk",

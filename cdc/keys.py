@@ -87,6 +87,13 @@ def flushed_key(slot: str) -> str:
     return f"cdc:bridge:{slot}:flushed"
 
 
+def bound_tables_key(slot: str) -> str:
+    """A hash of the mapped tables the bridge of `slot` bound (field: "<schema>.<table>", value:
+    "<oid> <since LSN> <leaf partition OIDs, comma-separated>"): a table found with another OID
+    was dropped and re-created (see `cdc.bridge.gate`)."""
+    return f"cdc:bridge:{slot}:tables"
+
+
 def holds_key(stream: str) -> str:
     """A hash of holds on `stream` (field: who holds, value: "<entry id> <expiry ms>"): trimming keeps
     every entry after the lowest unexpired hold, so a reconciliation can re-read what consumers already

@@ -1,8 +1,10 @@
 """The acknowledger: the one place that decides what LSN the slot may be told.
 
-Two rules: never past what Redis confirmed (the slot would forget changes Redis
-does not hold), and never inside an open backfill window (a replay must start
-before the window's low watermark to see the changes that filter its chunk).
+Three rules: never past what Redis confirmed (the slot would forget changes Redis
+does not hold), never inside an open backfill window (a replay must start
+before the window's low watermark to see the changes that filter its chunk),
+and never past what the ack gate vouched for (`cdc.bridge.gate`: a change the
+publication did not send leaves no trace in the stream, only in the catalog).
 And the slot is told a position only once Redis itself records that it holds the
 source up to there (the flushed key `cdc check` and a restart compare against).
 
@@ -12,12 +14,14 @@ from the record Redis holds, never from what an earlier session remembered (a
 position made durable by a keepalive but not recorded before the session ended,
 or one a Redis restored from an older state no longer holds).
 
-Three positions:
+Four positions:
 
 - ``ackable``: end LSN of the last complete transaction the slot may move to
   once Redis holds everything before it;
 - ``durable``: what Redis confirmed holding (every entry up to there appended);
-- ``recorded``: what Redis records in the flushed key.
+- ``recorded``: what Redis records in the flushed key;
+- ``verified``: the last position received before the last catalog reading that
+  vouched for every mapped table started.
 
 Pure: decisions only; the loop does the writing and the telling.
 """
@@ -30,14 +34,25 @@ __all__ = ["Acknowledger"]
 
 
 class Acknowledger:
-    __slots__ = ("ackable", "durable", "recorded")
+    __slots__ = ("ackable", "durable", "recorded", "verified")
 
     def __init__(self, durable: Lsn = Lsn(0)) -> None:
-        self.ackable = self.durable = self.recorded = durable
+        self.ackable = self.durable = self.recorded = self.verified = durable
 
-    def resume(self, held: Lsn) -> None:
-        """A new session starts from `held`, the record Redis holds now (read after the loss check)."""
+    def resume(self, held: Lsn, confirmed: Lsn | None = None) -> None:
+        """A new session starts from `held`, the record Redis holds now (read after the loss check), with
+        the slot at `confirmed`: nothing past that is vouched for until the gate's first reading."""
         self.ackable = self.durable = self.recorded = held
+        self.verified = held if confirmed is None else min(held, confirmed)
+
+    def received(self) -> Lsn:
+        """The position the gate vouches for if the catalog reading it starts now passes."""
+        return self.ackable
+
+    def vouched(self, lsn: Lsn) -> None:
+        """A catalog reading that started after `lsn` was received passed."""
+        if lsn > self.verified:
+            self.verified = lsn
 
     def committed(self, end_lsn: Lsn, window_open: bool, nothing_unsent: bool) -> None:
         """A transaction ended at `end_lsn`; `nothing_unsent`: no entry pending nor in flight."""
@@ -78,5 +93,5 @@ class Acknowledger:
 
     @property
     def acked(self) -> Lsn:
-        """What the slot may be told: durable and recorded."""
-        return min(self.durable, self.recorded)
+        """What the slot may be told: durable, recorded, and vouched for by the gate."""
+        return min(self.durable, self.recorded, self.verified)

@@ -45,6 +45,7 @@ from .backfill import BackfillDriver
 from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
+from .gate import TableGate
 from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, redis_record
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
@@ -76,6 +77,7 @@ class Bridge:
         batch = settings.batch
         self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0)
         self.ack = Acknowledger()
+        self.gate = TableGate(settings.postgres.slot, settings.postgres.publication, self.mappings)
         self.backoff = Backoff()
         self._stale_pid = 0  # backend of a failed session's replication connection, maybe still holding the slot
         self.catalog = TypeCatalog()
@@ -194,7 +196,8 @@ class Bridge:
         r.histogram("cdc_publish_seconds", "time from sending a batch to Redis confirming it", self.publish_seconds)
         r.histogram("cdc_commit_to_publish_seconds", "time from a transaction's commit to Redis confirming it",
                     self.commit_lag_seconds)
-        r.gauge("cdc_confirmed_flush_lsn", "position acknowledged to the slot (bytes)", lambda: int(self.durable_lsn))
+        r.gauge("cdc_confirmed_flush_lsn", "position acknowledged to the slot (bytes): Redis holds it and the ack gate vouched for it",
+                lambda: int(self.ack.acked))
         r.gauge("cdc_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed one",
                 lambda: self.slot_watch.health.lag_bytes)
         r.gauge("cdc_retained_wal_bytes", "WAL the slot keeps on the server's disk",
@@ -279,13 +282,14 @@ class Bridge:
             except redis.RedisError as exc:
                 raise TransientError(f"redis unavailable: {exc}") from exc
             publisher.replicated()  # the record a session starts from must be on the replicas too
+            self.start_gate(catalog_conn, client, health.confirmed_lsn)
             self._release_stale_walsender(catalog_conn)
             try:
                 # logical messages carry backfill watermarks too
                 stream.start(0, messages=True, streaming=pgs.streaming)
                 self.state = "streaming"
                 self.backoff.streaming(time.monotonic())
-                self._stream(Session(self, stream, publisher, catalog_conn, held))
+                self._stream(Session(self, stream, publisher, catalog_conn, held, health.confirmed_lsn))
             except Exception:
                 # over a connection that went silent, the server still sees our walsender holding the
                 # slot (until its wal_sender_timeout); the next session ends it
@@ -341,6 +345,27 @@ class Bridge:
             report(reply=True)  # keeps the replication connection alive
             self._sleep(min(0.5, status_interval))
         self.state = "streaming"
+
+    def start_gate(self, catalog_conn: psycopg.Connection, client, confirmed: Lsn) -> None:
+        """The ack gate's first reading, before streaming: tables re-created, renamed or unpublished while
+        the bridge was stopped stop it here (see `cdc.bridge.gate`)."""
+        try:
+            with self._bounded(catalog_conn, "checking the mapped tables"):
+                self.gate.start(catalog_conn, client, confirmed)
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc, role=catalog_conn.info.user) from exc
+        except redis.RedisError as exc:
+            raise TransientError(f"redis unavailable: {exc}") from exc
+
+    def verify_tables(self, catalog_conn: psycopg.Connection) -> None:
+        """One reading of the ack gate; raises what stops the bridge (exit 4) when it does not vouch."""
+        try:
+            with self._bounded(catalog_conn, "checking the mapped tables"):
+                self.gate.verify(catalog_conn)
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc, role=catalog_conn.info.user) from exc
+        except redis.RedisError as exc:
+            raise TransientError(f"redis unavailable: {exc}") from exc
 
     def check_slot(self, catalog_conn: psycopg.Connection) -> SlotHealth:
         try:
@@ -423,6 +448,7 @@ class Bridge:
             # Publish what came before the failure so a fixed restart resumes right there.
             try:
                 session.flush(wait=True)
+                session.verify()
                 session.report()
             except CdcError:
                 pass

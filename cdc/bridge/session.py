@@ -6,7 +6,8 @@ The loop reads a message, hands it to its stage, and sends the batch when due:
 - `route_row` and friends (changes.py) project each change and pack its entry;
 - `Batcher` (batcher.py) holds the entries and says when they are due;
 - `InFlight` (inflight.py) sends one batch while the next is decoded;
-- `Acknowledger` (ack.py) decides what the slot may be told.
+- `Acknowledger` (ack.py) decides what the slot may be told, up to what the
+  ack gate (gate.py) vouched for on reading the catalog every status interval.
 
 The state of a session lives in those objects and in `Timers`; the `Bridge`
 (loop.py) keeps what outlives a session (counters, the acknowledged position).
@@ -59,10 +60,11 @@ _GUARD_INTERVAL_S = 0.5
 class Timers:
     """When the loop next does each periodic thing, and when the server was last heard (monotonic s)."""
 
-    __slots__ = ("status", "poll", "guard", "slot_check", "heartbeat", "trim", "heard")
+    __slots__ = ("status", "poll", "guard", "slot_check", "heartbeat", "trim", "heard", "verify")
 
     def __init__(self, now: float, slot_check_s: float, heartbeat_s: float, trim_s: float) -> None:
         self.status = self.heard = now
+        self.verify = 0.0
         self.poll = self.guard = 0.0
         self.slot_check = now + slot_check_s
         self.heartbeat = now + heartbeat_s if heartbeat_s else float("inf")
@@ -73,7 +75,7 @@ class Session:
     """Streams one replication connection into Redis until stopped, caught up or failed."""
 
     def __init__(self, bridge: Bridge, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection,
-                 held: Lsn) -> None:
+                 held: Lsn, confirmed: Lsn | None = None) -> None:
         settings = bridge.settings
         self.bridge = bridge
         self.stream = stream
@@ -90,7 +92,8 @@ class Session:
         self.tx = Transaction()
         self.inflight = InFlight(publisher)
         self.ack = bridge.ack
-        self.ack.resume(held)  # what Redis records now, not what an earlier session remembered
+        self.ack.resume(held, confirmed)  # what Redis records now, not what an earlier session remembered
+        self.gate = bridge.gate
         self.windows = Windows()  # open backfill watermark windows
         self.streams = bridge.streams  # transactions the server streams while they run, held until they end
         self.backfill = BackfillDriver(settings.postgres.slot, bridge.mappings, settings.batch.backfill_chunk_rows)
@@ -176,6 +179,7 @@ class Session:
                 self.report()
         # stopping: finish the batch, acknowledge
         self.flush(wait=True)
+        self.verify()
         self.report()
         log.info("stopped at %s", self.ack.durable)
 
@@ -190,6 +194,8 @@ class Session:
         elif kind == _COMMIT:
             self.committed(self.tx.commit(msg))
         elif kind == _RELATION:
+            tx = self.tx
+            self.gate.relation(msg.relid, msg.namespace, msg.name, int(tx.lsn) if tx.open else int(self.ack.ackable))
             self.targets[msg.relid] = self.bridge.bind(msg, self.conn, self.batcher)
         elif kind == _TRUNCATE:
             self.bridge.changes_read += 1
@@ -279,6 +285,7 @@ class Session:
             backfill = self.backfill
             if self.ack.durable >= bridge.target_lsn and (backfill.idle or backfill.disabled) \
                     and backfill.waiting_for is None and not self.windows.open:
+                self.verify()
                 self.report()
                 log.info("caught up at %s", self.ack.durable)
                 return True
@@ -327,13 +334,23 @@ class Session:
         self.stream.send_status(acked, acked, acked, reply)
         self.timers.status = time.monotonic() + self.status_interval
 
+    def verify(self) -> None:
+        """The ack gate: read the catalog; if it vouches for every mapped table, the slot may move up to
+        what was received before the reading started (see `cdc.bridge.gate`); else the bridge stops."""
+        received = self.ack.received()
+        self.bridge.verify_tables(self.conn)
+        self.ack.vouched(received)
+        self.timers.verify = time.monotonic() + self.status_interval
+
     # -- guardrails and backfills -----------------------------------------------------------
 
     def guard(self, now: float) -> None:
-        """Between messages: Redis memory, slot health, heartbeats, trimming, each when due."""
+        """Between messages: the ack gate, Redis memory, slot health, heartbeats, trimming, each when due."""
         bridge, t = self.bridge, self.timers
         t.guard = now + _GUARD_INTERVAL_S
         bridge.last_heard = t.heard
+        if now >= t.verify:
+            self.verify()
         if bridge.memory is not None and bridge.memory_paused():
             # hold what is queued (a batch at most); send nothing more until Redis has room
             self.settle()

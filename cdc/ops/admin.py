@@ -16,9 +16,10 @@ import redis
 from ..bridge.backfill import enqueue, ensure_table
 from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_data_loss
 from ..source.catalog import load_types, table_shape
+from ..source.coverage import Publication, identity_problem, read_coverage, read_publication
 from ..config import Settings
 from .. import keys
-from ..errors import MappingError, SourceError
+from ..errors import MappingError, SlotError, SourceError
 from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..sink.redisconn import connect_redis
@@ -52,6 +53,57 @@ def _tables(mappings: Sequence[Mapping]) -> list[tuple[str, str]]:
     return sorted({m.table for m in mappings if m.table is not None})
 
 
+def _qualified(tables: Sequence[tuple[str, str]]) -> str:
+    return ", ".join(f"{quote_ident(s)}.{quote_ident(t)}" for s, t in tables)
+
+
+def _publication(conn: psycopg.Connection, name: str, tables: list[tuple[str, str]], done: list[str]) -> None:
+    """Make the publication cover every mapped table under its own name; idempotent.
+
+    Refuses, before changing anything, a table the publication would make refuse the application's
+    UPDATE and DELETE (no usable replica identity). Partitioned tables are published as themselves
+    (``publish_via_partition_root``), every partition present and future; a table already a member is
+    never added again (covered or not, ADD TABLE would fail).
+    """
+    pub = read_publication(conn, name)
+    coverage = read_coverage(conn, name, tables)
+    missing = [c.qualified for c in coverage.values() if c.oid is None]
+    if missing:
+        raise MappingError(f"mapped table {missing[0]} does not exist", hint="create it first, or fix the mapping's table")
+    would = pub if pub.exists else Publication(name, exists=True)  # a new one publishes updates and deletes
+    for c in coverage.values():
+        problem = identity_problem(c, would)
+        if problem is not None:
+            raise SourceError(f"{problem.message}; nothing was changed", hint=f"{problem.hint}, then cdc init again")
+    quoted = quote_ident(name)
+    if not pub.exists:
+        target = f" FOR TABLE {_qualified(tables)}" if tables else ""
+        conn.execute(f"CREATE PUBLICATION {quoted}{target} WITH (publish_via_partition_root = true)")
+        done.append(f"created publication {name} for {len(tables)} table(s), partitioned ones under their own name")
+    else:
+        if not pub.via_root:
+            conn.execute(f"ALTER PUBLICATION {quoted} SET (publish_via_partition_root = true)")
+            done.append(f"publication {name} now publishes partitioned tables under their own name")
+        add = [t for t, c in coverage.items() if not c.covered and not c.member]
+        if pub.all_tables:
+            done.append(f"publication {name} already publishes all tables")
+        elif add:
+            conn.execute(f"ALTER PUBLICATION {quoted} ADD TABLE {_qualified(add)}")
+            done.append(f"added {len(add)} table(s) to publication {name}")
+        else:
+            done.append(f"publication {name} already covers the mapped tables")
+    pub, coverage = read_publication(conn, name), read_coverage(conn, name, tables)
+    for c in coverage.values():
+        if c.covered:
+            continue
+        if c.member:  # a member that publishes nothing under its name: a partition of a published parent
+            raise SlotError(
+                f"table {c.qualified} is in publication {name!r} but its changes are published as those of its "
+                "partitioned parent (publish_via_partition_root)", hint="map the parent table instead of the partition")
+        raise SlotError(f"table {c.qualified} is still not published by publication {name!r} (PostgreSQL never "
+                        "publishes an unlogged table)", hint=f"run: ALTER TABLE {c.qualified} SET LOGGED, then cdc init again")
+
+
 def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     """Create the publication (for the mapped tables) and the slot; return what was done."""
     done: list[str] = []
@@ -59,34 +111,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     with connect(settings) as conn:
         try:
             _wal_level(conn)
-            tables = _tables(mappings)
-            missing = [f"{s}.{t}" for s, t in tables if table_shape(conn, s, t) is None]
-            if missing:
-                raise MappingError(f"mapped table {missing[0]} does not exist", hint="create it first, or fix the mapping's table")
-            published = {
-                (r[0], r[1])
-                for r in conn.execute("SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (pgs.publication,))
-            }
-            exists = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (pgs.publication,)).fetchone()
-            names = ", ".join(f"{quote_ident(s)}.{quote_ident(t)}" for s, t in tables)
-            if exists is None:
-                if tables:
-                    conn.execute(f"CREATE PUBLICATION {quote_ident(pgs.publication)} FOR TABLE {names}")
-                else:
-                    conn.execute(f"CREATE PUBLICATION {quote_ident(pgs.publication)}")
-                done.append(f"created publication {pgs.publication} for {len(tables)} table(s)")
-            elif not exists[0]:
-                add = [(s, t) for s, t in tables if (s, t) not in published]
-                if add:
-                    conn.execute(
-                        f"ALTER PUBLICATION {quote_ident(pgs.publication)} ADD TABLE "
-                        + ", ".join(f"{quote_ident(s)}.{quote_ident(t)}" for s, t in add)
-                    )
-                    done.append(f"added {len(add)} table(s) to publication {pgs.publication}")
-                else:
-                    done.append(f"publication {pgs.publication} already covers the mapped tables")
-            else:
-                done.append(f"publication {pgs.publication} already publishes all tables")
+            _publication(conn, pgs.publication, _tables(mappings), done)
             ensure_table(conn)
             slot = conn.execute(
                 "SELECT plugin, confirmed_flush_lsn::text, wal_status FROM pg_replication_slots WHERE slot_name = %s",

@@ -5,7 +5,9 @@ at start or at its first change is found here first, without changing anything:
 
 - PostgreSQL: wal_level, the role's REPLICATION attribute, USAGE and SELECT on every
   mapped table, each mapping bound to the live table with the stream's own code, the
-  publication and the slot, what snapshots and backfills need (`cdc_backfills` and its
+  publication (covering each mapped table under its name, each with a replica identity that
+  carries updates and deletes) and the slot, the tables cdc run bound before (same OIDs and
+  partitions, `cdc.bridge.gate`), what snapshots and backfills need (`cdc_backfills` and its
   grants, `pg_logical_emit_message`);
 - Redis: reachable, the login, and the ACL's verdict on every command the bridge and
   consumers send, with the keys they send it to, asked with ``ACL DRYRUN`` (Redis 7),
@@ -28,12 +30,14 @@ import redis
 
 from .. import keys
 from ..config import Settings
+from ..bridge.gate import TableGate
 from ..bridge.guards import check_redis_has_flushed, invalidated_slot_error, missing_slot_error, redis_record
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..sink.redisconn import connect_redis
 from ..source.lsn import Lsn
+from ..source.coverage import Publication, identity_problem, publication_problem, read_coverage, read_publication
 from ..source.privileges import BACKFILL_GRANTS
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
@@ -60,9 +64,33 @@ def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
     report = CheckReport()
     confirmed = _check_postgres(settings, mappings, report)
     _check_redis(settings, mappings, report, confirmed)
+    _check_bound_tables(settings, mappings, report)
     _check_http(settings, report)
     _check_spill(settings, report)
     return report
+
+
+def _check_bound_tables(settings: Settings, mappings: Sequence[Mapping], report: CheckReport) -> None:
+    """cdc run refuses to start when a table it bound was dropped and re-created, renamed, or lost or gained
+    partitions holding rows while it was stopped (see cdc.bridge.gate)."""
+    gate = TableGate(settings.postgres.slot, settings.postgres.publication, mappings)
+    if not gate.tables:
+        return
+    try:
+        conn = connect(settings)
+        client = connect_redis(settings.redis)
+    except CdcError:
+        return  # reported by the checks of each server
+    try:
+        with conn:
+            problems = gate.recorded_problems(conn, client)
+        report.problems.extend(problems)
+        if not problems:
+            report.ok.append("the mapped tables are the ones cdc run bound (same OIDs and partitions)")
+    except (psycopg.Error, redis.RedisError):
+        pass  # reported by the checks of each server
+    finally:
+        client.close()
 
 
 def _check_spill(settings: Settings, report: CheckReport) -> None:
@@ -172,15 +200,23 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
                                 report: CheckReport) -> None:
     pgs = settings.postgres
     init = "run: cdc init --config <file> (as the tables' owner)"
-    pub = conn.execute("SELECT puballtables FROM pg_publication WHERE pubname = %s", (pgs.publication,)).fetchone()
-    if pub is None:
+    pub = read_publication(conn, pgs.publication)
+    if not pub.exists:
         report.problems.append(SlotError(f"publication {pgs.publication!r} does not exist", hint=init))
-    elif not pub[0]:
-        published = {tuple(r) for r in conn.execute(
-            "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (pgs.publication,))}
-        for s, t in _tables(mappings):
-            if (s, t) not in published:
-                report.problems.append(SlotError(f"table {s}.{t} is not in publication {pgs.publication!r}", hint=init))
+    # a publication cdc init would create publishes updates and deletes
+    would = pub if pub.exists else Publication(pgs.publication, exists=True)
+    for c in read_coverage(conn, pgs.publication, _tables(mappings)).values():
+        if c.oid is None:
+            continue  # binding the mapping reported it
+        problem = identity_problem(c, would)
+        if problem is not None:
+            report.problems.append(problem)
+        problem = publication_problem(c, pub, init) if pub.exists else None
+        if problem is not None:
+            report.problems.append(problem)
+        elif pub.exists:
+            report.ok.append(f"publication {pgs.publication} covers {c.qualified}"
+                             + (" and every partition of it" if c.partitioned else ""))
     slot = conn.execute("SELECT plugin, wal_status FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
     held = _redis_held(settings) if slot is None else None
     if slot is None and held is None:  # a new deployment
@@ -254,6 +290,8 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc run", ("HSET", keys.bridge_state_key(settings.postgres.slot), "f", "v")),
         ("cdc run", ("HDEL", keys.bridge_state_key(settings.postgres.slot), "f")),
         ("cdc status", ("HGETALL", keys.bridge_state_key(settings.postgres.slot))),
+        ("cdc run", ("HGETALL", keys.bound_tables_key(settings.postgres.slot))),
+        ("cdc run", ("HSET", keys.bound_tables_key(settings.postgres.slot), "f", "v")),
     ]
     if settings.redis.append == "transaction":  # appends: MULTI/EXEC under WATCH of the marks and the record
         probes += [("cdc run", ("MULTI",)), ("cdc run", ("EXEC",)), ("cdc run", ("WATCH", flushed)),

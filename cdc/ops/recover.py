@@ -33,6 +33,7 @@ from psycopg import sql
 
 from .. import keys
 from ..bridge.backfill import supersede
+from ..bridge.gate import record_current
 from ..bridge.guards import clear_data_loss, invalidated_slot_error
 from ..commands import redis_for
 from ..config import Settings
@@ -241,6 +242,8 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                     for backfill_id, entity in supersede(conn, slot, rebuilt, f"superseded by cdc recover at {snap.position}"):
                         say(f"backfill {backfill_id} of {entity}: superseded (the rebuild holds every row)")
                     publisher.record_flushed(confirmed)
+                    # the streams replay to the tables as they are now: bind them from the snapshot on
+                    record_current(conn, client, slot, [m.table for m in mappings if m.table], snap.position)
                 finally:
                     publisher.close()
             clear_data_loss(client, slot)

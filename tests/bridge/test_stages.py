@@ -236,6 +236,7 @@ def test_a_failed_confirmation_leaves_the_batch_in_flight():
 
 def test_the_slot_never_moves_past_what_redis_confirmed():
     ack = Acknowledger(Lsn(100))
+    ack.vouched(Lsn(10**9))  # the gate vouches for everything here
     ack.committed(Lsn(200), window_open=False, nothing_unsent=False)
     assert ack.ackable == 200 and ack.durable == 100 and ack.acked == 100
     ack.confirmed(Lsn(200))
@@ -262,6 +263,7 @@ def test_the_slot_never_moves_inside_an_open_backfill_window():
 
 def test_a_keepalive_moves_the_slot_only_when_nothing_of_ours_is_before_it():
     ack = Acknowledger(Lsn(100))
+    ack.vouched(Lsn(10**9))  # the gate vouches for everything here
     ack.keepalive(50, quiet=True)
     assert ack.durable == 100, "never backwards"
     ack.keepalive(900, quiet=True)
@@ -269,6 +271,21 @@ def test_a_keepalive_moves_the_slot_only_when_nothing_of_ours_is_before_it():
     ack.confirmed(Lsn(500))
     assert ack.durable == 900 and ack.recorded == 500, "a late confirmation moves nothing back"
     assert ack.acked == 500, "durable by a keepalive, but not recorded yet: not told"
+
+
+def test_the_slot_never_moves_past_what_the_gate_vouched_for():
+    ack = Acknowledger(Lsn(100))
+    ack.resume(Lsn(400), confirmed=Lsn(300))  # Redis records 400, the slot is at 300
+    assert ack.acked == 300, "what Redis recorded past the slot is not vouched for yet"
+    ack.committed(Lsn(500), window_open=False, nothing_unsent=True)
+    received = ack.received()  # a catalog reading starts
+    ack.committed(Lsn(600), window_open=False, nothing_unsent=True)
+    ack.record(Lsn(600))
+    assert ack.durable == 600 and ack.acked == 300, "durable and recorded, but no reading passed yet"
+    ack.vouched(received)
+    assert ack.acked == 500, "only what was received before the reading started"
+    ack.vouched(Lsn(200))
+    assert ack.acked == 500, "never backwards"
 
 
 def test_a_new_session_starts_from_what_redis_records_not_from_memory():

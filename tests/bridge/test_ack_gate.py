@@ -1,0 +1,331 @@
+"""The ack gate: a change of a mapped table the bridge could not see never lets the slot move past it.
+
+Against real PostgreSQL and Redis: partitioned tables mapped by their parent, tables dropped
+and re-created (while the bridge runs, and while it is stopped), renamed, moved to another
+schema, and replica identities that cannot carry updates.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cdc.bridge.gate import Bound, TableGate
+from cdc.demo.local import wait_for
+from cdc.errors import SlotError
+from cdc.mapping.model import parse_mapping
+from cdc.source.lsn import Lsn
+from cdc.yamlsrc import load_yaml_documents
+from conftest import read_stream
+
+pytestmark = pytest.mark.integration
+
+RIDES = """
+CREATE TABLE public.rides (
+    id          bigint PRIMARY KEY,
+    rider_id    bigint NOT NULL,
+    distance_m  numeric(12, 3) NOT NULL,
+    status      text NOT NULL DEFAULT 'done',
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    internal_note text
+);
+ALTER TABLE public.rides REPLICA IDENTITY FULL;
+"""
+
+MEAS = """
+CREATE TABLE public.meas (id bigint NOT NULL, at date NOT NULL, v int, PRIMARY KEY (id, at)) PARTITION BY RANGE (at);
+CREATE TABLE public.meas_2025 PARTITION OF public.meas FOR VALUES FROM ('2025-01-01') TO ('2026-01-01');
+CREATE TABLE public.meas_2026 PARTITION OF public.meas FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
+"""
+
+
+def error_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.startswith("cdc: error:")]
+    assert len(lines) == 1, text
+    assert "Traceback" not in text
+    return lines[0]
+
+
+def replayed(client, stream: str) -> dict:
+    """What a consumer replaying `stream` from its start holds: key -> data."""
+    state = {}
+    for e in read_stream(client, stream):
+        key = tuple(sorted(e["key"].items()))
+        if e["op"] in ("c", "u", "r"):
+            state[key] = e["data"]
+        elif e["op"] == "d":
+            state.pop(key, None)
+    return state
+
+
+def rides_now(env) -> dict:
+    rows = env.execute("SELECT id, distance_m::text, rider_id FROM rides")
+    return {(("id", i),): {"id": i, "distance": d, "rider": r} for i, d, r in rows}
+
+
+@pytest.fixture
+def rides(env):
+    env.execute(RIDES)
+    env.copy_mappings("ride.yaml")
+    env.cdc("init", check=True)
+    return env
+
+
+def lsn_now(env) -> int:
+    return env.current_wal()
+
+
+def recreate(env) -> int:
+    """Drop and re-create rides in one transaction; the WAL position before it."""
+    before = lsn_now(env)
+    env.execute("BEGIN; DROP TABLE rides; " + RIDES + " COMMIT;")
+    return before
+
+
+def test_a_table_dropped_and_recreated_while_running_stops_the_bridge_and_recover_repairs_it(rides):
+    rides.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = rides.start_bridge()
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1, g FROM generate_series(1, 5) g")
+    wait_for(lambda: rides.redis.xlen("cdc:ride") == 5, 30, "the first rows")
+    drop = recreate(rides)
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT g, 2, g FROM generate_series(3, 8) g")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert "mapped table public.rides was dropped and re-created" in line, line
+    assert "cdc init, then cdc recover" in line
+    assert rides.confirmed_flush() <= drop, "the slot moved past the drop"
+    assert rides.redis.xlen("cdc:ride") == 5, "nothing of the new table reached the stream"
+
+    # a restart refuses too, and so does cdc check
+    result = rides.cdc("run", "--until-caught-up")
+    assert result.returncode == 4 and "dropped and re-created" in error_line(result.stderr)
+    check = rides.cdc("check")
+    assert check.returncode == 4 and "dropped and re-created" in check.stderr
+    assert rides.confirmed_flush() <= drop
+
+    # the fix the error names
+    rides.cdc("init", check=True)
+    rides.cdc("recover", check=True)
+    rides.execute("UPDATE rides SET distance_m = 100 WHERE id = 4; DELETE FROM rides WHERE id = 8; "
+                  "INSERT INTO rides (id, rider_id, distance_m) VALUES (20, 3, 20)")
+    rides.cdc("run", "--until-caught-up", check=True)
+    assert replayed(rides.redis, "cdc:ride") == rides_now(rides)
+    assert rides.cdc("check").returncode == 0
+
+
+def test_a_table_recreated_while_the_bridge_is_stopped_is_refused_at_start(rides):
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1, g FROM generate_series(1, 3) g")
+    rides.cdc("run", "--until-caught-up", check=True)
+    slot_before = rides.confirmed_flush()
+    drop = recreate(rides)
+    rides.cdc("init", check=True)  # even published again: its rows before that were never decoded
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT g, 2, g FROM generate_series(2, 6) g")
+    result = rides.cdc("run", "--until-caught-up")
+    assert result.returncode == 4
+    line = error_line(result.stderr)
+    assert "was dropped and re-created" in line and "cdc recover" in line
+    assert slot_before <= rides.confirmed_flush() <= drop
+    rides.cdc("recover", check=True)
+    rides.cdc("run", "--until-caught-up", check=True)
+    assert replayed(rides.redis, "cdc:ride") == rides_now(rides)
+
+
+@pytest.mark.parametrize("change, says", [
+    ("ALTER PUBLICATION cdc DROP TABLE rides", "table public.rides is not in publication 'cdc'"),
+    ("DROP TABLE rides", "was dropped: its changes since are not in the stream"),
+])
+def test_a_table_leaving_the_publication_or_dropped_while_running_holds_the_slot(rides, change, says):
+    rides.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = rides.start_bridge()
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1)")
+    wait_for(lambda: rides.redis.xlen("cdc:ride") == 1, 30, "the first row")
+    before = lsn_now(rides)
+    rides.execute(change)
+    if "DROP TABLE" not in change:
+        rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (2, 1, 2); DELETE FROM rides WHERE id = 1")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert says in line and "cdc init, then cdc recover" in line, line
+    assert rides.confirmed_flush() <= before
+    if "DROP TABLE" in change:
+        return
+    rides.cdc("init", check=True)
+    rides.cdc("recover", check=True)
+    rides.cdc("run", "--until-caught-up", check=True)
+    assert replayed(rides.redis, "cdc:ride") == rides_now(rides) == {(("id", 2),): {"id": 2, "distance": "2.000", "rider": 1}}
+
+
+@pytest.mark.parametrize("change, now", [
+    ("ALTER TABLE rides RENAME TO rides_old", "public.rides_old"),
+    ("CREATE SCHEMA archive; ALTER TABLE rides SET SCHEMA archive", "archive.rides"),
+])
+def test_a_table_renamed_or_moved_while_running_stops_the_bridge(rides, change, now):
+    rides.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = rides.start_bridge()
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1)")
+    wait_for(lambda: rides.redis.xlen("cdc:ride") == 1, 30, "the first row")
+    before = lsn_now(rides)
+    rides.execute(change)
+    rides.execute(f"INSERT INTO {now} (id, rider_id, distance_m) VALUES (2, 1, 2)")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    # the gate's reading or the Relation message naming it, whichever comes first
+    assert "mapped table public.rides (OID" in line and "was renamed or moved" in line and now in line, line
+    assert "cdc recover" in line
+    assert rides.confirmed_flush() <= before
+
+
+def test_init_refuses_a_table_whose_replica_identity_cannot_carry_updates(env):
+    env.execute(RIDES + "ALTER TABLE rides REPLICA IDENTITY NOTHING;")
+    env.copy_mappings("ride.yaml")
+    result = env.cdc("init")
+    assert result.returncode == 4
+    line = error_line(result.stderr)
+    assert "REPLICA IDENTITY NOTHING" in line and "run: ALTER TABLE public.rides REPLICA IDENTITY FULL" in line, line
+    assert env.execute("SELECT count(*) FROM pg_publication")[0][0] == 0, "nothing created"
+    assert env.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (env.slot,))[0][0] == 0
+    check = env.cdc("check")
+    assert check.returncode in (3, 4), check.stderr  # 3: the mapping's deletes cannot carry its key either
+    assert "problem: table public.rides has REPLICA IDENTITY NOTHING" in check.stderr, check.stderr
+    assert "ALTER TABLE public.rides REPLICA IDENTITY FULL" in check.stderr
+
+    env.execute("ALTER TABLE rides REPLICA IDENTITY DEFAULT; ALTER TABLE rides DROP CONSTRAINT rides_pkey")
+    result = env.cdc("init")
+    assert result.returncode == 4 and "no primary key" in error_line(result.stderr)
+
+    env.execute("ALTER TABLE rides ADD PRIMARY KEY (id)")
+    env.cdc("init", check=True)
+    # changed while the bridge runs: the gate stops it
+    env.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = env.start_bridge()
+    env.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1)")
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 1, 30, "the first row")
+    env.execute("ALTER TABLE rides REPLICA IDENTITY NOTHING")
+    assert proc.wait(30) == 4
+    assert "REPLICA IDENTITY NOTHING" in error_line(proc.log_path.read_text())
+
+
+@pytest.fixture
+def meas(env):
+    env.execute(MEAS)
+    env.write_mapping("meas.yaml", "entity: meas\ntable: public.meas\nkey: [id, at]\nfields: {id: id, at: at, v: v}\n")
+    env.write_config("batch: {status_interval_s: 0.2}\n")
+    return env
+
+
+def meas_now(env) -> dict:
+    return {(("at", str(a)), ("id", i)): {"id": i, "at": str(a), "v": v}
+            for i, a, v in env.execute("SELECT id, at, v FROM meas")}
+
+
+def test_a_partitioned_table_mapped_by_its_parent(meas):
+    first = meas.cdc("init", check=True)
+    second = meas.cdc("init", check=True)  # idempotent
+    assert "already covers the mapped tables" in second.stdout, second.stdout
+    assert meas.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = 'cdc'")[0][0] is True
+    assert meas.execute("SELECT tablename FROM pg_publication_tables WHERE pubname = 'cdc'") == [("meas",)]
+    assert meas.cdc("check").returncode == 0
+
+    proc = meas.start_bridge()
+    meas.execute("INSERT INTO meas VALUES (1, '2025-03-01', 1), (2, '2026-03-01', 2), (3, '2025-04-01', 3), "
+                 "(4, '2026-04-01', 4)")
+    meas.execute("UPDATE meas SET v = v * 10 WHERE id IN (1, 2)")
+    meas.execute("DELETE FROM meas WHERE id IN (3, 4)")
+    wait_for(lambda: meas.redis.xlen("cdc:meas") == 8, 30, "changes of both partitions")
+    assert [e["op"] for e in read_stream(meas.redis, "cdc:meas")] == ["c"] * 4 + ["u"] * 2 + ["d"] * 2
+
+    # a new partition, empty when it joins, then written to
+    meas.execute("CREATE TABLE meas_2027 PARTITION OF meas FOR VALUES FROM ('2027-01-01') TO ('2028-01-01')")
+    wait_for(lambda: "joined public.meas empty" in proc.log_path.read_text(), 30, "the gate to bind the partition")
+    meas.execute("INSERT INTO meas VALUES (5, '2027-02-01', 5)")
+    wait_for(lambda: meas.redis.xlen("cdc:meas") == 9, 30, "a change of the new partition")
+    assert replayed(meas.redis, "cdc:meas") == meas_now(meas)
+
+    # a partition leaves with its rows: no change says so
+    before = meas.current_wal()
+    meas.execute("ALTER TABLE meas DETACH PARTITION meas_2025")
+    meas.execute("INSERT INTO meas VALUES (6, '2026-05-01', 6)")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert "partition public.meas_2025 left mapped table public.meas" in line and "cdc recover" in line, line
+    assert meas.confirmed_flush() <= before
+    result = meas.cdc("run", "--until-caught-up")
+    assert result.returncode == 4 and "left mapped table" in result.stderr
+    meas.cdc("recover", check=True)
+    meas.cdc("run", "--until-caught-up", check=True)
+    assert replayed(meas.redis, "cdc:meas") == meas_now(meas)
+    assert meas.cdc("init").returncode == 0
+
+
+def test_a_partition_attached_holding_rows_stops_the_bridge_until_recover(meas):
+    meas.cdc("init", check=True)
+    proc = meas.start_bridge()
+    meas.execute("INSERT INTO meas VALUES (1, '2025-03-01', 1)")
+    wait_for(lambda: meas.redis.xlen("cdc:meas") == 1, 30, "the first change")
+    meas.execute("CREATE TABLE meas_2027 (LIKE meas INCLUDING ALL); INSERT INTO meas_2027 VALUES (7, '2027-02-01', 7)")
+    before = meas.current_wal()
+    meas.execute("ALTER TABLE meas ATTACH PARTITION meas_2027 FOR VALUES FROM ('2027-01-01') TO ('2028-01-01')")
+    meas.execute("INSERT INTO meas VALUES (8, '2027-03-01', 8)")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert "partition public.meas_2027 joined mapped table public.meas holding rows" in line and "cdc recover" in line
+    assert meas.confirmed_flush() <= before
+    meas.cdc("recover", check=True)
+    meas.cdc("run", "--until-caught-up", check=True)
+    assert replayed(meas.redis, "cdc:meas") == meas_now(meas)
+    assert len(meas_now(meas)) == 3
+
+
+def test_init_refuses_a_partition_mapped_while_its_parent_is_published(meas):
+    meas.cdc("init", check=True)
+    meas.write_mapping("part.yaml", "entity: part\ntable: public.meas_2025\nkey: [id, at]\nfields: {id: id, at: at}\n")
+    result = meas.cdc("init")
+    assert result.returncode == 4
+    line = error_line(result.stderr)
+    assert "published as those of its partitioned parent" in line and "map the parent table" in line, line
+    assert meas.cdc("init").returncode == 4, "the same answer again, not an error of PostgreSQL"
+
+
+@pytest.mark.parametrize("target", ["FOR TABLE meas", "FOR ALL TABLES"])
+def test_init_sets_publish_via_partition_root_on_an_existing_publication(meas, target):
+    meas.execute(f"CREATE PUBLICATION cdc {target}")  # partitions published as themselves
+    check = meas.cdc("check")
+    assert check.returncode == 4 and "lacks publish_via_partition_root" in check.stderr and "cdc init" in check.stderr
+    meas.cdc("init", check=True)
+    meas.cdc("init", check=True)
+    assert meas.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = 'cdc'")[0][0] is True
+    meas.execute("INSERT INTO meas VALUES (1, '2025-03-01', 1)")
+    meas.cdc("run", "--until-caught-up", check=True)
+    assert meas.redis.xlen("cdc:meas") == 1
+
+
+# -- the Relation rule, without servers ------------------------------------------------------------
+
+def gate_with(bound: dict) -> TableGate:
+    ride = parse_mapping(load_yaml_documents("entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id}\n",
+                                             "m.yaml")[0], {})
+    gate = TableGate("s", "p", [ride])
+    gate.bound = bound
+    gate._index()
+    return gate
+
+
+@pytest.mark.parametrize("relid, name, lsn, stops", [
+    (100, "rides", 5000, False),  # the table bound
+    (200, "rides", 5000, True),  # the name, another table: re-created
+    (200, "rides", 999, False),  # ... in a transaction before the binding: history a rebuild covers
+    (100, "rides_old", 5000, True),  # the table bound, under another name: renamed
+    (300, "other", 5000, False),  # not mapped
+])
+def test_a_relation_message_is_checked_against_the_tables_bound(relid, name, lsn, stops):
+    gate = gate_with({("public", "rides"): Bound(100, Lsn(1000), (100,))})
+    if stops:
+        with pytest.raises(SlotError):
+            gate.relation(relid, "public", name, lsn)
+    else:
+        gate.relation(relid, "public", name, lsn)
+
+
+def test_bound_tables_round_trip_through_their_record():
+    bound = Bound(16400, Lsn(123456), (16401, 16402))
+    assert Bound.decode(bound.encode()) == bound
+    assert Bound.decode(Bound(5, Lsn(0), ()).encode()) == Bound(5, Lsn(0), ())

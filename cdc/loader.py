@@ -84,10 +84,10 @@ def check_signature(func, parameters: Sequence[str], what: str) -> None:
     """Refuse (ConfigError) a `func` that cannot be called with len(`parameters`) positional arguments."""
     wanted = f"({', '.join(parameters)})"
     if not callable(func):
-        raise ConfigError(f"{what} is a {type(func).__name__}, not a function",
+        raise ConfigError(f"{what} is not callable (type {type(func).__name__})",
                           hint=f"name a function taking {wanted}")
     try:
-        signature = inspect.signature(func)
+        signature = inspect.signature(func).replace(return_annotation=inspect.Signature.empty)
     except (TypeError, ValueError):
         raise ConfigError(f"{what}: its signature cannot be read", hint=f"wrap it in a Python function {wanted}") from None
     try:

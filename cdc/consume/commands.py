@@ -116,7 +116,7 @@ def check_redis_acl(client, settings, mapping, log) -> None:
     if settings.redis.cluster:  # the nodes' ACLs are cdc check's to compare
         return
     report = CheckReport()
-    probes = [(who, command) for who, command in acl_probes(settings, [mapping]) if who == "consumers"]
+    probes = [("cdc consume", command) for who, command in acl_probes(settings, [mapping]) if who == "consumers"]
     _check_acl(client, _where(settings.redis.url), probes, report)
     for warning in report.warnings:
         log.info("%s", warning)

@@ -108,18 +108,20 @@ class StateConnection:
         """`exc` itself when it is the entry's fault or worth retrying (the connection dropped);
         the operator's fix (`setup_error`) when the setup is wrong."""
         verdict = whose(exc)
+        if verdict == SETUP:
+            error = self.setup_error(exc, self.conn.info.user if self.conn is not None else "")
+            self.forget()
+            return error
         if verdict == RETRY:
             self.forget()
-        if verdict == SETUP:
-            self.forget()
-            return self.setup_error(exc)
         return exc
 
-    def setup_error(self, exc: psycopg.Error) -> CdcError:
+    def setup_error(self, exc: psycopg.Error, role: str = "") -> CdcError:
         """What the operator must do about a database error that no entry caused (exit 4 or 2)."""
-        text = " ".join(str(exc).split()) or type(exc).__name__
+        lines = str(exc).strip().splitlines()
+        text = exc.diag.message_primary or (lines[0] if lines else type(exc).__name__)  # not the LINE/DETAIL lines
         if isinstance(exc, pgerrors.InsufficientPrivilege):
-            role = exc.pgconn.user.decode() if getattr(exc, "pgconn", None) is not None and exc.pgconn.user else "<role>"
+            role = role or "<role>"
             denied = _DENIED_TABLE.search(text)
             for table in self.state_tables():
                 if denied and _bare(denied[1]) == _bare(table.name):

@@ -9,6 +9,7 @@ a deleted one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import orjson
@@ -63,7 +64,7 @@ class TableSink(StateConnection):
             except psycopg.errors.InsufficientPrivilege as exc:
                 raise PrivilegeError(
                     f"table {self.name} does not exist and role {conn.info.user} may not create it {WHERE}",
-                    hint=f"run: GRANT CREATE ON SCHEMA {sql.Identifier(self.schema).as_string(conn)} TO {conn.info.user}, "
+                    hint=f"run: GRANT CREATE ON SCHEMA {_ident(self.schema)} TO {conn.info.user}, "
                          "or create the table as the owner (cdc.consume.table_sink has its definition)") from exc
 
     def __call__(self, entries: Sequence[Entry]) -> None:
@@ -84,3 +85,8 @@ class TableSink(StateConnection):
             if rows:
                 cur.executemany(upsert, rows)
         self.applied += len(entries)
+
+
+def _ident(name: str) -> str:
+    """`name` as SQL writes it: bare when it can be, else quoted."""
+    return name if re.fullmatch(r"[a-z_][a-z0-9_$]*", name) else '"' + name.replace('"', '""') + '"'

@@ -370,6 +370,9 @@ class Consumer:
         In exclusive mode a stream stops at its first failing entry, which is
         retried alone until it succeeds or is dead-lettered: later entries never
         overtake it, so ordered state and checkpoints stay exact.
+
+        Only a failure that is the entry's (`cdc.consume.failures.whose`) is counted; any
+        other error is raised to the caller with the batch left pending, to retry or stop.
         """
         try:
             handle(entries)

@@ -60,10 +60,11 @@ class StateConnection:
                 self.conn = psycopg.connect(self.dsn, autocommit=True)
                 self.on_connect(self.conn)
             except Exception as exc:
+                error = self._judged(exc) if isinstance(exc, psycopg.Error) else exc  # while the role is known
                 self.forget()
-                if isinstance(exc, psycopg.Error):
-                    raise self._judged(exc) from exc
-                raise
+                if error is exc:
+                    raise
+                raise error from exc
         return self.conn
 
     def check_setup(self) -> None:
@@ -84,8 +85,11 @@ class StateConnection:
                 if lacking:
                     grants.append(f"GRANT {', '.join(lacking)} ON TABLE {name} TO {role}")
         except psycopg.Error as exc:
+            error = self._judged(exc)
             self.forget()
-            raise self._judged(exc) from exc
+            if error is exc:
+                raise
+            raise error from exc
         if missing:
             raise SourceError(f"{', '.join(what for what, _ in missing)} {WHERE}",
                               hint="; ".join(dict.fromkeys(fix for _, fix in missing)))
@@ -102,7 +106,10 @@ class StateConnection:
             with conn.transaction():
                 yield conn
         except psycopg.Error as exc:
-            raise self._judged(exc) from exc
+            error = self._judged(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _judged(self, exc: psycopg.Error) -> BaseException:
         """`exc` itself when it is the entry's fault or worth retrying (the connection dropped);

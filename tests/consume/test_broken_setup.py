@@ -25,7 +25,6 @@ from cdc.consume.consumer import Consumer
 from cdc.consume.failures import ENTRY, RETRY, SETUP, whose
 from cdc.consume.table_sink import TableSink
 from cdc.demo.local import wait_for
-from cdc.demo.rocketrides import ride_totals
 from cdc.errors import ConfigError, PrivilegeError, SourceError, TransientError
 
 from conftest import ROOT, SQL

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     command("check", cmd_check, "validate the server and every mapping against the live schema")
     run = command("run", cmd_run, "stream changes into Redis until SIGTERM/SIGINT")
     run.add_argument("--until-caught-up", action="store_true", help="exit once everything committed before start is in Redis")
+    run.add_argument("--standby", action="store_true",
+                     help="when another bridge holds the slot, wait and take over once it is free (default: exit 75 "
+                          "naming the holder)")
     consume = command("consume", cmd_consume, "run a consumer of one entity's streams")
     _consume_options(consume)
     trim = command("trim", cmd_trim, "trim streams up to what every consumer group has consumed")

@@ -15,6 +15,7 @@ __all__ = ["cmd_run", "cmd_backfill"]
 
 def cmd_run(args: argparse.Namespace) -> int:
     from ..bridge.loop import Bridge
+    from ..bridge.slot_holder import wait_for_slot
 
     settings, mappings = load_config(args)
     bridge = Bridge(settings, mappings, until_caught_up=args.until_caught_up)
@@ -26,6 +27,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # before the metrics port is bound: a second bridge on the slot says so, or waits as the standby
+    wait_for_slot(settings.postgres.dsn, settings.postgres.slot, standby=args.standby, stopping=lambda: bridge.stopping)
+    if bridge.stopping:
+        return 0
     started = time.monotonic()
     log.info("bridge starting slot=%s entities=%s", settings.postgres.slot, ",".join(m.entity for m in mappings))
     bridge.run()

@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 import psycopg
 
 from .consumer import Fenced
+from ..loader import APPLY_PARAMETERS, check_signature
 from ..sink.entry import Entry
-from .statedb import StateConnection
+from .statedb import StateConnection, StateTable
 
 __all__ = ["TransactionalHandler", "Apply", "lock_checkpoints"]
 
@@ -38,6 +39,11 @@ UPDATE cdc_checkpoints SET entry_id = %s, lsn = %s, seq = %s, epoch = %s, update
 WHERE consumer = %s AND stream = %s
 """
 _REPLAYED = "INSERT INTO cdc_replays (consumer, replay_of) VALUES (%s, %s) ON CONFLICT DO NOTHING"
+#: what the queries above need (sql/20_consumer_state.sql creates both tables)
+STATE_TABLES = [
+    StateTable("cdc_checkpoints", ("SELECT", "INSERT", "UPDATE"), "apply sql/20_consumer_state.sql there (as the owner)"),
+    StateTable("cdc_replays", ("INSERT",), "apply sql/20_consumer_state.sql there (as the owner)"),
+]
 
 
 def lock_checkpoints(conn: psycopg.Connection, consumer: str, streams: list[str]) -> dict[str, tuple[str, tuple[int, int], int]]:
@@ -64,6 +70,7 @@ class TransactionalHandler(StateConnection):
         crash_before_commit: float = 0.0,
     ) -> None:
         super().__init__(dsn)
+        check_signature(apply, APPLY_PARAMETERS, f"the apply function of consumer {consumer}")
         self.consumer = consumer
         self.group = group or consumer
         self.apply = apply
@@ -74,6 +81,10 @@ class TransactionalHandler(StateConnection):
 
     def __repr__(self) -> str:
         return f"<TransactionalHandler {self.consumer} applied={self.applied} skipped={self.skipped}>"
+
+    def state_tables(self) -> list[StateTable]:
+        """The checkpoints and replays (the apply function's own tables are its business)."""
+        return STATE_TABLES
 
     def __call__(self, entries: Sequence[Entry]) -> None:
         streams = sorted({e.stream for e in entries})

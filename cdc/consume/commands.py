@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
+import time
 
 import orjson
 
 from .. import redact
 from ..cliargs import check_position, check_positive
 from ..commands import entity_named, load_config, redis_for
-from ..errors import UsageError
+from ..errors import PublishError, UsageError
 from ..loader import load_callable
+from .failures import RETRY, SETUP, whose
 
 __all__ = ["cmd_consume", "cmd_replay", "cmd_read", "cmd_dlq"]
 
@@ -22,7 +25,6 @@ __all__ = ["cmd_consume", "cmd_replay", "cmd_read", "cmd_dlq"]
 def cmd_consume(args: argparse.Namespace) -> int:
     import threading
 
-    import psycopg
     import redis
 
     from ..consume.consumer import Consumer
@@ -45,6 +47,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
         raise UsageError("--shared needs --sink: ordered, transactional state needs one consumer per stream")
     if args.sink is not None and not all(part.strip() for part in args.sink.split(".", 1)):
         raise UsageError(f"--sink {args.sink!r} is not a table name", hint="write it as schema.table, e.g. public.ride_mirror")
+    apply = load_callable(args.handler) if args.handler else None  # exit 2 before any server is asked
     state_dsn = args.state_dsn or settings.postgres.dsn
     log = logging.getLogger("cdc.consume.consumer")
     stop = threading.Event()
@@ -55,32 +58,85 @@ def cmd_consume(args: argparse.Namespace) -> int:
             client, mapping.stream_keys(), args.group, args.name, exclusive=not args.shared, count=args.count,
             claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries, lease_ttl_ms=args.lease_ttl_ms,
         )
-        if args.handler:
+        if apply is not None:
             from ..consume.checkpoint import TransactionalHandler
 
             handler = TransactionalHandler(
-                state_dsn, args.group, load_callable(args.handler), epoch_of=consumer.epoch,
+                state_dsn, args.group, apply, epoch_of=consumer.epoch,
                 crash_before_commit=float(os.environ.get("CDC_FAULT_CRASH_BEFORE_COMMIT", 0)),
             )
         else:
             from ..consume.table_sink import TableSink
 
             handler = TableSink(state_dsn, args.sink)
-        delay = 0.2
         try:
-            while not stop.is_set():
-                try:
-                    consumer.create_group(args.start)
-                    consumer.run(handler, stop)
-                except (redis.ConnectionError, redis.TimeoutError, psycopg.OperationalError) as exc:
-                    # a server restarting: what was not acknowledged comes back; retry with backoff
-                    log.warning("transient failure, retrying in %.1fs: %s", delay, exc)
-                    stop.wait(delay)
-                    delay = min(delay * 2, 5.0)
+            _consume(consumer, handler, settings, mapping, args.start, stop, log)
+        except redis.RedisError as exc:
+            raise redis_refusal(exc) if whose(exc) == SETUP and not isinstance(exc, redis.AuthenticationError) else exc
         finally:
             handler.close()
             log.info("consumer stopped %r %r", consumer, handler)
     return 0
+
+
+def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> None:
+    """Check the setup (Redis ACL, the state database and its grants), then consume until `stop`.
+
+    What is worth retrying (see `cdc.consume.failures`) is retried with the bridge's backoff, the
+    setup checked again first; anything else stops the consumer, its entries still pending."""
+    from ..bridge.backoff import Backoff
+
+    backoff = Backoff()
+    checked = False
+    while not stop.is_set():
+        done = consumer.acked + consumer.dead_lettered
+        backoff.streaming(time.monotonic())
+        try:
+            if not checked:
+                check_redis_acl(consumer.client, settings, mapping, log)
+                handler.check_setup()
+                checked = True
+            consumer.create_group(start)
+            consumer.run(handler, stop)
+        except Exception as exc:
+            if whose(exc) != RETRY:
+                raise
+            if consumer.acked + consumer.dead_lettered > done:
+                backoff.progressed()
+            delay = backoff.next(time.monotonic())
+            log.warning("transient failure, retrying in %.1fs: %s", delay, " ".join(str(exc).split()))
+            stop.wait(delay)
+
+
+def check_redis_acl(client, settings, mapping, log) -> None:
+    """Every command the consumer sends, asked of the ACL with ACL DRYRUN (as `cdc check` does):
+    a refused one stops it now (exit 5) rather than at its first entry."""
+    from ..ops.preflight import CheckReport, _check_acl, _where, acl_probes
+
+    if settings.redis.cluster:  # the nodes' ACLs are cdc check's to compare
+        return
+    report = CheckReport()
+    probes = [("cdc consume", command) for who, command in acl_probes(settings, [mapping]) if who == "consumers"]
+    _check_acl(client, _where(settings.redis.url), probes, report)
+    for warning in report.warnings:
+        log.info("%s", warning)
+    if report.problems:
+        first = report.problems[0]
+        more = f" (and {len(report.problems) - 1} more: cdc check lists them)" if len(report.problems) > 1 else ""
+        raise PublishError(first.message + more, hint=first.hint)
+
+
+def redis_refusal(exc) -> PublishError:
+    """Redis refused a consumer's command (not a server away): the fix, naming the command when the ACL did."""
+    text = " ".join(str(exc).split())
+    command = re.search(r"permissions to run the '([^']+)' command", text)
+    if command:
+        hint = f"add +{command[1]} to the redis user's ACL (deploy/redis/redis.conf lists what consumers send)"
+    elif "permissions to access" in text:
+        hint = "allow the keys ~cdc:* ~{cdc:* in the redis user's ACL (see deploy/redis/redis.conf)"
+    else:
+        hint = "check the redis user's ACL and the keys it may use"
+    return PublishError(f"redis refused a consumer's command: {text}", hint=hint)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

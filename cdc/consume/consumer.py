@@ -30,13 +30,14 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 
 import orjson
-import psycopg
 import redis
 from redis.exceptions import ResponseError
 
 from .. import keys
 from ..sink.entry import Entry, parse_entry, reply_text
 from ..errors import CdcError
+from ..loader import check_signature
+from .failures import ENTRY, whose
 from .lease import Lease
 
 __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
@@ -51,18 +52,6 @@ MAX_DELIVERIES = 5
 LEASE_TTL_MS = 2_000
 #: how often, at most, leases are renewed and free ones sought (and shared mode reaps)
 LEASE_POLL_S = 0.25
-
-
-def transient(exc: BaseException) -> bool:
-    """A server away (a lost Redis or PostgreSQL connection, a server shutting down) rather than the
-    handler failing on an entry: never counted against an entry. A query cancelled or a lock timeout
-    is the entry's failure."""
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-        return True
-    if isinstance(exc, psycopg.OperationalError):
-        state = exc.sqlstate or ""
-        return not state or state.startswith(("08", "57P"))
-    return False
 
 
 class Fenced(CdcError):
@@ -363,6 +352,7 @@ class Consumer:
 
         On stop the batch in hand is finished and acknowledged before returning.
         """
+        check_signature(handle, ("entries",), f"the handler of consumer {self.name}")
         stop = stop or threading.Event()
         log.info("consumer %s of group %s on %s", self.name, self.group, ", ".join(self.streams))
         try:
@@ -380,6 +370,9 @@ class Consumer:
         In exclusive mode a stream stops at its first failing entry, which is
         retried alone until it succeeds or is dead-lettered: later entries never
         overtake it, so ordered state and checkpoints stay exact.
+
+        Only a failure that is the entry's (`cdc.consume.failures.whose`) is counted; any
+        other error is raised to the caller with the batch left pending, to retry or stop.
         """
         try:
             handle(entries)
@@ -387,9 +380,9 @@ class Consumer:
             self._fenced(entries, exc)
             return
         except Exception as exc:
-            if transient(exc):
+            if whose(exc) != ENTRY:  # a server away or a broken setup is no failure of the entries
                 self._pending_phase.update(e.stream for e in entries)  # read them again after the retry
-                raise  # a server away is no failure of the entries
+                raise
             if len(entries) == 1:
                 self.fail(entries[0], exc)
                 log.warning("handler failed on %s %s: %s", entries[0].stream, entries[0].id, exc)
@@ -407,7 +400,7 @@ class Consumer:
                 self._fenced([e], exc)
                 blocked.add(e.stream)
             except Exception as exc:
-                if transient(exc):
+                if whose(exc) != ENTRY:
                     self._pending_phase.update(x.stream for x in entries)
                     raise
                 self.fail(e, exc)

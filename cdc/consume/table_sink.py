@@ -9,14 +9,16 @@ a deleted one.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import orjson
 import psycopg
 from psycopg import sql
 
+from ..errors import PrivilegeError
 from ..sink.entry import Entry
-from .statedb import StateConnection
+from .statedb import WHERE, StateConnection, StateTable
 
 __all__ = ["TableSink"]
 
@@ -45,11 +47,25 @@ class TableSink(StateConnection):
     def __init__(self, dsn: str, table: str) -> None:
         super().__init__(dsn)
         schema, _, name = table.rpartition(".")
-        self.table = sql.Identifier(schema or "public", name)
+        self.schema = schema or "public"
+        self.table = sql.Identifier(self.schema, name)
+        self.name = f"{self.schema}.{name}"
         self.applied = 0
 
+    def state_tables(self) -> list[StateTable]:
+        return [StateTable(self.name, ("SELECT", "INSERT", "UPDATE"), "the consumer creates it when allowed to")]
+
     def on_connect(self, conn: psycopg.Connection) -> None:
-        conn.execute(sql.SQL(_SCHEMA).format(table=self.table))
+        """Create the table if it is missing (only then: CREATE ... IF NOT EXISTS would need CREATE on the
+        schema even when the table exists)."""
+        if conn.execute("SELECT to_regclass(%s) IS NULL", (self.table.as_string(conn),)).fetchone()[0]:
+            try:
+                conn.execute(sql.SQL(_SCHEMA).format(table=self.table))
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise PrivilegeError(
+                    f"table {self.name} does not exist and role {conn.info.user} may not create it {WHERE}",
+                    hint=f"run: GRANT CREATE ON SCHEMA {_ident(self.schema)} TO {conn.info.user}, "
+                         "or create the table as the owner (cdc.consume.table_sink has its definition)") from exc
 
     def __call__(self, entries: Sequence[Entry]) -> None:
         upsert = sql.SQL(_UPSERT).format(table=self.table)
@@ -69,3 +85,8 @@ class TableSink(StateConnection):
             if rows:
                 cur.executemany(upsert, rows)
         self.applied += len(entries)
+
+
+def _ident(name: str) -> str:
+    """`name` as SQL writes it: bare when it can be, else quoted."""
+    return name if re.fullmatch(r"[a-z_][a-z0-9_$]*", name) else '"' + name.replace('"', '""') + '"'

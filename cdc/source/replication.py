@@ -8,7 +8,9 @@ Decoding lives in `cdc.source.framing` and `cdc.source.pgoutput`; this module on
 from __future__ import annotations
 
 import logging
+import os
 import select
+import socket
 import time
 
 import psycopg
@@ -105,6 +107,15 @@ def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = 
     return SourceError(f"unexpected postgres failure: {text}")
 
 
+def application_name(dsn: str) -> dict[str, str]:
+    """Name the replication connection after this process ("cdc run on <host> pid <pid>", shown by
+    pg_stat_replication, so a second bridge can say who holds the slot), unless the DSN or PGAPPNAME
+    names it already."""
+    if os.environ.get("PGAPPNAME") or "application_name" in psycopg.conninfo.conninfo_to_dict(dsn):
+        return {}
+    return {"application_name": f"cdc run on {socket.gethostname()} pid {os.getpid()}"[:63]}
+
+
 class ReplicationStream:
     """A started pgoutput stream: `read()` CopyData payloads, `send_status()` feedback."""
 
@@ -127,7 +138,8 @@ class ReplicationStream:
         """Start pgoutput; `streaming`: ask for large transactions while they run (protocol 2+, else ignored)."""
         try:
             self.conn = psycopg.connect(
-                self.dsn, replication="database", autocommit=True, options=SESSION_OPTIONS, connect_timeout=10
+                self.dsn, replication="database", autocommit=True, options=SESSION_OPTIONS, connect_timeout=10,
+                **application_name(self.dsn),
             )
             self.server_version = self.conn.info.server_version
             self.backend_pid = self.conn.info.backend_pid

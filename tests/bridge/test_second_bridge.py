@@ -1,0 +1,110 @@
+"""A second `cdc run` on a slot another bridge holds: it says so at once, before it binds the
+metrics port (exit 75, the slot and who holds it), or, with --standby, waits and takes over
+when the slot is free, with every change in the stream once."""
+
+from __future__ import annotations
+
+import signal
+import socket
+
+import pytest
+
+from cdc.bridge.slot_holder import SlotHolder, gone
+from cdc.demo.local import free_port, wait_for
+
+from conftest import read_stream
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def rides(env):
+    env.init_rides("ride.yaml", riders=2)
+    env.write_config(f"http: {{host: 127.0.0.1, port: {free_port()}}}\n")
+    return env
+
+
+def holder(env) -> tuple[int, str]:
+    return env.execute("SELECT s.active_pid, r.application_name FROM pg_replication_slots s "
+                       "JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = %s", (env.slot,))[0]
+
+
+def insert_rides(env, first: int, last: int) -> None:
+    env.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1 + g %% 2, g FROM generate_series(%s::int, %s::int) g",
+                (first, last))
+
+
+def test_a_second_bridge_on_the_slot_says_who_holds_it_before_binding_the_port(rides):
+    env = rides
+    first = env.start_bridge()
+    try:
+        wait_for(env.slot_active, 60, "the first bridge to hold the slot")
+        walsender, name = holder(env)
+        assert name == f"cdc run on {socket.gethostname()} pid {first.pid}"
+        second = env.cdc("run", timeout=60)
+        assert second.returncode == 75, second.stderr
+        assert second.stderr.splitlines()[-1] == (
+            f"cdc: error: a bridge is already running on slot {env.slot}, walsender pid {walsender} "
+            f"(cdc run on {socket.gethostname()} pid {first.pid}, from 127.0.0.1); stop it first, or start this one "
+            "with cdc run --standby to take over when the slot is free; if that bridge is gone, PostgreSQL ends its "
+            f"walsender within wal_sender_timeout (or now: SELECT pg_terminate_backend({walsender}))")
+        assert "Address already in use" not in second.stderr and "cannot serve metrics" not in second.stderr
+        assert holder(env)[0] == walsender and first.poll() is None, "the first bridge streams on"
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0, first.log_path.read_text()
+
+
+@pytest.mark.slow
+def test_a_standby_takes_over_when_the_first_bridge_stops_and_every_change_is_streamed_once(rides):
+    env = rides
+    first = env.start_bridge()
+    wait_for(env.slot_active, 60, "the first bridge to hold the slot")
+    walsender, _ = holder(env)
+    standby = env.start_bridge("--standby")
+    try:
+        held = (f"standby: slot {env.slot} is held by walsender pid {walsender} "
+                f"(cdc run on {socket.gethostname()} pid {first.pid}, from 127.0.0.1); taking over when it is free")
+        wait_for(lambda: held in standby.log_path.read_text(), 60, "the standby to say who holds the slot")
+        insert_rides(env, 1, 50)
+        wait_for(lambda: env.redis.xlen("cdc:ride") == 50, 60, "the first bridge to stream 50 rides")
+        assert standby.poll() is None
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0, first.log_path.read_text()
+        insert_rides(env, 51, 120)
+        wait_for(lambda: env.redis.xlen("cdc:ride") == 120, 60, "the standby to stream the rest")
+        assert holder(env)[1] == f"cdc run on {socket.gethostname()} pid {standby.pid}"
+        log = standby.log_path.read_text()
+        assert log.count("standby: slot") == 1, "said once"
+        assert f"slot {env.slot} is free: the standby takes over" in log
+        entries = read_stream(env.redis, "cdc:ride")
+        assert [e["key"]["id"] for e in entries] == list(range(1, 121)), "every ride once, in commit order"
+        assert {e["op"] for e in entries} == {"c"}
+    finally:
+        standby.send_signal(signal.SIGTERM)
+        assert standby.wait(30) == 0, standby.log_path.read_text()
+
+
+def test_a_standby_stopped_while_waiting_exits_0(rides):
+    env = rides
+    first = env.start_bridge()
+    try:
+        wait_for(env.slot_active, 60, "the first bridge to hold the slot")
+        standby = env.start_bridge("--standby")
+        wait_for(lambda: "standby: slot" in standby.log_path.read_text(), 60, "the standby to wait")
+        standby.send_signal(signal.SIGTERM)
+        assert standby.wait(30) == 0, standby.log_path.read_text()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0
+
+
+def test_only_a_bridge_of_this_host_whose_process_is_gone_counts_as_gone():
+    host = socket.gethostname()
+    dead = 2 ** 22 + 12345  # above any pid this machine hands out (pid_max <= 2**22)
+    assert gone(SlotHolder(1, f"cdc run on {host} pid {dead}", None), host, 99)
+    assert gone(SlotHolder(1, f"cdc run on {host} pid 99", None), host, 99), "an earlier life of this very pid"
+    assert not gone(SlotHolder(1, f"cdc run on {host} pid 1", None), host, 99), "pid 1 runs"
+    assert not gone(SlotHolder(1, f"cdc run on other-host pid {dead}", None), host, 99)
+    assert not gone(SlotHolder(1, "pg_recvlogical", None), host, 99)
+    assert not gone(SlotHolder(1, None, None), host, 99)

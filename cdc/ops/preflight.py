@@ -249,8 +249,9 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         for s in m.stream_keys():
             mark, lease, epoch = keys.mark_key(s), keys.lease_key(s, group), keys.lease_epoch_key(s, group)
             probes += [
+                ("cdc run", ("TYPE", s)),
                 *((("cdc run", ("XADD", s, "*", "f", "v")), ("cdc run", ("SET", mark, "0")),
-                   ("cdc run", ("WATCH", mark)), ("cdc run", ("MGET", mark)))
+                   ("cdc run", ("WATCH", mark, s)), ("cdc run", ("MGET", mark)))
                   if settings.redis.append == "transaction" else
                   (("cdc run", ("EVALSHA", _ANY_SHA, "2", s, mark)), ("cdc run", ("EVAL", "return 1", "2", s, mark)))),
                 ("cdc status", ("XINFO", "STREAM", s)), ("cdc status", ("XINFO", "GROUPS", s)),

@@ -1,22 +1,25 @@
 """Guardrails around the bridge: the slot's health and WAL retention, heartbeats,
-Redis memory (backpressure) and Redis data loss. Each check is small and I/O at
-the edge; the bridge calls them on a schedule."""
+Redis memory (backpressure) and Redis data loss (a record behind the slot, or a
+mapped stream whose history vanished). Each check is small and I/O at the edge;
+the bridge calls them on a schedule."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import psycopg
 import redis
 
 from .. import keys
-from ..errors import DataLossError, SlotError
+from ..errors import DataLossError, PublishError, SlotError
+from ..sink.streamkeys import stream_key_error
 from ..source.lsn import Lsn
 
-__all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss"]
+__all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
+           "record_data_loss", "stream_problems"]
 
 log = logging.getLogger("cdc.guard")
 
@@ -178,8 +181,32 @@ def clear_data_loss(client: redis.Redis, slot: str) -> None:
     client.hdel(keys.bridge_state_key(slot), *DATA_LOSS_FIELDS)
 
 
-def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> Lsn:
-    """Stop if Redis holds less than the slot was told it holds (lost writes); record the loss for status.
+def record_data_loss(client: redis.Redis, slot: str, error: DataLossError) -> None:
+    """Record a stream whose history vanished, found while appending (`cdc.sink.streamkeys`), for cdc status:
+    everything up to its mark is missing from it."""
+    lost_to = getattr(error, "lost_to", None)
+    if lost_to is not None:
+        _record_data_loss(client, slot, Lsn(0), lost_to, error.message)
+
+
+def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[PublishError]:
+    """Why appends to these streams (stream key -> entity) would be refused: data losses first (exit 6: a
+    stream gone, or replaced by another type, while its mark says it held entries), then keys of another type
+    where a stream never written belongs (exit 5). The same judgement as the append's (`cdc.sink.streamkeys`)."""
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.type(stream)
+        pipe.get(keys.mark_key(stream))
+    replies = pipe.execute()
+    problems = [error for i, (stream, entity) in enumerate(streams.items())
+                if (error := stream_key_error(stream, replies[2 * i], replies[2 * i + 1], entity)) is not None]
+    return sorted(problems, key=lambda e: not isinstance(e, DataLossError))
+
+
+def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn, streams: Mapping[str, str] | None = None,
+                            ) -> Lsn:
+    """Stop if Redis holds less than the slot was told it holds (lost writes), or when one of `streams`
+    (stream key -> entity) may not be appended to (`stream_problems`); record a loss for status.
 
     Returns the position Redis records holding: a new session starts from it.
     """
@@ -189,6 +216,11 @@ def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> L
         raw = client.get(keys.flushed_key(slot))
         _record_data_loss(client, slot, None if raw is None else Lsn(int(raw)), confirmed, exc.message)
         raise
+    problems = stream_problems(client, streams or {})
+    if problems:
+        if isinstance(problems[0], DataLossError):
+            record_data_loss(client, slot, problems[0])
+        raise problems[0]
     clear_data_loss(client, slot)
     return held
 

@@ -28,7 +28,7 @@ import redis
 
 from .. import keys
 from ..config import Settings
-from ..bridge.guards import check_redis_has_flushed
+from ..bridge.guards import check_redis_has_flushed, stream_problems
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
@@ -290,12 +290,17 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         report.ok.append(f"{where} answers")
         _check_durability(node, where, settings.redis.wait_replicas, report)
         _check_acl(node, where, acl_probes(settings, mappings), report)
+        streams = {s: m.entity for m in mappings for s in m.stream_keys()}
         if confirmed is not None:  # what cdc run checks first on every connection
             try:
                 check_redis_has_flushed(client, settings.postgres.slot, confirmed)
                 report.ok.append(f"{where} holds the source up to slot {settings.postgres.slot}'s position {confirmed}")
             except DataLossError as exc:
                 report.problems.append(exc)
+        problems = stream_problems(client, streams)  # a key of another type, a stream whose history vanished
+        report.problems += problems
+        if streams and not problems:
+            report.ok.append(f"{where}: every mapped stream key holds a stream, or nothing yet")
     except redis.AuthenticationError as exc:
         report.problems.append(PublishError(f"{where} refused the login: {exc}",
                                             hint="check the user and password in redis.url"))

@@ -15,7 +15,8 @@ import redis
 
 from .. import keys
 from ..errors import DataLossError, PublishError, SlotError
-from ..sink.streamkeys import stream_key_error
+from ..sink.streamkeys import STREAM, stream_key_error
+from ..sink.trim import UnconsumedRemoved, removed_unconsumed
 from ..source.lsn import Lsn
 
 __all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
@@ -198,9 +199,32 @@ def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[Pub
         pipe.type(stream)
         pipe.get(keys.mark_key(stream))
     replies = pipe.execute()
-    problems = [error for i, (stream, entity) in enumerate(streams.items())
-                if (error := stream_key_error(stream, replies[2 * i], replies[2 * i + 1], entity)) is not None]
+    problems = []
+    for i, (stream, entity) in enumerate(streams.items()):
+        key_type, mark = replies[2 * i], replies[2 * i + 1]
+        error = stream_key_error(stream, key_type, mark, entity)
+        if error is not None:
+            problems.append(error)
+        elif key_type.decode() == STREAM:
+            problems += [_unconsumed_loss(client, gone, entity, mark) for gone in removed_unconsumed(client, stream)]
     return sorted(problems, key=lambda e: not isinstance(e, DataLossError))
+
+
+def _unconsumed_loss(client: redis.Redis, gone: UnconsumedRemoved, entity: str, mark: bytes | None) -> DataLossError:
+    """A stream that lost entries a consumer group had not consumed, other than by the trim caps (exit 6)."""
+    first = client.xrange(gone.stream, count=1)
+    lsn = Lsn(int(first[0][1][b"lsn"])) if first else Lsn(int(mark[:20])) if mark else Lsn(0)
+    what = (f"from ID {gone.after} (delivered to it, not acknowledged)" if gone.pending else f"after ID {gone.after}")
+    count = f" ({gone.count} entries)" if gone.count else ""
+    error = DataLossError(
+        f"stream {gone.stream} (stream of entity {entity}) lost entries consumer group {gone.group} had not consumed: "
+        f"IDs {what} up to before {gone.before}{count}, committed before {lsn}, were removed from it, "
+        "not by the bridge's trimming (cdc:stats:trim accounts for no such drop)",
+        hint="restore Redis from a backup holding them, or stop the bridge and run cdc recover to rebuild the stream "
+        "from its table (its consumers reset at the marker)",
+    )
+    error.lost_stream, error.lost_to = gone.stream, lsn
+    return error
 
 
 def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn, streams: Mapping[str, str] | None = None,

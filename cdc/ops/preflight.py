@@ -232,6 +232,7 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc run", ("PING",)), ("cdc run", ("INFO", "memory")), ("cdc run", ("SCRIPT", "LOAD", "return 1")),
         ("cdc run", ("GET", flushed)), ("cdc run", ("SET", flushed, "0")), ("cdc status", ("SCAN", "0")),
         ("cdc trim", ("HINCRBY", keys.TRIM_STATS, "f", "1")), ("cdc status", ("HGETALL", keys.TRIM_STATS)),
+        ("cdc run", ("HMGET", keys.TRIM_STATS, "f")), ("cdc trim", ("HSET", keys.TRIM_STATS, "f", "v")),
         ("consumers", ("XADD", keys.dead_letter_key(group), "*", "f", "v")),
         ("consumers", ("MULTI",)), ("consumers", ("EXEC",)),
         ("cdc run", ("HSET", keys.bridge_state_key(settings.postgres.slot), "f", "v")),
@@ -249,7 +250,8 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         for s in m.stream_keys():
             mark, lease, epoch = keys.mark_key(s), keys.lease_key(s, group), keys.lease_epoch_key(s, group)
             probes += [
-                ("cdc run", ("TYPE", s)),
+                ("cdc run", ("TYPE", s)), ("cdc run", ("XINFO", "STREAM", s)), ("cdc run", ("XINFO", "GROUPS", s)),
+                ("cdc run", ("XPENDING", s, group)), ("cdc run", ("XRANGE", s, "-", "+", "COUNT", "1")),
                 *((("cdc run", ("XADD", s, "*", "f", "v")), ("cdc run", ("SET", mark, "0")),
                    ("cdc run", ("WATCH", mark, s)), ("cdc run", ("MGET", mark)))
                   if settings.redis.append == "transaction" else

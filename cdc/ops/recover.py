@@ -44,6 +44,7 @@ from ..mapping.projector import Projector
 from ..reconcile.exported_snapshot import ExportedSnapshot, import_snapshot
 from ..sink.entry import next_stream_id
 from ..sink.publisher import Publisher, StreamBatch, position
+from ..sink.trim import account_removed
 from ..source.lsn import Lsn
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
@@ -266,6 +267,10 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                     conn.execute("COMMIT")
                     _idle_slot(conn, slot)
                     _still_fenced(client, slot)
+                    for m in mappings:  # entries removed before the rebuild are accounted for by its marker
+                        for stream in m.stream_keys():
+                            if client.exists(stream):
+                                account_removed(client, stream)
                     publisher.record_flushed(confirmed)
                 finally:
                     publisher.close()

@@ -244,9 +244,23 @@ class Publisher:
                               for e in entries]
                 log.warning("fault injection: sending a batch of %d entries twice", len(duplicates))
                 after += duplicates
-            lane.send(group, record, after)
+            try:
+                lane.send(group, record, after)
+            except Exception:  # refused (a stream key judged) or cut: the lanes sent already still answer
+                self._drain(sent)
+                raise
             sent.append(_Sent(lane, [len(entries) for _, _, entries in group]))
         self._inflight = (sent, flushed if self._cluster is not None else None)
+
+    @staticmethod
+    def _drain(sent: list[_Sent]) -> None:
+        """Read what lanes sent before a failure answer (each lane's append is whole or nothing), so that
+        their connections stay in step; a lane that fails too is reconnected. The record does not move."""
+        for s in sent:
+            try:
+                s.lane.confirm()
+            except Exception:
+                s.lane.node.drop()
 
     def confirm(self) -> int:
         """Wait until Redis applied the outstanding send; return the entries appended."""
@@ -257,8 +271,12 @@ class Publisher:
         if not sent:
             return 0
         added = 0
-        for s in sent:
-            appended, after = s.lane.confirm()
+        for i, s in enumerate(sent):
+            try:
+                appended, after = s.lane.confirm()
+            except Exception:
+                self._drain(sent[i + 1:])
+                raise
             for count, n in zip(s.counts, appended):
                 added += n
                 self.entries_skipped += count - n

@@ -196,7 +196,13 @@ class TransactionLane:
         marks, types = self.marks, self.types
         for stream, mark, _ in group:  # refused before MULTI: nothing of the batch is appended
             if types[stream] != "stream":
-                self.judge(stream, types[stream], marks[mark])
+                try:
+                    self.judge(stream, types[stream], marks[mark])
+                except Exception:
+                    if stream in new_streams:
+                        raise
+                    self._arm([mark], [stream])  # judged on what Redis holds now, not on a read before a fix
+                    self.judge(stream, types[stream], marks[mark])
         commands = [MULTI]
         appended = []
         queued = 0  # commands inside MULTI/EXEC

@@ -171,3 +171,36 @@ def test_a_stream_replaced_by_another_type_is_a_data_loss_and_recover_never_dele
     env.redis.rename("saved", "cdc:c")  # the stream was only moved away: putting it back is the whole fix
     env.cdc("run", "--until-caught-up", check=True)
     exact(env)
+
+
+def test_entries_a_group_had_not_consumed_removed_are_a_data_loss_unless_the_trim_cap_dropped_them(env):
+    three_streams(env, "transaction")
+    write(env, ("a",), range(1, 21))
+    env.cdc("run", "--until-caught-up", check=True)
+    client = env.redis
+    client.xgroup_create("cdc:a", "g", id="0")
+    read = client.xreadgroup("g", "c1", {"cdc:a": ">"}, count=5)[0][1]
+    client.xack("cdc:a", "g", *[entry_id for entry_id, _ in read])
+    assert env.cdc("check").returncode == 0
+    client.xtrim("cdc:a", maxlen=5, approximate=False)  # by hand: 10 entries the group had not read
+    start = client.xrange("cdc:a", count=1)[0][0].decode()
+    result = env.cdc("check")
+    assert result.returncode == 6
+    assert (f"stream cdc:a (stream of entity a) lost entries consumer group g had not consumed: IDs after ID "
+            f"{read[-1][0].decode()} up to before {start} (10 entries)") in result.stderr
+    result = env.cdc("run", "--until-caught-up")
+    assert result.returncode == 6 and "lost entries consumer group g had not consumed" in error_line(result.stderr)
+    assert "cdc:a" in orjson.loads(env.cdc("status", "--json", check=True).stdout)["bridge"]["data_loss"]["message"]
+    env.cdc("recover", check=True)
+    assert env.cdc("check").returncode == 0
+    write(env, ("a",), range(21, 31))
+    env.cdc("run", "--until-caught-up", check=True)
+    exact(env)
+
+    # the bridge's own cap drops what the group has not read: counted as forced, no loss
+    env.write_config(extra="trim: {max_len: 3}\n", redis=", append: transaction")
+    env.cdc("trim", check=True)
+    assert int(client.hget("cdc:stats:trim", "cdc:a:forced")) > 0
+    assert env.cdc("check").returncode == 0
+    write(env, ("a",), range(31, 33))
+    env.cdc("run", "--until-caught-up", check=True)

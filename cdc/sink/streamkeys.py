@@ -18,7 +18,7 @@ from ..errors import DataLossError, PublishError
 from ..keys import mark_key
 from ..source.lsn import Lsn
 
-__all__ = ["MISSING", "STREAM", "stream_key_error", "wrong_type_error"]
+__all__ = ["MISSING", "STREAM", "stream_key_error", "vanished_mark_error", "wrong_type_error"]
 
 STREAM = "stream"
 MISSING = "none"  # what TYPE answers for a key that does not exist
@@ -66,4 +66,17 @@ def stream_key_error(stream: str, key_type: str | bytes, mark: str | bytes | Non
             "cdc recover to rebuild the stream from its table",
         )
     error.lost_stream, error.lost_to = stream, lsn  # what the bridge records for cdc status
+    return error
+
+
+def vanished_mark_error(key: str, held: str) -> DataLossError:
+    """A mark or the flushed record, watched while the bridge writes, that was set and is gone: Redis was
+    emptied (FLUSHALL, FLUSHDB) or lost data under the bridge (exit 6)."""
+    lsn = Lsn(int(held[:20]))
+    error = DataLossError(
+        f"redis key {key} vanished while the bridge was writing (it held {lsn}): redis was emptied (FLUSHALL, "
+        "FLUSHDB) or lost data; the bridge appended nothing",
+        hint="restore Redis from a backup, or stop the bridge and run cdc recover to rebuild the streams",
+    )
+    error.lost_stream, error.lost_to = key, lsn
     return error

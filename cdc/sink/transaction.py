@@ -19,7 +19,9 @@ whose mark says it held entries is gone (`cdc.sink.streamkeys`): a command
 failing inside EXEC would not roll back the marks set beside it, and an XADD
 would re-create a vanished stream. Whatever changes a stream key after that
 read (XADD, DEL, a type change, an XTRIM that removes entries; not reads, acks
-or group changes) aborts the EXEC, and the batch is judged again.
+or group changes) aborts the EXEC, and the batch is judged again. A watched mark
+(or the flushed record) that was set and reads unset was lost under the lane
+(FLUSHALL, FLUSHDB): that too is refused, as a data loss.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import hiredis
 from .. import speedups
 from ..errors import PublishError
 from .node import Node, classify
-from .streamkeys import stream_key_error
+from .streamkeys import stream_key_error, vanished_mark_error
 
 __all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_entries"]
 
@@ -162,8 +164,16 @@ class TransactionLane:
                 self._forget()
                 raise classify(reply)
         values = replies[1] if mark_keys else []
+        marks = self.marks
         for key, value in zip(mark_keys, values):
-            self.marks[key] = value.decode() if value else ""
+            if value:
+                marks[key] = value.decode()
+            elif marks.get(key):  # set, and gone: never the lane's doing (its marks only move forward)
+                held = marks[key]
+                self._forget()
+                raise vanished_mark_error(key, held)
+            else:
+                marks[key] = ""
         for stream, key_type in zip(streams, replies[2 if mark_keys else 1:]):
             self.types[stream] = key_type.decode()
 

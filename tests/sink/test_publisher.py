@@ -292,3 +292,22 @@ def test_a_stream_whose_history_vanished_is_never_re_created(redis_server, clien
         assert state_of(client, streams, flushed) == before
     finally:
         pub.close()
+
+
+@pytest.mark.integration
+def test_a_redis_emptied_under_the_transaction_lane_is_a_data_loss(redis_server, client):
+    """FLUSHALL takes the marks with the streams: nothing then says a stream held entries, but the lane
+    watched the marks and the record it had set, and refuses to write into the empty keyspace."""
+    from cdc.errors import DataLossError
+
+    pub = Publisher(redis_server.url, flushed_key="cdc:bridge:s:flushed")
+    try:
+        pub.send([batch("cdc:a", [(100, 0)]), batch("cdc:b", [(100, 1)])], flushed=150)
+        pub.confirm()
+        client.flushall()
+        pub.send([batch("cdc:a", [(200, 0)])], flushed=250)
+        with pytest.raises(DataLossError, match="vanished while the bridge was writing"):
+            pub.confirm()
+        assert client.keys("*") == []
+    finally:
+        pub.close()

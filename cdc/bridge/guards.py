@@ -198,10 +198,22 @@ def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[Pub
     for stream in streams:
         pipe.type(stream)
         pipe.get(keys.mark_key(stream))
-    replies = pipe.execute()
-    problems = []
+    replies = pipe.execute(raise_on_error=False)
+    problems: list[PublishError] = []
     for i, (stream, entity) in enumerate(streams.items()):
         key_type, mark = replies[2 * i], replies[2 * i + 1]
+        if isinstance(key_type, Exception):
+            raise key_type
+        if isinstance(mark, redis.ResponseError) and "WRONGTYPE" in str(mark):
+            name = keys.mark_key(stream)
+            problems.append(PublishError(
+                f"redis key {name} holds a {client.type(name).decode()}, not the high-water mark of stream {stream} "
+                f"(entity {entity}); the bridge appended nothing",
+                hint=f"rename that key away (redis-cli RENAME {name} <new name>), then run cdc recover, which rebuilds "
+                "the stream behind a new mark (without its mark the stream would get entries it holds again)"))
+            continue
+        if isinstance(mark, Exception):
+            raise mark
         error = stream_key_error(stream, key_type, mark, entity)
         if error is not None:
             problems.append(error)

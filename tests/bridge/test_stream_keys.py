@@ -204,3 +204,22 @@ def test_entries_a_group_had_not_consumed_removed_are_a_data_loss_unless_the_tri
     assert env.cdc("check").returncode == 0
     write(env, ("a",), range(31, 33))
     env.cdc("run", "--until-caught-up", check=True)
+
+
+def test_a_mark_replaced_by_another_type_names_it_and_recover_rebuilds_behind_a_new_mark(env):
+    three_streams(env, "transaction")
+    write(env, ENTITIES, range(1, 6))
+    env.cdc("run", "--until-caught-up", check=True)
+    env.redis.delete("{cdc:a}:hwm")
+    env.redis.rpush("{cdc:a}:hwm", "x")
+    result = env.cdc("check")
+    assert result.returncode == 5 and "redis key {cdc:a}:hwm holds a list, not the high-water mark of stream cdc:a" \
+        in result.stderr
+    result = env.cdc("run", "--until-caught-up")
+    assert result.returncode == 5 and "redis key {cdc:a}:hwm holds a list" in error_line(result.stderr)
+    env.redis.rename("{cdc:a}:hwm", "saved")
+    env.cdc("recover", check=True)
+    write(env, ("a",), range(6, 8))
+    env.cdc("run", "--until-caught-up", check=True)
+    entries = read_stream(env.redis, "cdc:a")
+    assert replay(entries, reset_at_marker=True) == table(env, "a")

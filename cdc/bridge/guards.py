@@ -231,7 +231,7 @@ def _unconsumed_loss(client: redis.Redis, gone: UnconsumedRemoved, entity: str, 
     error = DataLossError(
         f"stream {gone.stream} (stream of entity {entity}) lost entries consumer group {gone.group} had not consumed: "
         f"IDs {what} up to before {gone.before}{count}, committed before {lsn}, were removed from it, "
-        "not by the bridge's trimming (cdc:stats:trim accounts for no such drop)",
+        "not by the bridge's trimming (its cap accounts for no such drop)",
         hint="restore Redis from a backup holding them, or stop the bridge and run cdc recover to rebuild the stream "
         "from its table (its consumers reset at the marker)",
     )

@@ -232,7 +232,7 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc run", ("PING",)), ("cdc run", ("INFO", "memory")), ("cdc run", ("SCRIPT", "LOAD", "return 1")),
         ("cdc run", ("GET", flushed)), ("cdc run", ("SET", flushed, "0")), ("cdc status", ("SCAN", "0")),
         ("cdc trim", ("HINCRBY", keys.TRIM_STATS, "f", "1")), ("cdc status", ("HGETALL", keys.TRIM_STATS)),
-        ("cdc run", ("HMGET", keys.TRIM_STATS, "f")), ("cdc trim", ("HSET", keys.TRIM_STATS, "f", "v")),
+        ("cdc run", ("HMGET", keys.TRIM_ACCOUNTED, "f")), ("cdc trim", ("HSET", keys.TRIM_ACCOUNTED, "f", "v")),
         ("consumers", ("XADD", keys.dead_letter_key(group), "*", "f", "v")),
         ("consumers", ("MULTI",)), ("consumers", ("EXEC",)),
         ("cdc run", ("HSET", keys.bridge_state_key(settings.postgres.slot), "f", "v")),

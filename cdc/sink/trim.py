@@ -7,7 +7,7 @@ that point have been delivered to and acknowledged by every group; a hold (set b
 well. A stream with no group is left alone. An optional hard cap (length or age) bounds a stream
 whose group died; when the cap would drop entries some group still needs, that
 is logged loudly and counted, and where the stream then starts is recorded
-(``<stream>:accounted_below`` in `keys.TRIM_STATS`): entries a group had not
+(`keys.TRIM_ACCOUNTED`): entries a group had not
 consumed that are missing below that point were dropped knowingly. Missing
 anywhere else, they vanished: `removed_unconsumed` finds them.
 """
@@ -118,7 +118,7 @@ def account_removed(client: redis.Redis, stream: str) -> None:
     info = client.xinfo_stream(stream)
     first = info.get("first-entry")
     start = reply_text(first[0]) if first else next_stream_id(info["last-generated-id"])
-    client.hset(keys.TRIM_STATS, f"{stream}:accounted_below", start)
+    client.hset(keys.TRIM_ACCOUNTED, stream, start)
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def removed_unconsumed(client: redis.Redis, stream: str) -> list[UnconsumedRemov
         return []
     first = info.get("first-entry")
     start = reply_text(first[0]) if first else next_stream_id(info["last-generated-id"])
-    accounted = client.hmget(keys.TRIM_STATS, f"{stream}:accounted_below")[0]
+    accounted = client.hmget(keys.TRIM_ACCOUNTED, stream)[0]
     if accounted is not None and parse_stream_id(start) <= parse_stream_id(accounted):
         return []
     found = []

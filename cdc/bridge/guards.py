@@ -183,8 +183,8 @@ def clear_data_loss(client: redis.Redis, slot: str) -> None:
 
 
 def record_data_loss(client: redis.Redis, slot: str, error: DataLossError) -> None:
-    """Record a stream whose history vanished, found while appending (`cdc.sink.streamkeys`), for cdc status:
-    everything up to its mark is missing from it."""
+    """Record, for cdc status, a loss found on a stream (`cdc.sink.streamkeys`, `stream_problems`): what it
+    held up to the LSN the error names is missing from it."""
     lost_to = getattr(error, "lost_to", None)
     if lost_to is not None:
         _record_data_loss(client, slot, Lsn(0), lost_to, error.message)

@@ -206,7 +206,14 @@ def _vanished_streams(client, mappings: Sequence[Mapping]) -> dict[str, Lsn]:
     vanished = {}
     for m in mappings:
         for stream in m.stream_keys():
-            key_type, mark = client.type(stream).decode(), client.get(keys.mark_key(stream))
+            key_type, name = client.type(stream).decode(), keys.mark_key(stream)
+            if client.type(name) not in (b"string", b"none"):
+                raise PublishError(
+                    f"redis key {name} holds a {client.type(name).decode()}, not the high-water mark of stream {stream} "
+                    f"(entity {m.entity}); cdc recover changed nothing",
+                    hint=f"rename that key away (redis-cli RENAME {name} <new name>; cdc recover never deletes it), "
+                    "then run cdc recover again")
+            mark = client.get(name)
             if key_type not in ("stream", "none"):
                 raise PublishError(
                     f"redis key {stream} holds a {key_type}, not a stream, stream of entity {m.entity}; "

@@ -223,3 +223,18 @@ def test_a_mark_replaced_by_another_type_names_it_and_recover_rebuilds_behind_a_
     env.cdc("run", "--until-caught-up", check=True)
     entries = read_stream(env.redis, "cdc:a")
     assert replay(entries, reset_at_marker=True) == table(env, "a")
+
+
+def test_recover_refuses_a_mark_key_of_another_type_and_changes_nothing(env):
+    three_streams(env, "transaction")
+    write(env, ENTITIES, range(1, 3))
+    env.cdc("run", "--until-caught-up", check=True)
+    env.redis.delete("{cdc:b}:hwm")
+    env.redis.sadd("{cdc:b}:hwm", "x")
+    flushed = env.redis.get(f"cdc:bridge:{env.slot}:flushed")
+    result = env.cdc("recover")
+    assert result.returncode == 5
+    assert error_line(result.stderr).startswith(
+        "cdc: error: redis key {cdc:b}:hwm holds a set, not the high-water mark of stream cdc:b (entity b); "
+        "cdc recover changed nothing")
+    assert env.redis.get(f"cdc:bridge:{env.slot}:flushed") == flushed and env.redis.type("{cdc:b}:hwm") == b"set"

@@ -8,8 +8,8 @@ The exit codes (the README's "Exit codes" table):
 2     the command line or the config is wrong (a malformed DSN or URL too)
 3     a mapping is wrong (its YAML too), or `cdc check` found a mapping problem
 4     PostgreSQL is not set up: wal_level, slot, publication, a missing privilege
-5     Redis refused a command (ACL, wrong key type)
-6     Redis lost entries the slot was told it holds
+5     Redis refused a command (ACL, wrong key type where a stream or its mark belongs)
+6     Redis lost entries the slot was told it holds, or a mapped stream's history vanished
 7     `cdc reconcile` left drift (a dry run, or a refused reset)
 75    a server is unreachable or restarting (transient: run again)
 130   interrupted (Ctrl-C)

@@ -16,6 +16,9 @@ PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
 MARK_SUFFIX = ":hwm"
 #: a hash of trimming counters: "<stream>:trimmed" and "<stream>:forced" (unconsumed entries dropped by a cap)
 TRIM_STATS = "cdc:stats:trim"
+#: a hash: stream -> the entry ID below which entries missing from it were removed knowingly (by the trim
+#: cap, or accepted by cdc recover); unconsumed entries missing anywhere else vanished (`cdc.sink.trim`)
+TRIM_ACCOUNTED = "cdc:stats:trim:accounted"
 
 
 def has_hash_tag(key: str) -> bool:

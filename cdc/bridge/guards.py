@@ -1,23 +1,26 @@
 """Guardrails around the bridge: the slot's health and WAL retention, heartbeats,
-Redis memory (backpressure) and Redis data loss. Each check is small and I/O at
-the edge; the bridge calls them on a schedule."""
+Redis memory (backpressure) and Redis data loss (a record behind the slot, or a
+mapped stream whose history vanished). Each check is small and I/O at the edge;
+the bridge calls them on a schedule."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import psycopg
 import redis
 
 from .. import keys
-from ..errors import DataLossError, SlotError
+from ..errors import DataLossError, PublishError, SlotError
+from ..sink.streamkeys import STREAM, stream_key_error
+from ..sink.trim import UnconsumedRemoved, removed_unconsumed
 from ..source.lsn import Lsn
 
 __all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
-           "invalidated_slot_error", "missing_slot_error", "record_data_loss", "redis_record"]
+           "invalidated_slot_error", "missing_slot_error", "record_data_loss", "redis_record", "stream_problems"]
 
 log = logging.getLogger("cdc.guard")
 
@@ -215,8 +218,67 @@ def clear_data_loss(client: redis.Redis, slot: str) -> None:
     client.hdel(keys.bridge_state_key(slot), *DATA_LOSS_FIELDS)
 
 
-def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> Lsn:
-    """Stop if Redis holds less than the slot was told it holds (lost writes); record the loss for status.
+def record_data_loss(client: redis.Redis, slot: str, error: DataLossError) -> None:
+    """Record, for cdc status, a loss found on a stream (`cdc.sink.streamkeys`, `stream_problems`): what it
+    held up to the LSN the error names is missing from it."""
+    lost_to = getattr(error, "lost_to", None)
+    if lost_to is not None:
+        _record_data_loss(client, slot, Lsn(0), lost_to, error.message)
+
+
+def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[PublishError]:
+    """Why appends to these streams (stream key -> entity) would be refused: data losses first (exit 6: a
+    stream gone, or replaced by another type, while its mark says it held entries), then keys of another type
+    where a stream never written belongs (exit 5). The same judgement as the append's (`cdc.sink.streamkeys`)."""
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.type(stream)
+        pipe.get(keys.mark_key(stream))
+    replies = pipe.execute(raise_on_error=False)
+    problems: list[PublishError] = []
+    for i, (stream, entity) in enumerate(streams.items()):
+        key_type, mark = replies[2 * i], replies[2 * i + 1]
+        if isinstance(key_type, Exception):
+            raise key_type
+        if isinstance(mark, redis.ResponseError) and "WRONGTYPE" in str(mark):
+            name = keys.mark_key(stream)
+            problems.append(PublishError(
+                f"redis key {name} holds a {client.type(name).decode()}, not the high-water mark of stream {stream} "
+                f"(entity {entity}); the bridge appended nothing",
+                hint=f"rename that key away (redis-cli RENAME {name} <new name>), then run cdc recover, which rebuilds "
+                "the stream behind a new mark (without its mark the stream would get entries it holds again)"))
+            continue
+        if isinstance(mark, Exception):
+            raise mark
+        error = stream_key_error(stream, key_type, mark, entity)
+        if error is not None:
+            problems.append(error)
+        elif key_type.decode() == STREAM:
+            problems += [_unconsumed_loss(client, gone, entity, mark) for gone in removed_unconsumed(client, stream)]
+    return sorted(problems, key=lambda e: not isinstance(e, DataLossError))
+
+
+def _unconsumed_loss(client: redis.Redis, gone: UnconsumedRemoved, entity: str, mark: bytes | None) -> DataLossError:
+    """A stream that lost entries a consumer group had not consumed, other than by the trim caps (exit 6)."""
+    first = client.xrange(gone.stream, count=1)
+    lsn = Lsn(int(first[0][1][b"lsn"])) if first else Lsn(int(mark[:20])) if mark else Lsn(0)
+    what = (f"from ID {gone.after} (delivered to it, not acknowledged)" if gone.pending else f"after ID {gone.after}")
+    count = f" ({gone.count} entries)" if gone.count else ""
+    error = DataLossError(
+        f"stream {gone.stream} (stream of entity {entity}) lost entries consumer group {gone.group} had not consumed: "
+        f"IDs {what} up to before {gone.before}{count}, committed before {lsn}, were removed from it, "
+        "not by the bridge's trimming (its cap accounts for no such drop)",
+        hint="restore Redis from a backup holding them, or stop the bridge and run cdc recover to rebuild the stream "
+        "from its table (its consumers reset at the marker)",
+    )
+    error.lost_stream, error.lost_to = gone.stream, lsn
+    return error
+
+
+def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn, streams: Mapping[str, str] | None = None,
+                            ) -> Lsn:
+    """Stop if Redis holds less than the slot was told it holds (lost writes), or when one of `streams`
+    (stream key -> entity) may not be appended to (`stream_problems`); record a loss for status.
 
     Returns the position Redis records holding: a new session starts from it.
     """
@@ -233,6 +295,11 @@ def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn) -> L
             raise DataLossError(recorded, hint="run cdc recover (the bridge stopped), then cdc run") from None
         record_data_loss(client, slot, held, confirmed, exc.message)
         raise
+    problems = stream_problems(client, streams or {})
+    if problems:
+        if isinstance(problems[0], DataLossError):
+            record_data_loss(client, slot, problems[0])
+        raise problems[0]
     clear_data_loss(client, slot)
     return held
 

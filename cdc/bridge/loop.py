@@ -30,7 +30,7 @@ import tenacity
 
 from .. import keys, speedups
 from ..config import Settings
-from ..errors import CdcError, ConfigError, MappingError, SourceError, TransientError
+from ..errors import CdcError, ConfigError, DataLossError, MappingError, SourceError, TransientError
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
@@ -46,7 +46,7 @@ from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
 from .gate import TableGate
-from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, redis_record
+from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, record_data_loss, redis_record
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
@@ -254,7 +254,7 @@ class Bridge:
         publisher = Publisher(
             rs.url, cluster=rs.cluster, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
             wait_timeout_ms=rs.wait_timeout_ms, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)),
-            append=rs.append, socket_timeout=self.redis_timeout,
+            append=rs.append, socket_timeout=self.redis_timeout, entities=self.stream_entities,
         )
         client = connect_redis(rs, socket_timeout=self.redis_timeout)
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication, timeout=pgs.receive_timeout_s)
@@ -276,7 +276,7 @@ class Bridge:
             self.slot_watch.redis_held = lambda: redis_record(client, pgs.slot)  # for a missing slot's error
             health = self.check_slot(catalog_conn)
             try:
-                held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn)
+                held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn, self.stream_entities)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
                                           reserve=publisher.memory_reserve)
             except redis.RedisError as exc:
@@ -290,6 +290,10 @@ class Bridge:
                 self.state = "streaming"
                 self.backoff.streaming(time.monotonic())
                 self._stream(Session(self, stream, publisher, catalog_conn, held, health.confirmed_lsn))
+            except DataLossError as exc:  # a stream's history vanished while streaming: cdc status shows it
+                self._stale_pid = stream.backend_pid
+                record_data_loss(client, pgs.slot, exc)
+                raise
             except Exception:
                 # over a connection that went silent, the server still sees our walsender holding the
                 # slot (until its wal_sender_timeout); the next session ends it
@@ -300,6 +304,11 @@ class Bridge:
             publisher.close()
             client.close()
             catalog_conn.close()
+
+    @property
+    def stream_entities(self) -> dict[str, str]:
+        """Every mapped stream key -> its entity."""
+        return {s: m.entity for m in self.mappings for s in m.stream_keys()}
 
     @property
     def redis_timeout(self) -> float:

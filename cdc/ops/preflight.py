@@ -31,7 +31,7 @@ import redis
 from .. import keys
 from ..config import Settings
 from ..bridge.gate import TableGate
-from ..bridge.guards import check_redis_has_flushed, invalidated_slot_error, missing_slot_error, redis_record
+from ..bridge.guards import check_redis_has_flushed, invalidated_slot_error, missing_slot_error, redis_record, stream_problems
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
@@ -285,6 +285,7 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc run", ("PING",)), ("cdc run", ("INFO", "memory")), ("cdc run", ("SCRIPT", "LOAD", "return 1")),
         ("cdc run", ("GET", flushed)), ("cdc run", ("SET", flushed, "0")), ("cdc status", ("SCAN", "0")),
         ("cdc trim", ("HINCRBY", keys.TRIM_STATS, "f", "1")), ("cdc status", ("HGETALL", keys.TRIM_STATS)),
+        ("cdc run", ("HMGET", keys.TRIM_ACCOUNTED, "f")), ("cdc trim", ("HSET", keys.TRIM_ACCOUNTED, "f", "v")),
         ("consumers", ("XADD", keys.dead_letter_key(group), "*", "f", "v")),
         ("consumers", ("MULTI",)), ("consumers", ("EXEC",)),
         ("cdc run", ("HSET", keys.bridge_state_key(settings.postgres.slot), "f", "v")),
@@ -304,8 +305,10 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         for s in m.stream_keys():
             mark, lease, epoch = keys.mark_key(s), keys.lease_key(s, group), keys.lease_epoch_key(s, group)
             probes += [
+                ("cdc run", ("TYPE", s)), ("cdc run", ("XINFO", "STREAM", s)), ("cdc run", ("XINFO", "GROUPS", s)),
+                ("cdc run", ("XPENDING", s, group)), ("cdc run", ("XRANGE", s, "-", "+", "COUNT", "1")),
                 *((("cdc run", ("XADD", s, "*", "f", "v")), ("cdc run", ("SET", mark, "0")),
-                   ("cdc run", ("WATCH", mark)), ("cdc run", ("MGET", mark)))
+                   ("cdc run", ("WATCH", mark, s)), ("cdc run", ("MGET", mark)))
                   if settings.redis.append == "transaction" else
                   (("cdc run", ("EVALSHA", _ANY_SHA, "2", s, mark)), ("cdc run", ("EVAL", "return 1", "2", s, mark)))),
                 ("cdc status", ("XINFO", "STREAM", s)), ("cdc status", ("XINFO", "GROUPS", s)),
@@ -344,12 +347,17 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         report.ok.append(f"{where} answers")
         _check_durability(node, where, settings.redis.wait_replicas, report)
         _check_acl(node, where, acl_probes(settings, mappings), report)
+        streams = {s: m.entity for m in mappings for s in m.stream_keys()}
         if confirmed is not None:  # what cdc run checks first on every connection
             try:
                 check_redis_has_flushed(client, settings.postgres.slot, confirmed)
                 report.ok.append(f"{where} holds the source up to slot {settings.postgres.slot}'s position {confirmed}")
             except DataLossError as exc:
                 report.problems.append(exc)
+        problems = stream_problems(client, streams)  # a key of another type, a stream whose history vanished
+        report.problems += problems
+        if streams and not problems:
+            report.ok.append(f"{where}: every mapped stream key holds a stream, or nothing yet")
     except redis.AuthenticationError as exc:
         report.problems.append(PublishError(f"{where} refused the login: {exc}",
                                             hint="check the user and password in redis.url"))

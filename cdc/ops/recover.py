@@ -19,6 +19,11 @@ Runs with the bridge stopped, and keeps it stopped while it works:
    the slot's position and the recorded loss goes. The bridge resumes from the slot; the
    marks drop its changes below P, which the snapshot already holds.
 
+A mapped stream whose history vanished (gone while its mark says it held entries) is
+rebuilt the same way: its mark goes (after the fence), and the rebuild creates the stream
+afresh. A key of another type where a stream belongs stops the command before anything
+changes: it is not the stream's, so the command never deletes it.
+
 Run again after a failure: the next rebuild replays the partial one too, at a newer position.
 """
 
@@ -37,12 +42,13 @@ from ..bridge.gate import record_current
 from ..bridge.guards import clear_data_loss, invalidated_slot_error
 from ..commands import redis_for
 from ..config import Settings
-from ..errors import CdcError, SlotError
+from ..errors import CdcError, PublishError, SlotError
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector
 from ..reconcile.exported_snapshot import ExportedSnapshot, import_snapshot
 from ..sink.entry import next_stream_id
 from ..sink.publisher import Publisher, StreamBatch, position
+from ..sink.trim import account_removed
 from ..source.lsn import Lsn
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
@@ -200,6 +206,41 @@ def _fence(client, settings: Settings, say: Callable[[str], None]) -> tuple[str 
     return lost_from, lost_to
 
 
+def _vanished_streams(client, mappings: Sequence[Mapping]) -> dict[str, Lsn]:
+    """Mapped streams gone while their marks say they held entries (-> the mark's LSN); refuses, changing
+    nothing, when a key holds another type where a stream belongs."""
+    vanished = {}
+    for m in mappings:
+        for stream in m.stream_keys():
+            key_type, name = client.type(stream).decode(), keys.mark_key(stream)
+            if client.type(name) not in (b"string", b"none"):
+                raise PublishError(
+                    f"redis key {name} holds a {client.type(name).decode()}, not the high-water mark of stream {stream} "
+                    f"(entity {m.entity}); cdc recover changed nothing",
+                    hint=f"rename that key away (redis-cli RENAME {name} <new name>; cdc recover never deletes it), "
+                    "then run cdc recover again")
+            mark = client.get(name)
+            if key_type not in ("stream", "none"):
+                raise PublishError(
+                    f"redis key {stream} holds a {key_type}, not a stream, stream of entity {m.entity}; "
+                    "cdc recover changed nothing",
+                    hint=f"rename that key away (redis-cli RENAME {stream} <new name>; cdc recover never deletes it), "
+                    "then run cdc recover again")
+            if key_type == "none" and mark:
+                vanished[stream] = Lsn(int(mark[:20]))
+    return vanished
+
+
+def _forget_vanished(client, mappings: Sequence[Mapping], vanished: dict[str, Lsn],
+                     say: Callable[[str], None]) -> None:
+    """Drop the marks of vanished streams, so that the rebuild creates them afresh."""
+    rebuilt = {s for m in mappings if m.table is not None and "r" in m.ops for s in m.stream_keys()}
+    for stream, lsn in vanished.items():
+        client.delete(keys.mark_key(stream))
+        what = "rebuilt from its table" if stream in rebuilt else "left empty (its entries stay missing)"
+        say(f"{stream}: the stream is gone from redis (its mark said it held entries up to {lsn}): {what}")
+
+
 def _still_fenced(client, slot: str) -> None:
     """A bridge that got past its data-loss check just before the fence, and attached after the second
     look at the slot, has recorded a position with its first append: the rebuild cannot be trusted."""
@@ -215,7 +256,9 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
     with connect(settings) as conn, redis_for(settings) as client:
         try:
             confirmed = _idle_slot(conn, slot)
+            vanished = _vanished_streams(client, mappings)
             lost_from, lost_to = _fence(client, settings, say)
+            _forget_vanished(client, mappings, vanished, say)
             _idle_slot(conn, slot)
             say(f"slot {slot} is at {confirmed}; no bridge is attached, and one started now stops until this ends")
             with ExportedSnapshot(settings.postgres.dsn, label="recover") as snap:
@@ -223,7 +266,8 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                 say(f"snapshot at {snap.position}: the rebuilt entries take position {Lsn(base)}")
                 import_snapshot(conn, snap.name)
                 publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster,
-                                      flushed_key=keys.flushed_key(slot))
+                                      flushed_key=keys.flushed_key(slot),
+                                      entities={s: m.entity for m in mappings for s in m.stream_keys()})
                 try:
                     catalog = TypeCatalog()
                     marker = rebuild.marker(str(snap.position), lost_from, lost_to)
@@ -241,6 +285,10 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                     # the rebuild holds every row: a snapshot or backfill published after it would repeat them
                     for backfill_id, entity in supersede(conn, slot, rebuilt, f"superseded by cdc recover at {snap.position}"):
                         say(f"backfill {backfill_id} of {entity}: superseded (the rebuild holds every row)")
+                    for m in mappings:  # entries removed before the rebuild are accounted for by its marker
+                        for stream in m.stream_keys():
+                            if client.exists(stream):
+                                account_removed(client, stream)
                     publisher.record_flushed(confirmed)
                     # the streams replay to the tables as they are now: bind them from the snapshot on
                     record_current(conn, client, slot, [m.table for m in mappings if m.table], snap.position)

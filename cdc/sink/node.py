@@ -32,7 +32,7 @@ __all__ = ["Node", "classify"]
 
 TRANSIENT_REPLIES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS")
 #: every command the bridge's writes may send (its ACL user needs each; `cdc check` asks for them)
-WRITE_COMMANDS = ("multi", "exec", "watch", "mget", "xadd", "set", "get", "wait", "ping", "evalsha", "script")
+WRITE_COMMANDS = ("multi", "exec", "watch", "mget", "type", "xadd", "set", "get", "wait", "ping", "evalsha", "script")
 _RECV_SIZE = 1 << 16
 
 

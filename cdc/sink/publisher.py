@@ -8,7 +8,9 @@ agreement, and replaying a transaction after a restart appends nothing twice.
 
 That step is a MULTI/EXEC transaction guarded by WATCH on the marks
 (`cdc.sink.transaction`, the default), or the Lua append script
-(`cdc.sink.script`, ``redis.append: script``). Both run on lanes: one connection
+(`cdc.sink.script`, ``redis.append: script``). Either refuses a whole batch,
+before writing anything of it, when a stream key holds another type or a stream
+whose mark says it held entries is gone (`cdc.sink.streamkeys`). Both run on lanes: one connection
 for every stream on a single server, one per stream on a cluster (a
 transaction stays in one hash slot), all sent before any reply is read.
 
@@ -31,6 +33,7 @@ from ..errors import TransientError
 from .node import Node, classify
 from .redisconn import connect_redis
 from .script import ScriptLane
+from .streamkeys import stream_key_error
 from .transaction import TransactionLane
 
 __all__ = ["APPEND_MODES", "Publisher", "StreamBatch", "position", "split_position"]
@@ -100,11 +103,14 @@ class Publisher:
         wait_timeout_ms: int = 1000,
         double_send: float = 0.0,
         append: str = "transaction",
+        entities: Mapping[str, str] | None = None,
     ) -> None:
         if append not in APPEND_MODES:
             raise ValueError(f"append must be one of {', '.join(APPEND_MODES)}, got {append!r}")
         self.url = url
         self.append = append
+        #: stream key -> the entity it belongs to, named in errors about the key
+        self.entities = dict(entities or {})
         self._lane_kind = APPEND_MODES[append]
         self._lanes: dict[str, ScriptLane | TransactionLane] = {}
         self.flushed_key = flushed_key
@@ -146,18 +152,24 @@ class Publisher:
             node = self._nodes[target.name] = Node(target.name, pool)
         return node
 
+    def _judge(self, stream: str, key_type: str, mark: str) -> None:
+        """Raise when nothing may be appended to `stream` (`cdc.sink.streamkeys`), naming its entity."""
+        error = stream_key_error(stream, key_type, mark, self.entities.get(stream))
+        if error is not None:
+            raise error
+
     def _lane(self, key: str):
         """The lane writing `key` (a stream or the flushed record): the one lane on a single server,
         its own on a cluster."""
         if self._cluster is None:
             lane = self._lanes.get("")
             if lane is None:
-                lane = self._lanes[""] = self._lane_kind(self._nodes[""])
+                lane = self._lanes[""] = self._lane_kind(self._nodes[""], self._judge)
             return lane
         lane = self._lanes.get(key)
         if lane is None:
             node = self._route(key)
-            lane = self._lanes[key] = self._lane_kind(Node(key, node.pool))
+            lane = self._lanes[key] = self._lane_kind(Node(key, node.pool), self._judge)
         return lane
 
     def memory_reserve(self) -> int:
@@ -232,9 +244,23 @@ class Publisher:
                               for e in entries]
                 log.warning("fault injection: sending a batch of %d entries twice", len(duplicates))
                 after += duplicates
-            lane.send(group, record, after)
+            try:
+                lane.send(group, record, after)
+            except Exception:  # refused (a stream key judged) or cut: the lanes sent already still answer
+                self._drain(sent)
+                raise
             sent.append(_Sent(lane, [len(entries) for _, _, entries in group]))
         self._inflight = (sent, flushed if self._cluster is not None else None)
+
+    @staticmethod
+    def _drain(sent: list[_Sent]) -> None:
+        """Read what lanes sent before a failure answer (each lane's append is whole or nothing), so that
+        their connections stay in step; a lane that fails too is reconnected. The record does not move."""
+        for s in sent:
+            try:
+                s.lane.confirm()
+            except Exception:
+                s.lane.node.drop()
 
     def confirm(self) -> int:
         """Wait until Redis applied the outstanding send; return the entries appended."""
@@ -245,8 +271,12 @@ class Publisher:
         if not sent:
             return 0
         added = 0
-        for s in sent:
-            appended, after = s.lane.confirm()
+        for i, s in enumerate(sent):
+            try:
+                appended, after = s.lane.confirm()
+            except Exception:
+                self._drain(sent[i + 1:])
+                raise
             for count, n in zip(s.counts, appended):
                 added += n
                 self.entries_skipped += count - n

@@ -11,6 +11,17 @@ second bridge on the same streams, a recovery rewriting marks), that EXEC
 appends nothing and the lane filters again against the new marks. Entries and
 marks move together or not at all, as with the append script, but Redis runs
 plain XADDs instead of a Lua wrapper around each one.
+
+The stream keys are watched too, and their TYPE read in the same round trip
+(``EXEC, WATCH marks.. streams.., MGET marks.., TYPE stream..``), so a
+transaction is refused before MULTI when a key holds another type or a stream
+whose mark says it held entries is gone (`cdc.sink.streamkeys`): a command
+failing inside EXEC would not roll back the marks set beside it, and an XADD
+would re-create a vanished stream. Whatever changes a stream key after that
+read (XADD, DEL, a type change, an XTRIM that removes entries; not reads, acks
+or group changes) aborts the EXEC, and the batch is judged again. A watched mark
+(or the flushed record) that was set and reads unset was lost under the lane
+(FLUSHALL, FLUSHDB): that too is refused, as a data loss.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import hiredis
 from .. import speedups
 from ..errors import PublishError
 from .node import Node, classify
+from .streamkeys import stream_key_error, vanished_mark_error
 
 __all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_entries"]
 
@@ -105,13 +117,25 @@ class _Plan:
         self.queued, self.appended, self.watched = queued, appended, watched
 
 
-class TransactionLane:
-    """One connection appending to its streams in transactions that EXEC only if no mark moved."""
+def _refuse(stream: str, key_type: str, mark: str) -> None:
+    """The default judge of a stream key: raise when nothing may be appended to it."""
+    error = stream_key_error(stream, key_type, mark)
+    if error is not None:
+        raise error
 
-    def __init__(self, node: Node) -> None:
+
+class TransactionLane:
+    """One connection appending to its streams in transactions that EXEC only if no mark or stream changed."""
+
+    def __init__(self, node: Node, judge=_refuse) -> None:
         self.node = node
         #: mark key -> position Redis holds ('' when the stream was never written); valid while watched
         self.marks: dict[str, str] = {}
+        #: stream key -> its TYPE ('stream', 'none', or another type); valid while watched
+        self.types: dict[str, str] = {}
+        #: raises when a stream may not be appended to, given its key's type and its mark (`cdc.sink.streamkeys`)
+        self.judge = judge
+        self._tail: tuple[list[str], list[str], bytes] | None = None  # the watch-and-read commands, packed
         self._plan: _Plan | None = None
         self._watching_on = -1  # the node's connection the marks are watched on
         self._largest = 0  # bytes of the largest transaction sent
@@ -120,16 +144,45 @@ class TransactionLane:
         """Bytes Redis may need to queue the next transaction, judged by the largest one so far."""
         return self._largest * QUEUE_MEMORY_FACTOR
 
-    def _arm(self, mark_keys: Sequence[str]) -> None:
-        """Watch `mark_keys` and learn their values (one round trip; the first batch of a stream)."""
-        replies = self.node.round_trip([hiredis.pack_command((b"WATCH", *mark_keys)),
-                                        hiredis.pack_command((b"MGET", *mark_keys))])
+    def _forget(self) -> None:
+        self.marks.clear()
+        self.types.clear()
+        self._tail = None
+
+    def _watch_tail(self, mark_keys: Sequence[str], streams: Sequence[str]) -> bytes:
+        """``WATCH marks.. streams.., MGET marks.., TYPE stream..``, packed."""
+        commands = [hiredis.pack_command((b"WATCH", *mark_keys, *streams))]
+        if mark_keys:
+            commands.append(hiredis.pack_command((b"MGET", *mark_keys)))
+        commands += [hiredis.pack_command((b"TYPE", s)) for s in streams]
+        return b"".join(commands)
+
+    def _learn(self, mark_keys: Sequence[str], streams: Sequence[str], replies: list) -> None:
+        """Take in the replies of `_watch_tail`."""
         for reply in replies:
             if isinstance(reply, Exception):
-                self.marks.clear()
+                self._forget()
                 raise classify(reply)
-        for key, value in zip(mark_keys, replies[1]):
-            self.marks[key] = value.decode() if value else ""
+        values = replies[1] if mark_keys else []
+        marks = self.marks
+        for key, value in zip(mark_keys, values):
+            if value:
+                marks[key] = value.decode()
+            elif marks.get(key):  # set, and gone: never the lane's doing (its marks only move forward)
+                held = marks[key]
+                self._forget()
+                raise vanished_mark_error(key, held)
+            else:
+                marks[key] = ""
+        for stream, key_type in zip(streams, replies[2 if mark_keys else 1:]):
+            self.types[stream] = key_type.decode()
+
+    def _arm(self, mark_keys: Sequence[str], streams: Sequence[str]) -> None:
+        """Watch `mark_keys` and `streams`, learn their values and types (one round trip; a stream's first batch)."""
+        self._tail = None
+        self.node.send([self._watch_tail(mark_keys, streams)])
+        n = 1 + (1 if mark_keys else 0) + len(streams)
+        self._learn(mark_keys, streams, self.node.receive(n)[0])
 
     def send(self, group: Sequence[tuple[str, str, list]], flushed: tuple[str, int] | None,
              after: list[bytes]) -> None:
@@ -142,16 +195,26 @@ class TransactionLane:
         """
         self.node.connection()
         if self._watching_on != self.node.connects:  # a new connection watches nothing yet
-            self.marks.clear()
+            self._forget()
             self._watching_on = self.node.connects
         new = [mark for _, mark, _ in group if mark not in self.marks]
         if flushed is not None and flushed[0] not in self.marks:
             new.append(flushed[0])
-        if new:
-            self._arm(new)
+        new_streams = [stream for stream, _, _ in group if stream not in self.types]
+        if new or new_streams:
+            self._arm(new, new_streams)
+        marks, types = self.marks, self.types
+        for stream, mark, _ in group:  # refused before MULTI: nothing of the batch is appended
+            if types[stream] != "stream":
+                try:
+                    self.judge(stream, types[stream], marks[mark])
+                except Exception:
+                    if stream in new_streams:
+                        raise
+                    self._arm([mark], [stream])  # judged on what Redis holds now, not on a read before a fix
+                    self.judge(stream, types[stream], marks[mark])
         commands = [MULTI]
         appended = []
-        marks = self.marks
         queued = 0  # commands inside MULTI/EXEC
         for stream, mark, entries in group:
             packed, count, last = pack_entries(stream.encode(), entries, marks[mark])
@@ -164,14 +227,15 @@ class TransactionLane:
             commands.append(hiredis.pack_command((b"SET", flushed[0], str(flushed[1]))))
             queued += 1
         commands.append(EXEC)
-        watched = list(marks)
-        commands.append(hiredis.pack_command((b"WATCH", *watched)))
-        commands.append(hiredis.pack_command((b"MGET", *watched)))
+        if self._tail is None:
+            watched, streams = list(marks), list(types)
+            self._tail = (watched, streams, self._watch_tail(watched, streams))
+        commands.append(self._tail[2])
         size = sum(map(len, commands))
         if size > self._largest:
             self._largest = size
         self.node.send(commands + after)
-        self._plan = _Plan(group, flushed, after, queued, appended, watched)
+        self._plan = _Plan(group, flushed, after, queued, appended, self._tail)
 
     def confirm(self) -> tuple[list[int], list]:
         """Read the replies of the last send: entries appended per stream, and the `after` replies.
@@ -184,32 +248,29 @@ class TransactionLane:
             if plan is None:
                 return [], []
             q = plan.queued
-            replies, accepted = self.node.receive(q + 4 + len(plan.after), expect=OK + QUEUED * q)
+            watched, streams, _ = plan.watched
+            reads = 1 + (1 if watched else 0) + len(streams)  # WATCH, MGET, TYPE..
+            replies, accepted = self.node.receive(q + 2 + reads + len(plan.after), expect=OK + QUEUED * q)
             if not accepted:  # some command was refused: find which
                 for reply in replies[: 1 + q]:
                     if isinstance(reply, Exception):
-                        self.marks.clear()  # the transaction was discarded; learn the marks again
+                        self._forget()  # the transaction was discarded; learn the marks again
                         raise classify(reply)
                 replies = replies[1 + q :]
-            exec_reply, watch, values = replies[:3]
-            after = replies[3:]
-            for reply in (watch, values):
-                if isinstance(reply, Exception):
-                    self.marks.clear()
-                    raise classify(reply)
-            for key, value in zip(plan.watched, values):
-                self.marks[key] = value.decode() if value else ""
+            exec_reply = replies[0]
+            after = replies[1 + reads:]
+            self._learn(watched, streams, replies[1:1 + reads])
             if isinstance(exec_reply, Exception):
-                self.marks.clear()
+                self._forget()
                 raise classify(exec_reply)
             if exec_reply is not None:
                 for reply in exec_reply:
                     if isinstance(reply, Exception):
-                        self.marks.clear()
+                        self._forget()
                         raise classify(reply)
                 return plan.appended, after
-            log.warning("a stream mark changed under the bridge (another writer or a recovery): "
-                        "filtering the batch again against the marks Redis holds")
+            log.warning("a stream or its mark changed under the bridge (another writer, a recovery, a trim): "
+                        "judging and filtering the batch again against what Redis holds")
             self.send(plan.group, plan.flushed, plan.after)
         raise PublishError(f"stream marks kept changing during {MAX_ABORTS} attempts to append one batch",
                            hint="another process writes the same streams: stop every bridge but one on this slot")

@@ -6,7 +6,10 @@ that point have been delivered to and acknowledged by every group; a hold (set b
 `cdc reconcile` while it runs, see `keys.holds_key`) keeps everything after it as
 well. A stream with no group is left alone. An optional hard cap (length or age) bounds a stream
 whose group died; when the cap would drop entries some group still needs, that
-is logged loudly and counted.
+is logged loudly and counted, and where the stream then starts is recorded
+(`keys.TRIM_ACCOUNTED`): entries a group had not
+consumed that are missing below that point were dropped knowingly. Missing
+anywhere else, they vanished: `removed_unconsumed` finds them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from .. import keys
 from .entry import next_stream_id, parse_stream_id, reply_text
 from ..mapping.model import Mapping
 
-__all__ = ["TrimPolicy", "TrimResult", "active_holds", "safe_trim_point", "trim_mapped", "trim_stream"]
+__all__ = ["TrimPolicy", "TrimResult", "UnconsumedRemoved", "account_removed", "active_holds", "removed_unconsumed", "safe_trim_point",
+           "trim_mapped", "trim_stream"]
 
 log = logging.getLogger("cdc.trim")
 
@@ -103,7 +107,55 @@ def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolic
         pipe.hincrby(keys.TRIM_STATS, f"{stream}:trimmed", result.trimmed)
         pipe.hincrby(keys.TRIM_STATS, f"{stream}:forced", result.forced)
         pipe.execute()
+    if dropped:
+        account_removed(client, stream)
     return result
+
+
+def account_removed(client: redis.Redis, stream: str) -> None:
+    """Record that every entry missing before where `stream` starts now was removed knowingly (by the cap,
+    or accepted by cdc recover): `removed_unconsumed` reports no loss below that point."""
+    info = client.xinfo_stream(stream)
+    first = info.get("first-entry")
+    start = reply_text(first[0]) if first else next_stream_id(info["last-generated-id"])
+    client.hset(keys.TRIM_ACCOUNTED, stream, start)
+
+
+@dataclass(frozen=True)
+class UnconsumedRemoved:
+    """Entries of `stream` that group `group` had not consumed, removed: IDs from `after` (exclusive; the
+    group's last delivered or first pending) up to `before` (exclusive, where the stream starts now)."""
+    stream: str
+    group: str
+    after: str
+    before: str
+    count: int | None  # how many, when Redis can tell
+    pending: bool  # a delivered, unacknowledged entry is among them
+
+
+def removed_unconsumed(client: redis.Redis, stream: str) -> list[UnconsumedRemoved]:
+    """Entries some group still needed (pending, or not delivered yet) that are gone from the start of
+    `stream`, other than below where the bridge's cap or a recovery accounted for removals."""
+    info = client.xinfo_stream(stream)
+    if not info.get("groups"):
+        return []
+    first = info.get("first-entry")
+    start = reply_text(first[0]) if first else next_stream_id(info["last-generated-id"])
+    accounted = client.hmget(keys.TRIM_ACCOUNTED, stream)[0]
+    if accounted is not None and parse_stream_id(start) <= parse_stream_id(accounted):
+        return []
+    found = []
+    for g in client.xinfo_groups(stream):
+        name, delivered = reply_text(g["name"]), reply_text(g["last-delivered-id"])
+        if g["pending"]:
+            low = reply_text(client.xpending(stream, name)["min"])
+            if parse_stream_id(low) < parse_stream_id(start):
+                found.append(UnconsumedRemoved(stream, name, low, start, None, True))
+                continue
+        lag = g.get("lag")
+        if lag is not None and parse_stream_id(delivered) < parse_stream_id(start) and lag > info["length"]:
+            found.append(UnconsumedRemoved(stream, name, delivered, start, lag - info["length"], False))
+    return found
 
 
 def trim_mapped(client: redis.Redis, mappings: Iterable[Mapping], policy: TrimPolicy, entity: str | None = None,

@@ -97,3 +97,54 @@ def test_bridge_publishes_exactly_once_across_a_three_node_cluster(env, cluster)
         consumer.terminate()
         assert consumer.wait(30) == 0, consumer.log_path.read_text()
     client.close()
+
+
+@pytest.mark.parametrize("mode", ["transaction", "script"])
+def test_a_failed_stream_moves_neither_its_mark_nor_the_flushed_record_on_a_cluster(cluster, mode):
+    """One lane per stream: a refused stream appends nothing and keeps its mark; the flushed record, written after
+    every lane confirmed, stays where it was; the other streams' marks move only with their entries."""
+    from cdc.errors import DataLossError, PublishError
+    from cdc.sink.publisher import Publisher, StreamBatch, position
+
+    def batch(stream, positions):
+        b = StreamBatch(stream)
+        for lsn, seq in positions:
+            b.add(position(lsn, seq), [b"op", b"c", b"lsn", str(lsn), b"seq", seq])
+        return b
+
+    client = RedisCluster(host="127.0.0.1", port=cluster[0].port)
+    owners: dict[str, str] = {}
+    for i in range(50):  # three streams on three nodes
+        stream = f"cdc:s{i}"
+        owners.setdefault(client.get_node_from_key(stream).name, stream)
+    a, b, c = sorted(owners.values())[:3]
+    flushed = "cdc:bridge:slot:flushed"
+    url = f"redis://127.0.0.1:{cluster[0].port}/0"
+    pub = Publisher(url, cluster=True, append=mode, flushed_key=flushed, entities={c: "ride"})
+
+    def held(stream):
+        return [(int(f[b"lsn"]), int(f[b"seq"])) for _, f in client.xrange(stream)] if client.type(stream) == b"stream" \
+            else client.type(stream)
+
+    try:
+        pub.send([batch(a, [(100, 0)]), batch(b, [(100, 1)])], flushed=150)
+        pub.confirm()
+        client.set(c, "not a stream")
+        with pytest.raises(PublishError) as caught:
+            pub.send([batch(a, [(200, 0)]), batch(b, [(200, 1)]), batch(c, [(200, 2)])], flushed=250)
+            pub.confirm()
+        assert type(caught.value) is PublishError and f"redis key {c} holds a string, not a stream, stream of entity ride" \
+            in str(caught.value)
+        assert client.get(flushed) == b"150" and client.get(keys.mark_key(c)) is None
+        for stream in (a, b):  # each mark is the position of its stream's last entry
+            assert client.get(keys.mark_key(stream)) == position(*held(stream)[-1]).encode()
+        client.delete(c)
+        assert pub.publish([batch(a, [(200, 0)]), batch(b, [(200, 1)]), batch(c, [(200, 2)])]) >= 1
+        client.delete(b)  # a vanished stream, on its own node
+        with pytest.raises(DataLossError, match=f"stream {b} .* is gone from redis"):
+            pub.send([batch(a, [(300, 0)]), batch(b, [(300, 1)])], flushed=350)
+            pub.confirm()
+        assert not client.exists(b) and int(client.get(flushed)) < 350
+    finally:
+        pub.close()
+        client.close()

@@ -209,3 +209,105 @@ def test_the_flushed_record_only_moves_forward(redis_server, client, mode):
     finally:
         ahead.close()
         stale.close()
+
+
+def state_of(client: redis.Redis, streams: list[str], flushed: str) -> tuple:
+    """What a refused batch must leave as it was: every stream's entries and mark, and the flushed record."""
+    from cdc.keys import mark_key
+
+    return ({s: positions_in(client, s) if client.type(s) == b"stream" else client.type(s) for s in streams},
+            {s: client.get(mark_key(s)) for s in streams}, client.get(flushed))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", MODES)
+def test_a_key_of_another_type_refuses_the_whole_batch_and_names_the_key(redis_server, client, mode):
+    """Defect: WRONGTYPE failed one XADD inside EXEC while the SETs of the marks and the record ran."""
+    from cdc.errors import PublishError
+
+    flushed = "cdc:bridge:s:flushed"
+    streams = ["cdc:a", "cdc:b", "cdc:c"]
+    pub = Publisher(redis_server.url, append=mode, flushed_key=flushed, entities={"cdc:c": "ride"})
+    try:
+        pub.send([batch("cdc:a", [(100, 0)]), batch("cdc:b", [(100, 1)])], flushed=150)
+        pub.confirm()
+        client.set("cdc:c", "not a stream")  # between batches: the lane last read cdc:c as missing
+        before = state_of(client, streams, flushed)
+        with pytest.raises(PublishError) as caught:
+            pub.send([batch("cdc:a", [(200, 0)]), batch("cdc:b", [(200, 1)]), batch("cdc:c", [(200, 2)])], flushed=250)
+            pub.confirm()
+        assert type(caught.value) is PublishError and caught.value.exit_code == 5
+        assert str(caught.value) == ("redis key cdc:c holds a string, not a stream, stream of entity ride; the bridge "
+                                     "appended nothing; rename or delete that key (redis-cli TYPE/DEL cdc:c) and run "
+                                     "cdc run again")
+        assert state_of(client, streams, flushed) == before  # no entry, no mark, no record moved
+        # refused again before anything is sent while the key stays
+        with pytest.raises(PublishError, match="redis key cdc:c holds a string"):
+            pub.send([batch("cdc:a", [(200, 0)]), batch("cdc:c", [(200, 2)])], flushed=250)
+            pub.confirm()
+        assert state_of(client, streams, flushed) == before
+    finally:
+        pub.close()
+    client.delete("cdc:c")  # the fix; a replay appends each entry once
+    again = Publisher(redis_server.url, append=mode, flushed_key=flushed)
+    try:
+        again.send([batch("cdc:a", [(100, 0), (200, 0)]), batch("cdc:b", [(100, 1), (200, 1)]),
+                    batch("cdc:c", [(200, 2)])], flushed=250)
+        assert again.confirm() == 3
+    finally:
+        again.close()
+    assert [positions_in(client, s) for s in streams] == [[(100, 0), (200, 0)], [(100, 1), (200, 1)], [(200, 2)]]
+    assert client.get(flushed) == b"250"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_stream_whose_history_vanished_is_never_re_created(redis_server, client, mode, how):
+    from cdc.errors import DataLossError
+
+    flushed = "cdc:bridge:s:flushed"
+    streams = ["cdc:a", "cdc:b"]
+    pub = Publisher(redis_server.url, append=mode, flushed_key=flushed, entities={"cdc:b": "ride"})
+    try:
+        pub.send([batch("cdc:a", [(100, 0)]), batch("cdc:b", [(100, 1), (100, 2)])], flushed=150)
+        pub.confirm()
+        client.delete("cdc:b")
+        if how == "replaced":
+            client.hset("cdc:b", "f", "v")
+        before = state_of(client, streams, flushed)
+        # the lane last read cdc:b as a stream: the change aborts the transaction, which is judged again
+        pub.send([batch("cdc:a", [(200, 0)]), batch("cdc:b", [(200, 1)])], flushed=250)
+        with pytest.raises(DataLossError) as caught:
+            pub.confirm()
+        assert caught.value.exit_code == 6
+        text = str(caught.value)
+        if how == "deleted":
+            assert text.startswith("stream cdc:b (stream of entity ride) is gone from redis, but its mark "
+                                   "{cdc:b}:hwm says it held entries up to 0/64 (seq 2)")
+            assert "it never re-creates a vanished stream" in text and "run cdc recover" in text
+        else:
+            assert text.startswith("redis key cdc:b holds a hash, not a stream, stream of entity ride, and its mark")
+            assert "redis-cli RENAME cdc:b <new name>" in text and "DEL" not in text
+        assert state_of(client, streams, flushed) == before
+    finally:
+        pub.close()
+
+
+@pytest.mark.integration
+def test_a_redis_emptied_under_the_transaction_lane_is_a_data_loss(redis_server, client):
+    """FLUSHALL takes the marks with the streams: nothing then says a stream held entries, but the lane
+    watched the marks and the record it had set, and refuses to write into the empty keyspace."""
+    from cdc.errors import DataLossError
+
+    pub = Publisher(redis_server.url, flushed_key="cdc:bridge:s:flushed")
+    try:
+        pub.send([batch("cdc:a", [(100, 0)]), batch("cdc:b", [(100, 1)])], flushed=150)
+        pub.confirm()
+        client.flushall()
+        pub.send([batch("cdc:a", [(200, 0)])], flushed=250)
+        with pytest.raises(DataLossError, match="vanished while the bridge was writing"):
+            pub.confirm()
+        assert client.keys("*") == []
+    finally:
+        pub.close()

@@ -20,7 +20,7 @@ from ..sink.trim import UnconsumedRemoved, removed_unconsumed
 from ..source.lsn import Lsn
 
 __all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
-           "invalidated_slot_error", "missing_slot_error", "record_data_loss", "redis_record", "stream_problems"]
+           "invalidated_slot_error", "missing_slot_error", "record_data_loss", "record_stream_loss", "redis_record", "stream_problems"]
 
 log = logging.getLogger("cdc.guard")
 
@@ -218,12 +218,12 @@ def clear_data_loss(client: redis.Redis, slot: str) -> None:
     client.hdel(keys.bridge_state_key(slot), *DATA_LOSS_FIELDS)
 
 
-def record_data_loss(client: redis.Redis, slot: str, error: DataLossError) -> None:
+def record_stream_loss(client: redis.Redis, slot: str, error: DataLossError) -> None:
     """Record, for cdc status, a loss found on a stream (`cdc.sink.streamkeys`, `stream_problems`): what it
     held up to the LSN the error names is missing from it."""
     lost_to = getattr(error, "lost_to", None)
     if lost_to is not None:
-        _record_data_loss(client, slot, Lsn(0), lost_to, error.message)
+        record_data_loss(client, slot, Lsn(0), lost_to, error.message)
 
 
 def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[PublishError]:
@@ -298,7 +298,7 @@ def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn, stre
     problems = stream_problems(client, streams or {})
     if problems:
         if isinstance(problems[0], DataLossError):
-            record_data_loss(client, slot, problems[0])
+            record_stream_loss(client, slot, problems[0])
         raise problems[0]
     clear_data_loss(client, slot)
     return held

@@ -46,7 +46,7 @@ from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
 from .gate import TableGate
-from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, record_data_loss, redis_record
+from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, record_stream_loss, redis_record
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
@@ -292,7 +292,7 @@ class Bridge:
                 self._stream(Session(self, stream, publisher, catalog_conn, held, health.confirmed_lsn))
             except DataLossError as exc:  # a stream's history vanished while streaming: cdc status shows it
                 self._stale_pid = stream.backend_pid
-                record_data_loss(client, pgs.slot, exc)
+                record_stream_loss(client, pgs.slot, exc)
                 raise
             except Exception:
                 # over a connection that went silent, the server still sees our walsender holding the

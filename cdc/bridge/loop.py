@@ -46,7 +46,7 @@ from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
 from .gate import TableGate
-from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, record_stream_loss, redis_record
+from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, record_stream_loss, redis_record, stream_problems
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
@@ -257,6 +257,7 @@ class Bridge:
             append=rs.append, socket_timeout=self.redis_timeout, entities=self.stream_entities,
         )
         client = connect_redis(rs, socket_timeout=self.redis_timeout)
+        self._streams_client = client
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication, timeout=pgs.receive_timeout_s)
         try:
             try:
@@ -382,6 +383,15 @@ class Bridge:
                 return self.slot_watch.check(catalog_conn)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
+
+    def check_streams(self) -> None:
+        """Stop when a mapped stream's history vanished, or a key of another type took its place, even
+        while no change is written to it (the append itself refuses too); a loss is recorded for status."""
+        problems = stream_problems(self._streams_client, self.stream_entities)
+        if problems:
+            if isinstance(problems[0], DataLossError):
+                record_stream_loss(self._streams_client, self.settings.postgres.slot, problems[0])
+            raise problems[0]
 
     def heartbeat(self, catalog_conn: psycopg.Connection) -> bool:
         """Emit a heartbeat message; False (and stop trying) when not permitted."""

@@ -360,6 +360,7 @@ class Session:
         if now >= t.slot_check:
             t.slot_check = now + bridge.settings.postgres.slot_check_interval_s
             bridge.check_slot(self.conn)
+            bridge.check_streams()
         if now >= t.heartbeat:
             heartbeat = bridge.settings.postgres.heartbeat_interval_s
             t.heartbeat = now + heartbeat

@@ -22,8 +22,10 @@ Relation message naming a mapped table with another OID, or a bound OID under an
 stops it unless its transaction lies before the binding's ``since`` position (history that
 a rebuild at that position already covers: `cdc recover` records the tables it rebuilt).
 
-A partition that joins empty is bound as it is (it brings no rows); one that joins holding
-rows, or one that leaves, stops the bridge: the rows came or went without a change.
+A partition that joins empty is bound as it is (it brings no rows; rows written through the
+parent after it joined were published); one that joins holding rows written before it joined
+(judged by their inserting transaction against the attaching one), or one that leaves, stops the
+bridge: the rows came or went without a change.
 """
 
 from __future__ import annotations
@@ -187,7 +189,12 @@ class TableGate:
                 continue  # gone again since: the next reading finds it missing, and stops the bridge
             try:
                 # `leaf` is format('%I.%I'): quoted already
-                holds = conn.execute(f"SELECT EXISTS (SELECT 1 FROM ONLY {leaf})").fetchone()[0]
+                # rows written before it joined: by a transaction older than the one that attached it, or
+                # by that one before the attach (rows written through the parent since were published)
+                holds = conn.execute(
+                    f"SELECT EXISTS (SELECT 1 FROM ONLY {leaf} l, pg_inherits i WHERE i.inhrelid = %s "
+                    "AND (age(l.xmin) > age(i.xmin) OR (l.xmin = i.xmin AND l.cmin::text::int < i.cmin::text::int)))",
+                    (oid,)).fetchone()[0]
             except psycopg.errors.InsufficientPrivilege as exc:
                 raise PrivilegeError(
                     f"partition {leaf} joined mapped table {name} and role {conn.info.user} may not read it to see "

@@ -347,17 +347,18 @@ def _check_redis_url(value: str, what: str) -> None:
     from redis.connection import parse_url
 
     redact.register(value)
-    hint = ("write it as redis://user:password@host:6379/0, or rediss:// for TLS, unix:///path.sock for a socket; "
-            "percent-encode a password's special characters (%2F for /, %3F for ?, %23 for #, %40 for @)")
+    hint = "write it as redis://user:password@host:6379/0, or rediss:// for TLS, unix:///path.sock for a socket"
+    encode = "percent-encode a password's special characters in a URL (%2F for /, %3F for ?, %23 for #, %40 for @)"
     try:
         url = urlsplit(value)
         password = url.password
     except ValueError as exc:
-        raise ConfigError(f"{what} is not a valid URL: {redact.mask_quoted(str(exc), value)}", hint=hint) from None
+        raise ConfigError(f"{what} is not a valid URL: {redact.mask_quoted(str(exc), value)}",
+                          hint=f"{hint}; {encode}") from None
     written = redact.written_password(value)
     if written is not None and (password is None or unquote(password) != written):
         raise ConfigError(f"{what}: its password would not be read as written (a character in it, such as /, ? or #, "
-                          "ends it early)", hint=hint)
+                          "ends it early)", hint=encode)
     try:
         url.port  # noqa: B018 (raises on a port that is not a number)
     except ValueError as exc:

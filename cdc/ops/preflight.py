@@ -295,6 +295,8 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
                 report.ok.append(f"{where} holds the source up to slot {settings.postgres.slot}'s position {confirmed}")
             except DataLossError as exc:
                 report.problems.append(exc)
+    except CdcError as exc:  # a refused login or a TLS mismatch, named by the connection (cdc.sink.redisconn)
+        report.problems.append(exc)
     except redis.AuthenticationError as exc:
         report.problems.append(PublishError(f"{where} refused the login: {exc}",
                                             hint="check the user and password in redis.url"))

@@ -218,7 +218,8 @@ def test_each_kind_of_failure_exits_with_its_code(env):
     # a wrong Redis password: 5, not transient
     env.write_config(redis_url=f"redis://nosuchuser:pw@127.0.0.1:{env.redis_server.port}/0")
     result = env.cdc("trim")
-    assert result.returncode == 5 and "redis refused the login" in result.stderr, result.stderr
+    assert result.returncode == 5 and f"redis at 127.0.0.1:{env.redis_server.port} refused the login" in result.stderr, \
+        result.stderr
     # an argument: 2
     env.write_config()
     result = env.cdc("read", "--entity", "ride", "--from", "yesterday")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import math
 import os
 from collections.abc import Mapping
@@ -342,7 +343,7 @@ def _is_count(text: str) -> bool:
 def _check_redis_url(value: str, what: str) -> None:
     """A Redis URL redis-py accepts: redis://, rediss:// or unix://, with a host and a numeric database,
     its password read as written, and query options redis-py knows."""
-    from urllib.parse import unquote, urlsplit
+    from urllib.parse import parse_qs, unquote, urlsplit
 
     from redis.connection import parse_url
 
@@ -371,11 +372,19 @@ def _check_redis_url(value: str, what: str) -> None:
     db = url.path.lstrip("/") if url.scheme != "unix" else ""
     if db and not db.isdigit():
         raise ConfigError(f"{what}: database {redact.redact(repr(db))} is not a number", hint=hint)
+    for option, choices in _REDIS_URL_CHOICES.items():
+        for got in parse_qs(url.query).get(option, []):
+            if got.lower() not in choices:
+                raise ConfigError(f"{what}: {option}={redact.redact(repr(got))} is not one of {', '.join(choices)}",
+                                  hint=f"fix {option} in the URL")
     try:
         parse_url(value)  # redis-py's own reading: its query options (ssl_cert_reqs=..., socket_timeout=...)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{what}: {redact.mask_quoted(str(exc), value)}", hint=hint) from None
 
+
+#: query options of a Redis URL whose values are one of a few words (redis-py refuses others only when connecting)
+_REDIS_URL_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required")}
 
 _CONNECTION_STRINGS = {
     ("postgres", "dsn"): check_dsn,
@@ -433,11 +442,12 @@ RANGES: dict[tuple[str, str], Range] = {
 
 #: ``CDC_`` variables that are not settings, and what reads them: any other ``CDC_`` name that is not
 #: a setting's (``CDC_<SECTION>_<KEY>``, ``CDC_MAPPINGS``, each also as ``..._FILE``) is an error.
-#: A trailing ``*`` accepts every name with that prefix.
+#: A ``*`` stands for any text.
 OTHER_VARIABLES: dict[str, str] = {
     "CDC_PURE_PYTHON": "run the pure-Python hot path instead of the compiled one (cdc.speedups)",
     "CDC_TRACEBACK": "print the traceback of a failure (cdc.exits)",
     "CDC_HASH_KEY*": "keys of keyed hashing in mappings",
+    "CDC_*_SALT": "a mapping's hash salt (salt_env); other salt variables are named without CDC_",
     "CDC_PG_BIN": "where the demo and the tests find PostgreSQL's programs (cdc.demo.local)",
     "CDC_DEMO_*": "the demo's ports (cdc.demo.run)",
     "CDC_FAULT_*": "faults injected by the tests (cdc.bridge.loop, cdc.consume.commands)",
@@ -454,7 +464,7 @@ def setting_variables() -> dict[str, str]:
 
 
 def _other_variable(name: str) -> bool:
-    return any(name.startswith(known[:-1]) if known.endswith("*") else name == known for known in OTHER_VARIABLES)
+    return any(fnmatch.fnmatchcase(name, known) for known in OTHER_VARIABLES)
 
 
 def _grouped(names: Mapping[str, str]) -> str:

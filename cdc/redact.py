@@ -47,6 +47,8 @@ _LIBPQ_KEYWORDS = (
     "oauth_issuer oauth_client_id oauth_client_secret oauth_scope"
 ).split()
 _NEXT_KEYWORD = re.compile(r"\s+(?:" + "|".join(_LIBPQ_KEYWORDS) + r")\s*=", re.IGNORECASE)
+_NEXT_PARAMETER = re.compile(r"&(?:" + "|".join(_LIBPQ_KEYWORDS) + r"|ssl_\w+|socket_\w+|health_check_interval|"
+                             r"client_name|protocol|db|username|retry_on_timeout|max_connections)=", re.IGNORECASE)
 _KV_PASSWORD = re.compile(r"(?:^|\s)(?:password|sslpassword|oauth_client_secret)\s*=\s*", re.IGNORECASE)
 _QUERY_PASSWORD = re.compile(r"[?&](?:password|sslpassword)=", re.IGNORECASE)
 # where a password may be cut short by a parser: each piece is a secret too
@@ -67,8 +69,8 @@ def password_spans(value: str) -> list[tuple[int, int]]:
             if colon != -1:
                 spans.append((colon + 1, at))
         for m in _QUERY_PASSWORD.finditer(value, start):
-            end = value.find("&", m.end())
-            spans.append((m.end(), len(value) if end == -1 else end))
+            following = _NEXT_PARAMETER.search(value, m.end())  # an '&' in it may cut it short: run to the next keyword
+            spans.append((m.end(), following.start() if following else len(value)))
     else:
         for m in _KV_PASSWORD.finditer(value):
             start = m.end()
@@ -77,6 +79,9 @@ def password_spans(value: str) -> list[tuple[int, int]]:
                 while i < len(value) and value[i] != "'":
                     i += 2 if value[i] == "\\" else 1
                 end = min(i + 1, len(value))  # an unterminated quote runs to the end
+                if end < len(value) and not value[end].isspace():  # 'pw'more: a parser may split it there
+                    following = _NEXT_KEYWORD.search(value, end)
+                    end = following.start() if following else len(value.rstrip())
             else:
                 following = _NEXT_KEYWORD.search(value, start)
                 end = following.start() if following else len(value.rstrip())

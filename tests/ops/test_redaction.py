@@ -3,12 +3,26 @@ given in the config file, the environment or a secret file, mistyped or merely w
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import re
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import quote, unquote
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from psycopg.conninfo import conninfo_to_dict
+from redis.connection import parse_url
 
+from cdc import redact as redact_module
+from cdc.config import Settings
 from cdc.demo.local import free_port
+from cdc.errors import CdcError
+from cdc.exits import report
 from cdc.redact import redact, secrets_of
 
 SECRET = "S3cret-9f2Kq"
@@ -34,6 +48,104 @@ def test_redact_hides_passwords_however_written(text, shown):
 
 def test_the_secrets_of_a_url_include_the_decoded_password():
     assert {"S3%40cret", "S3@cret"} <= secrets_of("redis://u:S3%40cret@h/0")
+
+
+# -- every way a password can be malformed, from every source ---------------------------------------
+
+#: what a generated password is made of: marker words (which must never show) between characters
+#: that break parsers: spaces, @, %, quotes, backslashes, :, /, ?, #, =, &, non-ASCII letters
+MARKERS = ("Qz7kW", "Jx4vR", "Pm9tY")
+BREAKERS = (" ", "@", "%", "%zz", "%40", "'", '"', "\\", ":", "/", "?", "#", "=", "&", "\u00e9", "\u00df", "\u20ac", "\t", "@@", "''")
+passwords = st.lists(st.sampled_from(BREAKERS + MARKERS), min_size=0, max_size=6).map(
+    lambda parts: MARKERS[0] + "".join(parts) + MARKERS[1])
+
+
+def _quoted(password: str) -> str:
+    return "'" + password.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+#: how a DSN can hold the password: written raw (often malformed) or properly encoded (valid)
+DSN_FORMS = {
+    "url raw": lambda pw: f"postgresql://cdc_bridge:{pw}@127.0.0.1:5432/app",
+    "url mistyped scheme": lambda pw: f"postgresql:/cdc_bridge:{pw}@127.0.0.1/app",
+    "url encoded": lambda pw: f"postgresql://cdc_bridge:{quote(pw, safe='')}@127.0.0.1:5432/app",
+    "url query": lambda pw: f"postgresql://cdc_bridge@127.0.0.1:5432/app?password={pw}",
+    "key=value raw": lambda pw: f"host=127.0.0.1 user=cdc_bridge password={pw} dbname=app",
+    "key=value quoted": lambda pw: f"host=127.0.0.1 user=cdc_bridge password={_quoted(pw)} dbname=app",
+    "key=value unterminated quote": lambda pw: f"host=127.0.0.1 user=cdc_bridge password='{pw} dbname=app",
+    "key=value bad sslmode": lambda pw: f"host=127.0.0.1 password={_quoted(pw)} sslmode=bogus",
+}
+URL_FORMS = {
+    "raw": lambda pw: f"redis://cdc-bridge:{pw}@127.0.0.1:6379/0",
+    "encoded": lambda pw: f"redis://cdc-bridge:{quote(pw, safe='')}@127.0.0.1:6379/0",
+    "raw, bad port": lambda pw: f"rediss://:{pw}@127.0.0.1:port/0",
+    "raw, bad option": lambda pw: f"redis://:{pw}@127.0.0.1:6379/0?ssl_cert_reqs=maybe",
+}
+
+
+def _load(tmp: Path, setting: str, value: str, source: str) -> tuple[int | None, str, str]:
+    """Load a config with `setting` (postgres.dsn or redis.url) = `value` given by `source`;
+    (exit code or None when it loaded, what `cdc` printed, where the message must point)."""
+    section, key = setting.split(".")
+    variable = f"CDC_{section}_{key}".upper()
+    cfg = tmp / "cdc.yaml"
+    env: dict[str, str] = {}
+    if source == "file":
+        cfg.write_text(f"# the {setting}\n{section}:\n  {key}: {json.dumps(value)}\n")
+        where = f"{cfg}:3"
+    else:
+        cfg.write_text("mappings: mappings/\n")
+        if source == "env":
+            env[variable], where = value, variable
+        else:
+            (tmp / "secret").write_text(value + "\n")
+            env[variable + "_FILE"], where = str(tmp / "secret"), variable + "_FILE"
+    saved = set(redact_module._registered)
+    redact_module._registered.clear()  # what this load registers, and nothing else, hides the password
+    try:
+        try:
+            Settings.from_file(cfg, env=env)
+            return None, "", where
+        except CdcError as exc:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                code = report(exc)
+            return code, err.getvalue(), where
+    finally:
+        redact_module._registered.clear()
+        redact_module._registered.update(saved)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(password=passwords, form=st.sampled_from(sorted(DSN_FORMS)), source=st.sampled_from(["file", "env", "env file"]))
+@example(password="Qz7kW pa ss@Jx4vR", form="key=value raw", source="env")
+@example(password="Qz7kW@Jx4vR", form="url raw", source="file")
+@example(password="Qz7kW'Jx4vR", form="key=value unterminated quote", source="env file")
+def test_a_dsn_password_never_shows_however_malformed(password, form, source, tmp_path):
+    dsn = DSN_FORMS[form](password)
+    code, printed, where = _load(tmp_path, "postgres.dsn", dsn, source)
+    if code is None:  # accepted: then libpq reads the password as written (percent-decoded in a URL)
+        written = (password if "encoded" in form else unquote(password) if "url" in form
+                   else re.sub(r"\\(.)", r"\1", password) if "raw" in form else password)
+        assert conninfo_to_dict(dsn).get("password") == written, (form, dsn)  # (libpq's escapes unescaped)
+        return
+    assert not any(marker in printed for marker in MARKERS), printed
+    assert code == 2 and printed.count("\n") == 1, printed
+    assert printed.startswith(f"cdc: error: {where}: postgres.dsn"), printed
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(password=passwords, form=st.sampled_from(sorted(URL_FORMS)), source=st.sampled_from(["file", "env", "env file"]))
+@example(password="Qz7kW/Jx4vR", form="raw", source="env")
+def test_a_redis_url_password_never_shows_however_malformed(password, form, source, tmp_path):
+    url = URL_FORMS[form](password)
+    code, printed, where = _load(tmp_path, "redis.url", url, source)
+    if code is None:  # accepted: then redis-py reads the password as written (percent-decoded)
+        assert parse_url(url).get("password") == (password if "encoded" in form else unquote(password)), (form, url)
+        return
+    assert not any(marker in printed for marker in MARKERS), printed
+    assert code == 2 and printed.count("\n") == 1, printed
+    assert printed.startswith(f"cdc: error: {where}: redis.url"), printed
 
 
 def _commands(env) -> list[tuple[str, ...]]:

@@ -221,7 +221,7 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
     for key, f in fields.items():
         env_name = f"CDC_{name}_{key}".upper()
         value = _override(env, env_name, raw.get(key, f.default))
-        origin = env_name if env_name in env else (env_name + "_FILE" if env_name + "_FILE" in env else where(raw, key))
+        origin = _origin(env, name, key, raw)
         check = _CONNECTION_STRINGS.get((name, key))
         if check is not None and isinstance(value, str):
             redact.register(value)  # before anything can quote it, however malformed
@@ -241,11 +241,11 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
         if check is not None and values[key]:
             check(values[key], f"{origin}: {name}.{key}")
     for rule in _SECTION_RULES.get(name, ()):
-        rule(values, lambda key: env_name_or_where(env, name, key, raw))
+        rule(values, lambda key: _origin(env, name, key, raw))
     return section_cls(**values)
 
 
-def env_name_or_where(env: Mapping[str, str], section: str, key: str, raw: Any) -> str:
+def _origin(env: Mapping[str, str], section: str, key: str, raw: Any) -> str:
     """Where `section.key`'s value came from: its variable, or file:line."""
     env_name = f"CDC_{section}_{key}".upper()
     if env_name in env:

@@ -13,7 +13,8 @@ import orjson
 from .. import redact
 from ..cliargs import check_position, check_positive
 from ..commands import entity_named, load_config, redis_for
-from ..errors import UsageError
+from ..errors import TransientError, UsageError
+from ..exits import as_cdc_error
 from ..loader import load_callable
 
 __all__ = ["cmd_consume", "cmd_replay", "cmd_read", "cmd_dlq"]
@@ -70,9 +71,13 @@ def cmd_consume(args: argparse.Namespace) -> int:
         try:
             while not stop.is_set():
                 try:
+                    handler.connection()  # the state database first: a refused login stops here, not at the first entry
                     consumer.create_group(args.start)
                     consumer.run(handler, stop)
                 except (redis.ConnectionError, redis.TimeoutError, psycopg.OperationalError) as exc:
+                    error = as_cdc_error(exc)
+                    if not isinstance(error, TransientError):  # a refused login, a TLS mismatch: retrying won't help
+                        raise error from exc
                     # a server restarting: what was not acknowledged comes back; retry with backoff
                     log.warning("transient failure, retrying in %.1fs: %s", delay, exc)
                     stop.wait(delay)

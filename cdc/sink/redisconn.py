@@ -85,6 +85,15 @@ def tls_mismatch(host: str, port: int, tls: bool) -> ConfigError | None:
     return None
 
 
+def _looks_like_tls_mismatch(exc: Exception, tls: bool) -> bool:
+    """Whether a failure to connect is the kind a TLS mismatch gives (worth probing the port), not
+    a refused connection: a TLS handshake left unanswered by a plain-text port, or a plain-text
+    command cut off by a TLS port."""
+    text = str(exc).lower()
+    cut = any(word in text for word in ("reset", "closed", "eof", "ssl", "tls"))
+    return cut or (tls and isinstance(exc, redis.TimeoutError))
+
+
 _DIAGNOSING: dict[type, type] = {}
 
 
@@ -118,7 +127,7 @@ def _diagnosing(base: type) -> type:
                 ) from None
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 host, port = getattr(self, "host", None), getattr(self, "port", None)
-                if host and port:
+                if host and port and _looks_like_tls_mismatch(exc, isinstance(self, SSLConnection)):
                     mismatch = tls_mismatch(host, int(port), isinstance(self, SSLConnection))
                     if mismatch is not None:
                         raise mismatch from None

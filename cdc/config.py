@@ -14,6 +14,7 @@ import difflib
 import fnmatch
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,6 +239,9 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
         choices = _CHOICES.get((name, key))
         if choices and values[key] not in choices:
             raise ConfigError(f"{origin}: {name}.{key} must be one of {', '.join(choices)}, got {value!r}")
+        form = _FORMS.get((name, key))
+        if form and not re.fullmatch(form[0], values[key], re.IGNORECASE if name == "reconcile" else 0):
+            raise ConfigError(f"{origin}: {name}.{key} must be {form[1]}, got {values[key]!r}", hint=_range_hint(f.default))
         if check is not None and values[key]:
             check(values[key], f"{origin}: {name}.{key}")
     for rule in _SECTION_RULES.get(name, ()):
@@ -498,6 +502,13 @@ def check_environment(env: Mapping[str, str]) -> None:
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 #: settings that take one of a few words
 _CHOICES = {("redis", "append"): ("transaction", "script")}
+#: text settings with a form, and that form in words (PostgreSQL's rules for a slot name; Spark's for memory)
+_FORMS: dict[tuple[str, str], tuple[str, str]] = {
+    ("postgres", "slot"): (r"[a-z0-9_]{1,63}", "1 to 63 lower-case letters, digits or _"),
+    ("postgres", "publication"): (r"(?s).{1,63}", "a name of 1 to 63 characters"),
+    ("reconcile", "driver_memory"): (r"[0-9]+[kmgtp]?", "a size such as 512m or 2g"),
+    ("reconcile", "executor_memory"): (r"([0-9]+[kmgtp]?)?", "empty, or a size such as 512m or 2g"),
+}
 
 
 def _coerce(value: Any, kind: type) -> Any:

@@ -97,6 +97,21 @@ COMPANIONS = {("redis", "resume_at_memory_fraction"): {"pause_at_memory_fraction
               ("postgres", "retained_wal_critical_bytes"): {"retained_wal_warn_bytes": 0}}
 
 
+@pytest.mark.parametrize("section, key, bad, good", [
+    ("postgres", "slot", ["My-Slot", "", "x" * 64, "slot name"], ["cdc", "slot_2", "x" * 63]),
+    ("postgres", "publication", ["", "p" * 64], ["cdc", "My Pub"]),
+    ("reconcile", "driver_memory", ["2 gigs", "", "-1g"], ["2g", "512M", "1024"]),
+    ("reconcile", "executor_memory", ["lots"], ["", "4g"]),
+])
+def test_a_text_setting_out_of_its_form_is_refused(section, key, bad, good):
+    variable = f"CDC_{section}_{key}".upper()
+    for value in bad:
+        message, _ = _error({}, {variable: value})
+        assert message.startswith(f"{variable}: {section}.{key} must be "), message
+    for value in good:
+        assert getattr(getattr(Settings.from_dict({}, env={variable: value}), section), key) == value
+
+
 def test_cross_setting_rules_name_both():
     message, _ = _error({"redis": {"pause_at_memory_fraction": 0.5, "resume_at_memory_fraction": 0.6}})
     assert "redis.resume_at_memory_fraction (0.6) must be below redis.pause_at_memory_fraction (0.5)" in message
@@ -217,7 +232,8 @@ def test_the_readme_configuration_table_is_the_code():
         for f in dataclasses.fields(cls):
             limits = RANGES.get((name, f.name))
             choices = config._CHOICES.get((name, f.name))
-            shown = str(limits) if limits else ", ".join(choices) if choices else ""
+            form = config._FORMS.get((name, f.name))
+            shown = str(limits) if limits else ", ".join(choices) if choices else form[1] if form else ""
             expected[f"{name}.{f.name}"] = (type(f.default).__name__, _yaml(f.default), shown)
     assert rows == expected
 

@@ -422,7 +422,7 @@ _FOREVER_BYTES = 2**63 - 1
 #: every numeric setting's range, by (section, key); the README's "Configuration" table shows them
 RANGES: dict[tuple[str, str], Range] = {
     ("postgres", "receive_timeout_s"): Range(1, 3600),
-    ("postgres", "heartbeat_interval_s"): Range(1, 86400, off=0),
+    ("postgres", "heartbeat_interval_s"): Range(0.1, 86400, off=0),
     ("postgres", "slot_check_interval_s"): Range(0.1, 3600),
     ("postgres", "retained_wal_warn_bytes"): Range(0, _FOREVER_BYTES),
     ("postgres", "retained_wal_critical_bytes"): Range(0, _FOREVER_BYTES),
@@ -436,7 +436,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("batch", "status_interval_s"): Range(0.01, 60),
     ("batch", "backfill_chunk_rows"): Range(1, 10_000_000),
     ("batch", "stream_buffer_mb"): Range(1, 1_048_576),
-    ("trim", "interval_s"): Range(1, 86400, off=0),
+    ("trim", "interval_s"): Range(0.1, 86400, off=0),
     ("trim", "max_len"): Range(0, _FOREVER_BYTES),
     ("trim", "max_age_s"): Range(0, 315_360_000),
     ("reconcile", "executor_cores"): Range(0, 1024),

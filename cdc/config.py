@@ -230,7 +230,9 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
         try:
             values[key] = _coerce(value, kind)
         except (TypeError, ValueError):
-            shown = redact.redact(repr(value)) if check is None else "a malformed value"
+            shown = (redact.redact(repr(value)) if check is None or not isinstance(value, str)
+                     else "a malformed value")
+            shown = "nothing (null)" if value is None else shown
             raise ConfigError(f"{origin}: {name}.{key} must be {_KIND_NAMES[kind]}, got {shown}",
                               hint=_range_hint(f.default)) from None
         limits = RANGES.get((name, key))
@@ -242,6 +244,9 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
         form = _FORMS.get((name, key))
         if form and not re.fullmatch(form[0], values[key], re.IGNORECASE if name == "reconcile" else 0):
             raise ConfigError(f"{origin}: {name}.{key} must be {form[1]}, got {values[key]!r}", hint=_range_hint(f.default))
+        if (name, key) in _REQUIRED and not values[key].strip():
+            raise ConfigError(f"{origin}: {name}.{key} is empty", hint=f"set it, or unset {origin}" if origin.startswith(
+                "CDC_") else "set it, or remove the key for the default")
         if check is not None and values[key]:
             check(values[key], f"{origin}: {name}.{key}")
     for rule in _SECTION_RULES.get(name, ()):
@@ -390,6 +395,9 @@ def _check_redis_url(value: str, what: str) -> None:
 #: query options of a Redis URL whose values are one of a few words (redis-py refuses others only when connecting)
 _REDIS_URL_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required")}
 
+#: settings that may not be empty (an empty override is more likely an unset variable than a wish)
+_REQUIRED = {("postgres", "dsn"), ("redis", "url"), ("postgres", "slot"), ("postgres", "publication")}
+
 _CONNECTION_STRINGS = {
     ("postgres", "dsn"): check_dsn,
     ("reconcile", "state_dsn"): check_dsn,
@@ -512,15 +520,19 @@ _FORMS: dict[tuple[str, str], tuple[str, str]] = {
 
 
 def _coerce(value: Any, kind: type) -> Any:
+    """`value` (from YAML or the environment) as `kind`; nothing else silently becomes one
+    (a list is no boolean, null no string, true no number)."""
+    if value is None or isinstance(value, (list, dict)):
+        raise TypeError(value)
     if kind is bool:
-        if isinstance(value, str):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        return bool(value)
-    if kind in (int, float) and isinstance(value, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(value)
+    if isinstance(value, bool):
         raise TypeError(value)
     if kind is int and isinstance(value, float):
         raise TypeError(value)

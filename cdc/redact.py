@@ -79,9 +79,9 @@ def password_spans(value: str) -> list[tuple[int, int]]:
                 while i < len(value) and value[i] != "'":
                     i += 2 if value[i] == "\\" else 1
                 end = min(i + 1, len(value))  # an unterminated quote runs to the end
-                if end < len(value) and not value[end].isspace():  # 'pw'more: a parser may split it there
+                if value[end:].strip():  # 'pw'more or 'pw' more: what a parser may split off, up to the next keyword
                     following = _NEXT_KEYWORD.search(value, end)
-                    end = following.start() if following else len(value.rstrip())
+                    end = max(end, following.start() if following else len(value.rstrip()))
             else:
                 following = _NEXT_KEYWORD.search(value, start)
                 end = following.start() if following else len(value.rstrip())

@@ -112,6 +112,30 @@ def test_a_text_setting_out_of_its_form_is_refused(section, key, bad, good):
         assert getattr(getattr(Settings.from_dict({}, env={variable: value}), section), key) == value
 
 
+@pytest.mark.parametrize("yaml_value, says", [
+    ("null", "must be a string, got nothing (null)"), ("[a, b]", "must be a string, got ['a', 'b']"),
+    ("''", "postgres.dsn is empty"), ("['postgresql://u:S3cret-list@h/db']", "must be a string, got"),
+])
+def test_a_connection_string_of_the_wrong_type_or_empty_is_refused(yaml_value, says, tmp_path):
+    cfg = tmp_path / "cdc.yaml"
+    cfg.write_text(f"postgres:\n  dsn: {yaml_value}\n")
+    with pytest.raises(ConfigError) as caught:
+        Settings.from_file(cfg, env={})
+    assert str(caught.value).startswith(f"{cfg}:2: postgres.dsn") and says in str(caught.value), str(caught.value)
+    assert "S3cret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("postgres", "streaming", "[yes]"), ("redis", "cluster", "null"), ("trim", "max_len", "true"),
+    ("batch", "max_entries", "1.5"), ("postgres", "slot", "true"),
+])
+def test_nothing_silently_becomes_a_boolean_a_number_or_text(section, key, value, tmp_path):
+    cfg = tmp_path / "cdc.yaml"
+    cfg.write_text(f"{section}:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"cdc.yaml:2: {section}.{key} must be "):
+        Settings.from_file(cfg, env={})
+
+
 def test_cross_setting_rules_name_both():
     message, _ = _error({"redis": {"pause_at_memory_fraction": 0.5, "resume_at_memory_fraction": 0.6}})
     assert "redis.resume_at_memory_fraction (0.6) must be below redis.pause_at_memory_fraction (0.5)" in message

@@ -56,7 +56,7 @@ def test_the_secrets_of_a_url_include_the_decoded_password():
 #: what a generated password is made of: marker words (which must never show) between characters
 #: that break parsers: spaces, @, %, quotes, backslashes, :, /, ?, #, =, &, non-ASCII letters
 MARKERS = ("Qz7kW", "Jx4vR", "Pm9tY")
-BREAKERS = (" ", "@", "%", "%zz", "%40", "'", '"', "\\", ":", "/", "?", "#", "=", "&", "\u00e9", "\u00df", "\u20ac", "\t", "@@", "''")
+BREAKERS = (" ", "@", "%", "%zz", "%40", "'", '"', "\\", ":", "/", "?", "#", "=", "&", "\u00e9", "\u00df", "\u20ac", "\t", "\n", "@@", "''", "\\'")
 passwords = st.lists(st.sampled_from(BREAKERS + MARKERS), min_size=0, max_size=6).map(
     lambda parts: MARKERS[0] + "".join(parts) + MARKERS[1])
 

@@ -47,6 +47,39 @@ def test_redact_hides_passwords_however_written(text, shown):
     assert redact(text) == (text if shown is None else shown)
 
 
+@pytest.mark.parametrize("message, value, shown", [
+    ('missing "=" after "ss" in connection info string', "host=db password=pa ss dbname=x",
+     'missing "=" after "***" in connection info string'),
+    ('invalid percent-encoded token: "p%zzss"', "postgresql://u:p%zzss@h/db", 'invalid percent-encoded token: "***"'),
+    ('unexpected spaces found in "pa ss", use percent-encoded spaces (%20) instead', "postgresql://u:pa ss@h/db",
+     'unexpected spaces found in "***", use percent-encoded spaces (%20) instead'),
+    ('end of string reached when looking for matching "]" in IPv6 host address in URI: "postgresql://u:pw@[h/db"',
+     "postgresql://u:pw@[h/db", 'end of string reached when looking for matching "]" in IPv6 host address in URI: '
+                                '"postgresql://u:***@[h/db"'),
+    ("Port could not be cast to integer value as 'pa'", "redis://u:pa/ss@h:6379/0",
+     "Port could not be cast to integer value as '***'"),
+    ('invalid connection option "nosuch"', "host=db nosuch=1 password=pw", 'invalid connection option "nosuch"'),
+    # after an unquoted password, a word that is no keyword may be part of it (password=a b=c): hidden
+    ('invalid connection option "b"', "host=db password=a b=c", 'invalid connection option "***"'),
+])
+def test_a_parser_s_quoted_fragment_shows_without_the_password(message, value, shown):
+    assert redact_module.mask_quoted(message, value) == shown
+
+
+@pytest.mark.parametrize("value, spans", [
+    ("postgresql://u:p@ss@h/db", ["p@ss"]),
+    ("postgresql://u:pa/ss@h/db", ["pa/ss"]),
+    ("redis://:p?ss#x@h:6379/0", ["p?ss#x"]),
+    ("host=db password=pa ss dbname=x", ["pa ss"]),
+    ("host=db password='pa ss dbname=x", ["'pa ss dbname=x"]),
+    ("host=db password='pa' ss dbname=x", ["'pa' ss"]),
+    ("postgresql://u@h/db?password=a&b&sslmode=require", ["a&b"]),
+    ("postgresql://u@h:5432/db", []),
+])
+def test_a_password_is_read_generously(value, spans):
+    assert [value[a:b] for a, b in redact_module.password_spans(value)] == spans
+
+
 def test_the_secrets_of_a_url_include_the_decoded_password():
     assert {"S3%40cret", "S3@cret"} <= secrets_of("redis://u:S3%40cret@h/0")
 
@@ -150,7 +183,8 @@ def test_a_redis_url_password_never_shows_however_malformed(password, form, sour
 
 
 def _commands(env) -> list[tuple[str, ...]]:
-    return [("init",), ("check",), ("run", "--until-caught-up"), ("status",), ("schema",), ("trim",),
+    return [("init",), ("check",), ("run", "--until-caught-up"), ("status",), ("schema",), ("trim",), ("recover",),
+            ("reconcile", "--dry-run"),
             ("backfill", "--entity", "ride"), ("read", "--entity", "ride"), ("dlq", "list", "--group", "g"),
             ("replay", "--entity", "ride", "--group", "g", "--from", "0"),
             ("consume", "--entity", "ride", "--group", "g", "--handler", "cdc.demo.rocketrides:ride_totals",
@@ -199,7 +233,7 @@ def test_no_command_shows_a_password_on_any_error_path(env, tmp_path):
     for what, dsn in bad_dsns.items():
         env.config_path.write_text(f"postgres: {{dsn: {json.dumps(dsn)}, slot: {env.slot}}}\n"  # in the config file
                                    f"redis: {{url: '{env.redis_server.url}'}}\nmappings: mappings/\nhttp: {{port: 0}}\n")
-        for command in _commands(env)[:6]:
+        for command in _commands(env)[:8]:  # those that connect to PostgreSQL first
             runs.append((f"config dsn {what}", command, _cdc(env, *command)))
         secret = tmp_path / "dsn"
         secret.write_text(dsn)
@@ -216,4 +250,4 @@ def test_no_command_shows_a_password_on_any_error_path(env, tmp_path):
             continue
         failures.append(f"{what}: cdc {' '.join(command)} -> {result.returncode}\n{output}")
     assert not failures, "\n".join(failures)
-    assert len(runs) == len(bad_dsns) * 8 + len(bad_urls) * len(_commands(env))
+    assert len(runs) == len(bad_dsns) * 10 + len(bad_urls) * len(_commands(env))

@@ -493,6 +493,9 @@ def check_environment(env: Mapping[str, str]) -> None:
     """Every ``CDC_`` variable in `env` is one cdc reads: a misspelt override is an error, never ignored."""
     settings = setting_variables()
     for name in sorted(env):
+        if name.upper().startswith("CDC_") and not name.startswith("CDC_"):  # cdc_postgres_dsn: never read
+            raise ConfigError(f"environment variable {name}: cdc's variables are upper-case",
+                              hint=f"rename it {name.upper()}")
         if not name.startswith("CDC_") or _other_variable(name):
             continue
         base = name[: -len("_FILE")] if name.endswith("_FILE") else name

@@ -177,6 +177,11 @@ def test_an_unknown_cdc_variable_is_an_error_listing_the_accepted_ones(name, gue
     assert "S3cret" not in message
 
 
+def test_a_lower_case_cdc_variable_is_an_error_too():
+    message, _ = _error({}, {"cdc_postgres_dsn": "postgresql://u@h/db"})
+    assert message == "environment variable cdc_postgres_dsn: cdc's variables are upper-case; rename it CDC_POSTGRES_DSN"
+
+
 def test_both_a_variable_and_its_file_or_an_empty_file_variable_are_errors(tmp_path):
     secret = tmp_path / "dsn"
     secret.write_text("postgresql://u:S3cret-both@h/db\n")

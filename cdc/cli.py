@@ -168,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in os.environ.items():  # secrets given by environment: hidden from every message
         if name.startswith("CDC_") and name.endswith(("_DSN", "_URL")):
             redact.register(value)
+    redact.register_password(os.environ.get("PGPASSWORD"))  # libpq's, and the JDBC reads of cdc reconcile
     try:
         try:
             args = build_parser().parse_args(argv)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["MASK", "mask_quoted", "password_spans", "redact", "register", "secrets_of", "written_password"]
+__all__ = ["MASK", "mask_quoted", "password_spans", "redact", "register", "register_password", "secrets_of",
+           "written_password"]
 
 MASK = "***"
 
@@ -132,6 +133,12 @@ def register(value: str | None) -> None:
     """Remember the secrets inside a configured DSN or URL, to hide them wherever they appear."""
     if value:
         _registered.update(secrets_of(value))
+
+
+def register_password(value: str | None) -> None:
+    """Remember a bare password (``PGPASSWORD``, which libpq and the JDBC properties use) to hide it."""
+    if value and len(value) >= 3:
+        _registered.add(value)
 
 
 def mask_quoted(message: str, value: str) -> str:

@@ -80,6 +80,15 @@ def test_a_password_is_read_generously(value, spans):
     assert [value[a:b] for a, b in redact_module.password_spans(value)] == spans
 
 
+def test_pgpassword_is_hidden_too(monkeypatch, capsys, tmp_path):
+    from cdc import cli
+
+    monkeypatch.setenv("PGPASSWORD", "S3cret-pgpass")
+    monkeypatch.setattr(cli, "cmd_status", lambda args: (_ for _ in ()).throw(RuntimeError("auth S3cret-pgpass")))
+    assert cli.main(["status", "--config", str(tmp_path / "x.yaml")]) == 1
+    assert "S3cret-pgpass" not in capsys.readouterr().err
+
+
 def test_the_secrets_of_a_url_include_the_decoded_password():
     assert {"S3%40cret", "S3@cret"} <= secrets_of("redis://u:S3%40cret@h/0")
 

@@ -5,6 +5,13 @@
 (``CDC_MAPPINGS``). ``CDC_..._FILE`` reads the value from a file instead, so a
 secret such as a DSN with a password never has to appear in a command line or
 in the config file.
+
+Every value is checked as it is loaded, with where it came from (file:line or the
+variable): its type, its range (`RANGES`, per numeric setting: NaN and infinities
+never pass), its form, and for connection strings that they parse as written
+(`check_dsn`), their passwords registered with `cdc.redact` before anything can
+quote them. A ``CDC_`` variable that is neither a setting's nor listed in
+`OTHER_VARIABLES` is an error, as an unknown key in the file is.
 """
 
 from __future__ import annotations

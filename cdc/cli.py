@@ -19,7 +19,7 @@ import orjson
 
 from . import redact
 from .bridge.commands import cmd_backfill, cmd_run
-from .cliargs import ABOUT, Formatter, Parser, version
+from .cliargs import ABOUT, Formatter, Parser, number, version
 from .consume.commands import cmd_consume, cmd_dlq, cmd_read, cmd_replay
 from .exits import RedactingFilter, report, silence_stdout
 from .ops.commands import cmd_check, cmd_init, cmd_recover, cmd_schema, cmd_status, cmd_trim
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     trim = command("trim", cmd_trim, "trim streams up to what every consumer group has consumed")
     trim.add_argument("--entity", help="only this entity's streams")
     trim.add_argument("--max-len", type=int, help="hard cap on length (drops unconsumed entries, loudly)")
-    trim.add_argument("--max-age-s", type=float, help="hard cap on age in seconds (drops unconsumed entries, loudly)")
+    trim.add_argument("--max-age-s", type=number, help="hard cap on age in seconds (drops unconsumed entries, loudly)")
     replay = command("replay", cmd_replay, "start a group at, or rewind it to, a time or an entry ID")
     replay.add_argument("--entity", required=True)
     replay.add_argument("--group", required=True)
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument("--report", help="also write the JSON report to this file")
     status = command("status", cmd_status, "show the slot, lag and streams")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--stale-after-s", type=float, default=3600.0, help="list consumers idle this long as stale")
+    status.add_argument("--stale-after-s", type=number, default=3600.0, help="list consumers idle this long as stale")
     return parser
 
 
@@ -171,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in os.environ.items():  # secrets given by environment: hidden from every message
         if name.startswith("CDC_") and name.endswith(("_DSN", "_URL")):
             redact.register(value)
+    redact.register_password(os.environ.get("PGPASSWORD"))  # libpq's, and the JDBC reads of cdc reconcile
     try:
         try:
             args = build_parser().parse_args(argv)

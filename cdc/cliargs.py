@@ -5,12 +5,13 @@ defaults and an example per command, and checks of option values.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from importlib import metadata
 
 from .errors import UsageError
 
-__all__ = ["ABOUT", "Formatter", "Parser", "check_position", "check_positive", "version"]
+__all__ = ["ABOUT", "Formatter", "Parser", "check_position", "check_positive", "number", "version"]
 
 #: per command: what it does (its --help description) and one example (its epilog)
 ABOUT: dict[str, tuple[str, str]] = {
@@ -75,6 +76,14 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{self.prog}: {message}", hint=f"see {self.prog} --help")
+
+
+def number(text: str) -> float:
+    """An option's number of seconds: finite (``nan`` or ``inf`` would pass every later comparison)."""
+    value = float(text)  # a ValueError: argparse says "invalid number value: 'abc'"
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 _POSITION = re.compile(r"^(\$|\d+|\d+-\d+)$")

@@ -5,22 +5,35 @@
 (``CDC_MAPPINGS``). ``CDC_..._FILE`` reads the value from a file instead, so a
 secret such as a DSN with a password never has to appear in a command line or
 in the config file.
+
+Every value is checked as it is loaded, with where it came from (file:line or the
+variable): its type, its range (`RANGES`, per numeric setting: NaN and infinities
+never pass), its form, and for connection strings that they parse as written
+(`check_dsn`), their passwords registered with `cdc.redact` before anything can
+quote them. A ``CDC_`` variable that is neither a setting's nor listed in
+`OTHER_VARIABLES` is an error, as an unknown key in the file is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import fnmatch
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import redact
 from .errors import ConfigError
 from .yamlsrc import LocatedDict, load_yaml_file, where
 
 __all__ = [
-    "BatchSettings", "HttpSettings", "PostgresSettings", "ReconcileSettings", "RedisSettings", "Settings", "TrimSettings",
+    "BatchSettings", "HttpSettings", "OTHER_VARIABLES", "PostgresSettings", "RANGES", "Range", "ReconcileSettings",
+    "RedisSettings", "Settings", "TrimSettings", "check_dsn", "check_environment", "setting_variables",
 ]
 
 
@@ -151,6 +164,7 @@ class Settings:
         source: str = "<dict>",
     ) -> "Settings":
         env = {} if env is None else env
+        check_environment(env)
         sections: dict[str, Any] = {}
         known = {f.name for f in dataclasses.fields(cls)} - {"source", "hash_key"}
         for key in raw:
@@ -209,15 +223,31 @@ def _hash_key(raw: Mapping[str, Any], base_dir: Path, env: Mapping[str, str]) ->
     return key_file, key
 
 
+#: each section's name and settings class
+_SECTIONS: dict[str, type] = {
+    "postgres": PostgresSettings, "redis": RedisSettings, "batch": BatchSettings, "trim": TrimSettings,
+    "http": HttpSettings, "reconcile": ReconcileSettings,
+}
+
+
 def _override(env: Mapping[str, str], name: str, default: Any) -> Any:
+    """`name`'s value from the environment (or the file `name`_FILE names), else `default`."""
+    file_var = name + "_FILE"
+    if name in env and file_var in env:
+        raise ConfigError(f"{name} and {file_var} are both set", hint=f"keep one: unset {name} or {file_var}")
     if name in env:
         return env[name]
-    file_name = env.get(name + "_FILE")
-    if file_name:
+    if file_var in env:
+        file_name = env[file_var]
+        if not file_name.strip():
+            raise ConfigError(f"{file_var} is empty", hint="set it to the path of the file holding the value, or unset it")
         try:
             return Path(file_name).read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise ConfigError(f"{name}_FILE: cannot read {file_name}: {exc.strerror}") from None
+            raise ConfigError(f"{file_var}: cannot read {file_name}: {exc.strerror}",
+                              hint="name a readable file holding the value") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{file_var}: {file_name} is not UTF-8 text", hint="save the file as UTF-8") from None
     return default
 
 
@@ -235,47 +265,157 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
     for key, f in fields.items():
         env_name = f"CDC_{name}_{key}".upper()
         value = _override(env, env_name, raw.get(key, f.default))
-        origin = env_name if env_name in env else (env_name + "_FILE" if env.get(env_name + "_FILE") else where(raw, key))
+        origin = _origin(env, name, key, raw)
+        check = _CONNECTION_STRINGS.get((name, key))
+        if check is not None and isinstance(value, str):
+            redact.register(value)  # before anything can quote it, however malformed
+        kind = type(f.default)
         try:
-            values[key] = _coerce(value, type(f.default))
+            values[key] = _coerce(value, kind)
         except (TypeError, ValueError):
-            raise ConfigError(
-                f"{origin}: {name}.{key} must be {_KIND_NAMES[type(f.default)]}, got {value!r}"
-            ) from None
-        least = _AT_LEAST.get((name, key))
-        if least is not None and values[key] < least:
-            raise ConfigError(f"{origin}: {name}.{key} must be at least {least}, got {value!r}")
+            shown = (redact.redact(repr(value)) if check is None or not isinstance(value, str)
+                     else "a malformed value")
+            shown = "nothing (null)" if value is None else shown
+            raise ConfigError(f"{origin}: {name}.{key} must be {_KIND_NAMES[kind]}, got {shown}",
+                              hint=_range_hint(f.default)) from None
+        limits = RANGES.get((name, key))
+        if limits is not None and not limits.admits(values[key]):
+            raise ConfigError(f"{origin}: {name}.{key} must be {limits}, got {value!r}", hint=_range_hint(f.default))
         choices = _CHOICES.get((name, key))
         if choices and values[key] not in choices:
             raise ConfigError(f"{origin}: {name}.{key} must be one of {', '.join(choices)}, got {value!r}")
-        check = _CONNECTION_STRINGS.get((name, key))
+        form = _FORMS.get((name, key))
+        if form and not re.fullmatch(form[0], values[key], re.IGNORECASE if name == "reconcile" else 0):
+            raise ConfigError(f"{origin}: {name}.{key} must be {form[1]}, got {values[key]!r}", hint=_range_hint(f.default))
+        if (name, key) in _REQUIRED and not values[key].strip():
+            raise ConfigError(f"{origin}: {name}.{key} is empty", hint=f"set it, or unset {origin}" if origin.startswith(
+                "CDC_") else "set it, or remove the key for the default")
         if check is not None and values[key]:
             check(values[key], f"{origin}: {name}.{key}")
+    for rule in _SECTION_RULES.get(name, ()):
+        rule(values, lambda key: _origin(env, name, key, raw))
     return section_cls(**values)
 
 
+def _origin(env: Mapping[str, str], section: str, key: str, raw: Any) -> str:
+    """Where `section.key`'s value came from: its variable, or file:line."""
+    env_name = f"CDC_{section}_{key}".upper()
+    if env_name in env:
+        return env_name
+    if env_name + "_FILE" in env:
+        return env_name + "_FILE"
+    return where(raw, key)
+
+
+def _range_hint(default: Any) -> str:
+    return f"the default is {default!r}; see the README, section \"Configuration\""
+
+
+def _pause_above_resume(values: dict[str, Any], origin) -> None:
+    pause, resume = values["pause_at_memory_fraction"], values["resume_at_memory_fraction"]
+    if pause and resume >= pause:
+        raise ConfigError(f"{origin('resume_at_memory_fraction')}: redis.resume_at_memory_fraction ({resume:g}) must be "
+                          f"below redis.pause_at_memory_fraction ({pause:g})",
+                          hint="for example pause at 0.9 and resume at 0.8; pause 0 turns pausing off")
+
+
+def _warn_below_critical(values: dict[str, Any], origin) -> None:
+    warn, critical = values["retained_wal_warn_bytes"], values["retained_wal_critical_bytes"]
+    if warn and critical and warn >= critical:
+        raise ConfigError(f"{origin('retained_wal_warn_bytes')}: postgres.retained_wal_warn_bytes ({warn}) must be "
+                          f"below postgres.retained_wal_critical_bytes ({critical})",
+                          hint="or set both to 0 for levels from max_slot_wal_keep_size")
+
+
+#: checks across the settings of one section, after each is in its range
+_SECTION_RULES = {"redis": (_pause_above_resume,), "postgres": (_warn_below_critical,)}
+
+
+_DSN_HINT = ("write it as postgresql://user@host:5432/dbname (password in CDC_POSTGRES_DSN_FILE); in a URL, "
+             "percent-encode a password's special characters (%40 for @, %2F for /, %20 for a space); in "
+             "key=value form, put it in single quotes, with a backslash before a quote or a backslash in it")
+
+#: libpq keywords whose values are one of a few words (libpq refuses others only when connecting)
+_DSN_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": ("any", "read-write", "read-only", "primary", "standby", "prefer-standby"),
+    "load_balance_hosts": ("disable", "random"),
+    "sslnegotiation": ("postgres", "direct"),
+    "sslcertmode": ("disable", "allow", "require"),
+    "ssl_min_protocol_version": ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"),
+    "ssl_max_protocol_version": ("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"),
+    "sslcompression": ("0", "1"),
+    "sslsni": ("0", "1"),
+    "keepalives": ("0", "1"),
+}
+#: libpq keywords whose values are whole numbers of at least 0 (seconds, milliseconds or counts)
+_DSN_COUNTS = ("connect_timeout", "keepalives_idle", "keepalives_interval", "keepalives_count", "tcp_user_timeout")
+
+
 def check_dsn(value: str, what: str) -> None:
-    """A PostgreSQL connection string libpq can parse (a URI or key=value pairs)."""
+    """A PostgreSQL connection string libpq can parse (a URI or key=value pairs), read as written,
+    with a valid value for each keyword libpq would otherwise only refuse when connecting.
+
+    Every message shows the string's password as ``***``, even a part a parser cut off.
+    """
     from psycopg import conninfo
 
+    redact.register(value)
     try:
-        conninfo.conninfo_to_dict(value)
-    except Exception as exc:  # psycopg.ProgrammingError: libpq's own words
+        params = conninfo.conninfo_to_dict(value)
+    except Exception as exc:  # psycopg.ProgrammingError: libpq's own words, which may quote the password
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "cannot be parsed"
-        raise ConfigError(f"{what} is not a valid connection string: {reason}",
-                          hint="write it as postgresql://user@host:5432/dbname (password in CDC_POSTGRES_DSN_FILE)") from None
+        raise ConfigError(f"{what} is not a valid connection string: {redact.mask_quoted(reason, value)}",
+                          hint=_DSN_HINT) from None
+    written = redact.written_password(value)
+    if written is not None and params.get("password") != written:
+        raise ConfigError(f"{what}: libpq would not read its password as written (a character in it, such as "
+                          "@, / or a space, ends it early)", hint=_DSN_HINT)
+    for key, got in params.items():
+        shown = redact.redact(repr(got))
+        if key in _DSN_CHOICES and got not in _DSN_CHOICES[key]:
+            raise ConfigError(f"{what}: {key}={shown} is not one of {', '.join(_DSN_CHOICES[key])}",
+                              hint=f"fix {key} in the connection string")
+        if key in _DSN_COUNTS and not _is_count(got):
+            raise ConfigError(f"{what}: {key}={shown} is not a whole number of at least 0",
+                              hint=f"fix {key} in the connection string")
+        if key == "port":
+            for port in got.split(","):
+                if port.strip() and not (_is_count(port) and 1 <= int(port) <= 65535):
+                    raise ConfigError(f"{what}: port {redact.redact(repr(port))} is not a port number (1 to 65535)",
+                                      hint="fix the port in the connection string (PostgreSQL's default is 5432)")
+
+
+def _is_count(text: str) -> bool:
+    return text.strip().isascii() and text.strip().isdigit()
 
 
 def _check_redis_url(value: str, what: str) -> None:
-    """A Redis URL redis-py accepts: redis://, rediss:// or unix://, with a host and a numeric database."""
-    from urllib.parse import urlsplit
+    """A Redis URL redis-py accepts: redis://, rediss:// or unix://, with a host and a numeric database,
+    its password read as written, and query options redis-py knows."""
+    from urllib.parse import parse_qs, unquote, urlsplit
 
+    from redis.connection import parse_url
+
+    redact.register(value)
     hint = "write it as redis://user:password@host:6379/0, or rediss:// for TLS, unix:///path.sock for a socket"
+    encode = "percent-encode a password's special characters in a URL (%2F for /, %3F for ?, %23 for #, %40 for @)"
     try:
         url = urlsplit(value)
+        password = url.password
+    except ValueError as exc:
+        raise ConfigError(f"{what} is not a valid URL: {redact.mask_quoted(str(exc), value)}",
+                          hint=f"{hint}; {encode}") from None
+    written = redact.written_password(value)
+    if written is not None and (password is None or unquote(password) != written):
+        raise ConfigError(f"{what}: its password would not be read as written (a character in it, such as /, ? or #, "
+                          "ends it early)", hint=encode)
+    try:
         url.port  # noqa: B018 (raises on a port that is not a number)
     except ValueError as exc:
-        raise ConfigError(f"{what} is not a valid URL: {exc}", hint=hint) from None
+        raise ConfigError(f"{what} is not a valid URL: {redact.mask_quoted(str(exc), value)}", hint=hint) from None
     if url.scheme not in ("redis", "rediss", "unix"):
         got = f"scheme {url.scheme + '://'!r}" if url.scheme else "no scheme"
         raise ConfigError(f"{what} has {got}; Redis URLs start with redis://, rediss:// or unix://", hint=hint)
@@ -283,8 +423,23 @@ def _check_redis_url(value: str, what: str) -> None:
         raise ConfigError(f"{what} names no host", hint=hint)
     db = url.path.lstrip("/") if url.scheme != "unix" else ""
     if db and not db.isdigit():
-        raise ConfigError(f"{what}: database {db!r} is not a number", hint=hint)
+        raise ConfigError(f"{what}: database {redact.redact(repr(db))} is not a number", hint=hint)
+    for option, choices in _REDIS_URL_CHOICES.items():
+        for got in parse_qs(url.query).get(option, []):
+            if got.lower() not in choices:
+                raise ConfigError(f"{what}: {option}={redact.redact(repr(got))} is not one of {', '.join(choices)}",
+                                  hint=f"fix {option} in the URL")
+    try:
+        parse_url(value)  # redis-py's own reading: its query options (ssl_cert_reqs=..., socket_timeout=...)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{what}: {redact.mask_quoted(str(exc), value)}", hint=hint) from None
 
+
+#: query options of a Redis URL whose values are one of a few words (redis-py refuses others only when connecting)
+_REDIS_URL_CHOICES = {"ssl_cert_reqs": ("none", "optional", "required")}
+
+#: settings that may not be empty (an empty override is more likely an unset variable than a wish)
+_REQUIRED = {("postgres", "dsn"), ("redis", "url"), ("postgres", "slot"), ("postgres", "publication")}
 
 _CONNECTION_STRINGS = {
     ("postgres", "dsn"): check_dsn,
@@ -293,23 +448,137 @@ _CONNECTION_STRINGS = {
 }
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting accepts: `least` to `most` (finite: never NaN or an infinity),
+    or exactly `off`, a value outside them that switches the setting off."""
+
+    least: float
+    most: float
+    off: float | None = None
+
+    def admits(self, value: float) -> bool:
+        return math.isfinite(value) and (value == self.off or self.least <= value <= self.most)
+
+    def __str__(self) -> str:
+        span = f"from {_number(self.least)} to {_number(self.most)}"
+        return span if self.off is None else f"{_number(self.off)} (off) or {span}"
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+_FOREVER_BYTES = 2**63 - 1
+#: every numeric setting's range, by (section, key); the README's "Configuration" table shows them
+RANGES: dict[tuple[str, str], Range] = {
+    ("postgres", "receive_timeout_s"): Range(1, 3600),
+    ("postgres", "heartbeat_interval_s"): Range(0.1, 86400, off=0),
+    ("postgres", "slot_check_interval_s"): Range(0.1, 3600),
+    ("postgres", "retained_wal_warn_bytes"): Range(0, _FOREVER_BYTES),
+    ("postgres", "retained_wal_critical_bytes"): Range(0, _FOREVER_BYTES),
+    ("redis", "pause_at_memory_fraction"): Range(0, 1),
+    ("redis", "resume_at_memory_fraction"): Range(0, 1),
+    ("redis", "wait_replicas"): Range(0, 100),
+    ("redis", "wait_timeout_ms"): Range(1, 3_600_000),
+    ("http", "port"): Range(0, 65535),
+    ("batch", "max_entries"): Range(1, 1_000_000),
+    ("batch", "max_delay_ms"): Range(0, 60_000),
+    ("batch", "status_interval_s"): Range(0.01, 60),
+    ("batch", "backfill_chunk_rows"): Range(1, 10_000_000),
+    ("batch", "stream_buffer_mb"): Range(1, 1_048_576),
+    ("trim", "interval_s"): Range(0.1, 86400, off=0),
+    ("trim", "max_len"): Range(0, _FOREVER_BYTES),
+    ("trim", "max_age_s"): Range(0, 315_360_000),
+    ("reconcile", "executor_cores"): Range(0, 1024),
+    ("reconcile", "wait_for_bridge_s"): Range(0, 86400),
+    ("reconcile", "lock_timeout_s"): Range(0.001, 86400),
+}
+
+#: ``CDC_`` variables that are not settings, and what reads them: any other ``CDC_`` name that is not
+#: a setting's (``CDC_<SECTION>_<KEY>``, ``CDC_MAPPINGS``, each also as ``..._FILE``) is an error.
+#: A ``*`` stands for any text.
+OTHER_VARIABLES: dict[str, str] = {
+    "CDC_PURE_PYTHON": "run the pure-Python hot path instead of the compiled one (cdc.speedups)",
+    "CDC_TRACEBACK": "print the traceback of a failure (cdc.exits)",
+    "CDC_HASH_KEY*": "keys of keyed hashing in mappings",
+    "CDC_*_SALT": "a mapping's hash salt (salt_env); other salt variables are named without CDC_",
+    "CDC_PG_BIN": "where the demo and the tests find PostgreSQL's programs (cdc.demo.local)",
+    "CDC_DEMO_*": "the demo's ports (cdc.demo.run)",
+    "CDC_FAULT_*": "faults injected by the tests (cdc.bridge.loop, cdc.consume.commands)",
+}
+
+
+def setting_variables() -> dict[str, str]:
+    """Every variable that overrides a setting, and the setting: {"CDC_POSTGRES_DSN": "postgres.dsn", ...}."""
+    found = {"CDC_MAPPINGS": "mappings"}
+    for section, section_cls in _SECTIONS.items():
+        for f in dataclasses.fields(section_cls):
+            found[f"CDC_{section}_{f.name}".upper()] = f"{section}.{f.name}"
+    return found
+
+
+def _other_variable(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, known) for known in OTHER_VARIABLES)
+
+
+def _grouped(names: Mapping[str, str]) -> str:
+    """CDC_MAPPINGS, CDC_POSTGRES_{DSN,SLOT,...}, ...: the settings' variables, short."""
+    by_section: dict[str, list[str]] = {}
+    for name, setting in names.items():
+        section, _, key = setting.rpartition(".")
+        by_section.setdefault(section, []).append(key.upper())
+    return ", ".join(f"CDC_{section.upper()}_{{{','.join(keys)}}}" if section else f"CDC_{keys[0]}"
+                     for section, keys in by_section.items())
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    """Every ``CDC_`` variable in `env` is one cdc reads: a misspelt override is an error, never ignored."""
+    settings = setting_variables()
+    for name in sorted(env):
+        if name.upper().startswith("CDC_") and not name.startswith("CDC_"):  # cdc_postgres_dsn: never read
+            raise ConfigError(f"environment variable {name}: cdc's variables are upper-case",
+                              hint=f"rename it {name.upper()}")
+        if not name.startswith("CDC_") or _other_variable(name):
+            continue
+        base = name[: -len("_FILE")] if name.endswith("_FILE") else name
+        if base in settings:
+            continue
+        close = difflib.get_close_matches(base, list(settings) + list(OTHER_VARIABLES), n=1, cutoff=0.75)
+        guess = f" (did you mean {close[0]}{name[len(base):]}?)" if close else ""
+        raise ConfigError(
+            f"environment variable {name}: not a cdc setting{guess}",
+            hint=f"unset it or fix its name; cdc reads {_grouped(settings)} (each also as <name>_FILE), and "
+                 f"{', '.join(OTHER_VARIABLES)}",
+        )
+
+
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 #: settings that take one of a few words
 _CHOICES = {("redis", "append"): ("transaction", "script")}
-#: numeric settings with a lower bound
-_AT_LEAST = {("batch", "stream_buffer_mb"): 1}
+#: text settings with a form, and that form in words (PostgreSQL's rules for a slot name; Spark's for memory)
+_FORMS: dict[tuple[str, str], tuple[str, str]] = {
+    ("postgres", "slot"): (r"[a-z0-9_]{1,63}", "1 to 63 lower-case letters, digits or _"),
+    ("postgres", "publication"): (r"(?s).{1,63}", "a name of 1 to 63 characters"),
+    ("reconcile", "driver_memory"): (r"[0-9]+[kmgtp]?", "a size such as 512m or 2g"),
+    ("reconcile", "executor_memory"): (r"([0-9]+[kmgtp]?)?", "empty, or a size such as 512m or 2g"),
+}
 
 
 def _coerce(value: Any, kind: type) -> Any:
+    """`value` (from YAML or the environment) as `kind`; nothing else silently becomes one
+    (a list is no boolean, null no string, true no number)."""
+    if value is None or isinstance(value, (list, dict)):
+        raise TypeError(value)
     if kind is bool:
-        if isinstance(value, str):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        return bool(value)
-    if kind in (int, float) and isinstance(value, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(value)
+    if isinstance(value, bool):
         raise TypeError(value)
     if kind is int and isinstance(value, float):
         raise TypeError(value)

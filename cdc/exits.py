@@ -5,10 +5,11 @@ The exit codes (the README's "Exit codes" table):
 ====  ==========================================================================
 0     success (also when the reader of the output went away, as in ``| head``)
 1     a failure of no listed kind: an internal error (a bug) or a failed Spark job
-2     the command line or the config is wrong (a malformed DSN or URL too)
+2     the command line or the config is wrong (a setting out of range, an unknown CDC_ variable,
+      a malformed DSN or URL, a TLS mismatch)
 3     a mapping is wrong (its YAML too), or `cdc check` found a mapping problem
-4     PostgreSQL is not set up: wal_level, slot, publication, a missing privilege
-5     Redis refused a command (ACL, wrong key type where a stream or its mark belongs)
+4     PostgreSQL is not set up: wal_level, slot, publication, a missing privilege, a refused login
+5     Redis refused a command (ACL, login, wrong key type where a stream or its mark belongs)
 6     Redis lost entries the slot was told it holds, or a mapped stream's history vanished
 7     `cdc reconcile` left drift (a dry run, or a refused reset)
 75    a server is unreachable or restarting (transient: run again)

@@ -9,6 +9,14 @@ Every line the CLI prints about a failure, and every log line, passes through
   ``password`` query parameter in a URL;
 - every secret registered with `register` (the raw values of the configured DSN
   and URL, read from the environment or a file), wherever they appear verbatim.
+
+`register` reads a connection string *generously*: a password runs to the last
+``@`` of a URL (so ``p@ss``, ``pa/ss`` or ``pa ss`` are hidden whole, even where a
+parser would cut them short), and to the next libpq keyword in a key/value string
+(so ``password=pa ss`` hides ``ss`` too); an unterminated quote runs to the end.
+The pieces such a password splits into are registered too, since a parser's
+complaint may quote one of them (``missing "=" after "ss"``). `mask_quoted`
+hides a parser's quoted fragments by their position in the value they came from.
 """
 
 from __future__ import annotations
@@ -16,21 +24,92 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["MASK", "redact", "register", "register_secret", "secrets_of"]
+__all__ = ["MASK", "mask_quoted", "password_spans", "redact", "register", "register_password", "register_secret",
+           "secrets_of", "written_password"]
 
 MASK = "***"
 
-# user:password@ inside anything URL-like; the user part may be empty (redis://:pw@host)
-_USERINFO = re.compile(r"(?P<lead>(?:[A-Za-z][A-Za-z0-9+.-]*:/{0,3})?[^\s:/@'\"]*:)(?P<pw>[^\s@'\"/][^\s@'\"]*)(?=@)")
+# user:password@ inside anything URL-like; the user part may be empty (redis://:pw@host); the
+# password runs to the last '@' of the word (p@ss@host)
+_USERINFO = re.compile(r"(?P<lead>(?:[A-Za-z][A-Za-z0-9+.-]*:/{0,3})?[^\s:/@'\"]*:)(?P<pw>[^\s'\"/@][^\s'\"]*)(?=@[^\s@'\"]*)")
 # password=... in a conninfo string or a query string
-_KEYWORD = re.compile(r"(?P<lead>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*'|[^\s&'\"]+)", re.IGNORECASE)
+_KEYWORD = re.compile(r"(?P<lead>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*'?|[^\s&'\"]+)", re.IGNORECASE)
+
+# what a value looks like when it is a URL: a scheme, however mistyped (postgresql:/, redis:)
+_SCHEME = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*:/{0,3}")
+# libpq's keywords: an unquoted password=... runs (generously) up to the next of them
+_LIBPQ_KEYWORDS = (
+    "host hostaddr port dbname user password passfile require_auth channel_binding connect_timeout "
+    "client_encoding options application_name fallback_application_name keepalives keepalives_idle "
+    "keepalives_interval keepalives_count tcp_user_timeout replication gssencmode sslmode sslnegotiation "
+    "sslcompression sslcert sslkey sslkeylogfile sslpassword sslcertmode sslrootcert sslcrl sslcrldir sslsni "
+    "requirepeer ssl_min_protocol_version ssl_max_protocol_version krbsrvname gsslib gssdelegation "
+    "service target_session_attrs load_balance_hosts min_protocol_version max_protocol_version "
+    "oauth_issuer oauth_client_id oauth_client_secret oauth_scope"
+).split()
+_NEXT_KEYWORD = re.compile(r"\s+(?:" + "|".join(_LIBPQ_KEYWORDS) + r")\s*=", re.IGNORECASE)
+_NEXT_PARAMETER = re.compile(r"&(?:" + "|".join(_LIBPQ_KEYWORDS) + r"|ssl_\w+|socket_\w+|health_check_interval|"
+                             r"client_name|protocol|db|username|retry_on_timeout|max_connections)=", re.IGNORECASE)
+_KV_PASSWORD = re.compile(r"(?:^|\s)(?:password|sslpassword|oauth_client_secret)\s*=\s*", re.IGNORECASE)
+_QUERY_PASSWORD = re.compile(r"[?&](?:password|sslpassword)=", re.IGNORECASE)
+# where a password may be cut short by a parser: each piece is a secret too
+_CUTS = re.compile(r"[\s@/:?#&='\"\\%]+")
 
 _registered: set[str] = set()
 
 
+def password_spans(value: str) -> list[tuple[int, int]]:
+    """Where the passwords of one DSN or URL are, as (start, end) offsets, read generously."""
+    spans: list[tuple[int, int]] = []
+    scheme = _SCHEME.match(value)
+    if scheme and "=" not in value[:scheme.end()]:
+        start = scheme.end()
+        at = value.rfind("@", start)
+        if at > start:
+            colon = value.find(":", start, at)
+            if colon != -1:
+                spans.append((colon + 1, at))
+        for m in _QUERY_PASSWORD.finditer(value, start):
+            following = _NEXT_PARAMETER.search(value, m.end())  # an '&' in it may cut it short: run to the next keyword
+            spans.append((m.end(), following.start() if following else len(value)))
+    else:
+        for m in _KV_PASSWORD.finditer(value):
+            start = m.end()
+            if value[start:start + 1] == "'":
+                i = start + 1
+                while i < len(value) and value[i] != "'":
+                    i += 2 if value[i] == "\\" else 1
+                end = min(i + 1, len(value))  # an unterminated quote runs to the end
+                if value[end:].strip():  # 'pw'more or 'pw' more: what a parser may split off, up to the next keyword
+                    following = _NEXT_KEYWORD.search(value, end)
+                    end = max(end, following.start() if following else len(value.rstrip()))
+            else:
+                following = _NEXT_KEYWORD.search(value, start)
+                end = following.start() if following else len(value.rstrip())
+            spans.append((start, end))
+    return [(a, b) for a, b in spans if b > a]
+
+
+def written_password(value: str) -> str | None:
+    """The password as its writer meant it (percent-decoded in a URL, unquoted in key=value), or None."""
+    spans = password_spans(value)
+    if not spans:
+        return None
+    start, end = spans[0]
+    text = value[start:end]
+    scheme = _SCHEME.match(value)
+    if scheme and "=" not in value[:scheme.end()]:
+        return unquote(text)
+    if text.startswith("'"):
+        text = text[1:-1] if len(text) > 1 and text.endswith("'") else text[1:]
+    return re.sub(r"\\(.)", r"\1", text)
+
+
 def secrets_of(value: str) -> set[str]:
-    """The password-like parts of a DSN or URL, as written and percent-decoded (for `register`)."""
+    """The password-like parts of a DSN or URL, as written and decoded, and their pieces (for `register`)."""
     found: set[str] = set()
+    for start, end in password_spans(value):
+        found.add(value[start:end])
     for match in _USERINFO.finditer(value):
         found.add(match.group("pw"))
     for match in _KEYWORD.finditer(value):
@@ -41,7 +120,12 @@ def secrets_of(value: str) -> set[str]:
         password = None
     if password:
         found.add(password)
+    written = written_password(value)
+    if written:
+        found.add(written)
     found |= {unquote(s) for s in found}
+    found |= {s.strip("'") for s in found}
+    found |= {piece for s in found for piece in _CUTS.split(s) if piece.lower() not in _LIBPQ_KEYWORDS}
     return {s for s in found if len(s) >= 3}
 
 
@@ -55,6 +139,49 @@ def register_secret(value: str) -> None:
     """Remember a bare secret (the hash key) to hide wherever it appears."""
     if value:
         _registered.add(value)
+
+
+def register_password(value: str | None) -> None:
+    """Remember a bare password (``PGPASSWORD``, which libpq and the JDBC properties use) to hide it."""
+    if value and len(value) >= 3:
+        _registered.add(value)
+
+
+def mask_quoted(message: str, value: str) -> str:
+    """A parser's `message` about `value`, each quoted fragment of `value` shown with its password parts masked.
+
+    A fragment found in `value` keeps what lies outside the password; one that is not found but
+    overlaps a password piece is masked whole.
+    """
+    spans = password_spans(value)
+    if not spans:
+        return redact(message)
+
+    def secret_at(i: int) -> bool:
+        return any(a <= i < b for a, b in spans)
+
+    def masked(fragment: str) -> str:
+        places = [m.start() for m in re.finditer(f"(?={re.escape(fragment)})", value)] if fragment else []
+        overlapping = [at for at in places if any(secret_at(at + i) for i in range(len(fragment)))]
+        at = (overlapping or places or [-1])[0]
+        if at == -1:
+            pieces = secrets_of(value) | {value[a:b] for a, b in spans}
+            return MASK if any(p and (p in fragment or fragment in p) for p in pieces) else fragment
+        out, hiding = [], False
+        for i, char in enumerate(fragment):
+            if secret_at(at + i):
+                if not hiding:
+                    out.append(MASK)
+                hiding = True
+            else:
+                out.append(char)
+                hiding = False
+        return "".join(out)
+
+    shown = re.sub(r'"([^"]*)"|\'([^\']*)\'',
+                   lambda m: f'"{masked(m.group(1))}"' if m.group(1) is not None else f"'{masked(m.group(2))}'",
+                   message)
+    return redact(shown)
 
 
 def redact(text: str) -> str:

@@ -15,7 +15,8 @@ import orjson
 from .. import redact
 from ..cliargs import check_position, check_positive
 from ..commands import entity_named, load_config, redis_for
-from ..errors import PublishError, UsageError
+from ..errors import PublishError, TransientError, UsageError
+from ..exits import as_cdc_error
 from ..loader import load_callable
 from .failures import RETRY, SETUP, whose
 
@@ -84,6 +85,9 @@ def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> Non
 
     What is worth retrying (see `cdc.consume.failures`) is retried with the bridge's backoff, the
     setup checked again first; anything else stops the consumer, its entries still pending."""
+    import psycopg
+    import redis
+
     from ..bridge.backoff import Backoff
 
     backoff = Backoff()
@@ -101,6 +105,10 @@ def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> Non
         except Exception as exc:
             if whose(exc) != RETRY:
                 raise
+            if isinstance(exc, (redis.ConnectionError, redis.TimeoutError, psycopg.OperationalError)):
+                error = as_cdc_error(exc)
+                if not isinstance(error, TransientError):  # a refused login, a TLS mismatch: retrying won't help
+                    raise error from exc
             if consumer.acked + consumer.dead_lettered > done:
                 backoff.progressed()
             delay = backoff.next(time.monotonic())

@@ -20,7 +20,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     settings, mappings = load_config(args)
     for line in init(settings, mappings):
-        print(line)
+        print(redact.redact(line))
     return 0
 
 
@@ -30,7 +30,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     settings, mappings = load_config(args)
     report = check(settings, mappings)
     for line in report.ok:
-        print(f"ok: {line}")
+        print(redact.redact(f"ok: {line}"))
     for line in report.warnings:
         print(redact.redact(f"warning: {line}"), file=sys.stderr)
     for problem in report.problems:

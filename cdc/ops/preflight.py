@@ -358,6 +358,8 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         report.problems += problems
         if streams and not problems:
             report.ok.append(f"{where}: every mapped stream key holds a stream, or nothing yet")
+    except CdcError as exc:  # a refused login or a TLS mismatch, named by the connection (cdc.sink.redisconn)
+        report.problems.append(exc)
     except redis.AuthenticationError as exc:
         report.problems.append(PublishError(f"{where} refused the login: {exc}",
                                             hint="check the user and password in redis.url"))

@@ -199,6 +199,10 @@ def _consumer(raw: Any, place: str) -> ConsumerTarget:
     dsn = state.get("dsn")
     if dsn is not None and not isinstance(dsn, str):
         raise _fail(where(state, "dsn"), "state.dsn must be a connection string")
+    if dsn:
+        from ..config import check_dsn
+
+        check_dsn(dsn, f"{where(state, 'dsn')}: state.dsn")  # hides its password from every message from now on
     group = raw.get("group", raw["name"])
     if not isinstance(group, str) or not group:
         raise _fail(where(raw, "group"), "group must be a consumer group name")

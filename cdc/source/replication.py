@@ -17,6 +17,7 @@ import psycopg
 from psycopg import errors as pgerrors
 
 from ..errors import CdcError, ConfigError, PrivilegeError, SlotError, SourceError, TransientError
+from ..redact import redact
 from .deadline import ConnectionSilent, bounded
 from .framing import standby_status_update
 from .privileges import fix_for
@@ -54,13 +55,27 @@ def proto_version_for(server_version: int) -> int:
 
 _PERMANENT_CONNECT = (
     ("password authentication failed", PrivilegeError, "check the user and password in postgres.dsn"),
+    ("no password supplied", PrivilegeError,
+     "give the password in postgres.dsn (from a file: CDC_POSTGRES_DSN_FILE), or in ~/.pgpass"),
+    # a plain-text connection where pg_hba.conf has only hostssl lines for it
+    ("no encryption", PrivilegeError,
+     "the server accepts this user only over TLS: set sslmode=verify-full (with sslrootcert) or sslmode=require in postgres.dsn"),
     ("no pg_hba.conf entry", PrivilegeError, "allow replication connections for this user in pg_hba.conf"),
+    ("does not support SSL", ConfigError,
+     "the server has ssl = off: turn it on (with a certificate), or set sslmode=prefer or disable in postgres.dsn"),
+    ("certificate verify failed", ConfigError,
+     "set sslrootcert in postgres.dsn to the CA that signed the server's certificate"),
+    ("root certificate file", ConfigError, "set sslrootcert in postgres.dsn to a readable CA certificate file"),
     ("does not exist", ConfigError, "check the database and user names in postgres.dsn"),
     ("must be superuser or replication role", PrivilegeError, "run: ALTER ROLE <user> REPLICATION"),
     ("permission denied to start WAL sender", PrivilegeError, "run: ALTER ROLE <user> REPLICATION"),
     ("invalid connection option", ConfigError, "fix postgres.dsn"),
     ("invalid dsn", ConfigError, "fix postgres.dsn"),
     ("missing \"=\" after", ConfigError, "fix postgres.dsn"),
+    # libpq checks these keyword values only when connecting (cdc.config.check_dsn does at load)
+    ("invalid integer value", ConfigError, "fix the number in postgres.dsn"),
+    ("invalid port number", ConfigError, "fix the port in postgres.dsn"),
+    (" value: \"", ConfigError, "fix that keyword's value in postgres.dsn"),
 )
 
 
@@ -95,7 +110,7 @@ def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = 
     if isinstance(exc, psycopg.OperationalError):
         for needle, kind, hint in _PERMANENT_CONNECT:
             if needle in text:
-                return kind(f"cannot connect to postgres: {text}", hint=hint)
+                return kind(f"cannot connect to postgres: {redact(text)}", hint=hint)
         return TransientError(f"postgres unavailable: {text}")
     if isinstance(exc, psycopg.ProgrammingError) and ("connection info string" in text or "invalid dsn" in text
                                                         or "invalid connection option" in text or "invalid URI" in text):

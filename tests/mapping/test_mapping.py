@@ -218,7 +218,7 @@ def test_streaming_settings(tmp_path):
     assert s.batch.spill_dir == str(tmp_path / "spill")  # relative to the config file
     assert not Settings.from_dict({}).postgres.streaming  # off unless asked
     cfg.write_text("batch:\n  stream_buffer_mb: 0\n")
-    with pytest.raises(ConfigError, match=r"cdc.yaml:2: batch.stream_buffer_mb must be at least 1, got 0"):
+    with pytest.raises(ConfigError, match=r"cdc.yaml:2: batch.stream_buffer_mb must be from 1 to 1048576, got 0"):
         Settings.from_file(cfg, env={})
     with pytest.raises(ConfigError, match=r"CDC_POSTGRES_STREAMING: postgres.streaming must be true or false, got 'maybe'"):
         Settings.from_file(cfg, env={"CDC_POSTGRES_STREAMING": "maybe"})

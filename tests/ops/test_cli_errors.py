@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc import cli, errors
+from cdc import cli, cliargs, errors
 from cdc.demo.local import free_port
 from cdc.exits import EXIT_CODES
 
@@ -37,7 +37,7 @@ GARBAGE = {
     "--log-level": ["loud"],
     "--log-format": ["xml"],
 }
-NUMBERS = ["abc", "-1", "1e999x"]
+NUMBERS = ["abc", "-1", "1e999x", "nan", "inf", "-inf"]
 
 
 def subcommands() -> dict[tuple[str, ...], argparse.ArgumentParser]:
@@ -85,7 +85,7 @@ def cases(config: str) -> list[tuple[list[str], str]]:
             option = action.option_strings[0]
             if option in NOT_SWEPT:
                 continue
-            values = NUMBERS if action.type in (int, float) else GARBAGE.get(option)
+            values = NUMBERS if action.type in (int, float, cliargs.number) else GARBAGE.get(option)
             assert values, f"{' '.join(words)} {option}: no garbage listed for it (add it to GARBAGE or NOT_SWEPT)"
             for value in values:
                 extra = ["--handler", "cdc.demo.rocketrides:ride_totals"] if words == ("consume",) and option not in (
@@ -218,7 +218,8 @@ def test_each_kind_of_failure_exits_with_its_code(env):
     # a wrong Redis password: 5, not transient
     env.write_config(redis_url=f"redis://nosuchuser:pw@127.0.0.1:{env.redis_server.port}/0")
     result = env.cdc("trim")
-    assert result.returncode == 5 and "redis refused the login" in result.stderr, result.stderr
+    assert result.returncode == 5 and f"redis at 127.0.0.1:{env.redis_server.port} refused the login" in result.stderr, \
+        result.stderr
     # an argument: 2
     env.write_config()
     result = env.cdc("read", "--entity", "ride", "--from", "yesterday")

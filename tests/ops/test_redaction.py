@@ -3,15 +3,30 @@ given in the config file, the environment or a secret file, mistyped or merely w
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import re
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import quote, unquote
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from psycopg.conninfo import conninfo_to_dict
+from redis.connection import parse_url
 
+from cdc import redact as redact_module
+from cdc.config import Settings
 from cdc.demo.local import free_port
+from cdc.errors import CdcError
+from cdc.exits import report
 from cdc.redact import redact, secrets_of
 
 SECRET = "S3cret-9f2Kq"
+HALVES = ("S3cret-A1", "9f2Kq-B2")  # a password some parsers cut in two: neither half may show
 
 pytestmark = pytest.mark.integration
 
@@ -32,12 +47,153 @@ def test_redact_hides_passwords_however_written(text, shown):
     assert redact(text) == (text if shown is None else shown)
 
 
+@pytest.mark.parametrize("message, value, shown", [
+    ('missing "=" after "ss" in connection info string', "host=db password=pa ss dbname=x",
+     'missing "=" after "***" in connection info string'),
+    ('invalid percent-encoded token: "p%zzss"', "postgresql://u:p%zzss@h/db", 'invalid percent-encoded token: "***"'),
+    ('unexpected spaces found in "pa ss", use percent-encoded spaces (%20) instead', "postgresql://u:pa ss@h/db",
+     'unexpected spaces found in "***", use percent-encoded spaces (%20) instead'),
+    ('end of string reached when looking for matching "]" in IPv6 host address in URI: "postgresql://u:pw@[h/db"',
+     "postgresql://u:pw@[h/db", 'end of string reached when looking for matching "]" in IPv6 host address in URI: '
+                                '"postgresql://u:***@[h/db"'),
+    ("Port could not be cast to integer value as 'pa'", "redis://u:pa/ss@h:6379/0",
+     "Port could not be cast to integer value as '***'"),
+    ('invalid connection option "nosuch"', "host=db nosuch=1 password=pw", 'invalid connection option "nosuch"'),
+    # after an unquoted password, a word that is no keyword may be part of it (password=a b=c): hidden
+    ('invalid connection option "b"', "host=db password=a b=c", 'invalid connection option "***"'),
+])
+def test_a_parser_s_quoted_fragment_shows_without_the_password(message, value, shown):
+    assert redact_module.mask_quoted(message, value) == shown
+
+
+@pytest.mark.parametrize("value, spans", [
+    ("postgresql://u:p@ss@h/db", ["p@ss"]),
+    ("postgresql://u:pa/ss@h/db", ["pa/ss"]),
+    ("redis://:p?ss#x@h:6379/0", ["p?ss#x"]),
+    ("host=db password=pa ss dbname=x", ["pa ss"]),
+    ("host=db password='pa ss dbname=x", ["'pa ss dbname=x"]),
+    ("host=db password='pa' ss dbname=x", ["'pa' ss"]),
+    ("postgresql://u@h/db?password=a&b&sslmode=require", ["a&b"]),
+    ("postgresql://u@h:5432/db", []),
+])
+def test_a_password_is_read_generously(value, spans):
+    assert [value[a:b] for a, b in redact_module.password_spans(value)] == spans
+
+
+def test_pgpassword_is_hidden_too(monkeypatch, capsys, tmp_path):
+    from cdc import cli
+
+    monkeypatch.setenv("PGPASSWORD", "S3cret-pgpass")
+    monkeypatch.setattr(cli, "cmd_status", lambda args: (_ for _ in ()).throw(RuntimeError("auth S3cret-pgpass")))
+    assert cli.main(["status", "--config", str(tmp_path / "x.yaml")]) == 1
+    assert "S3cret-pgpass" not in capsys.readouterr().err
+
+
 def test_the_secrets_of_a_url_include_the_decoded_password():
     assert {"S3%40cret", "S3@cret"} <= secrets_of("redis://u:S3%40cret@h/0")
 
 
+# -- every way a password can be malformed, from every source ---------------------------------------
+
+#: what a generated password is made of: marker words (which must never show) between characters
+#: that break parsers: spaces, @, %, quotes, backslashes, :, /, ?, #, =, &, non-ASCII letters
+MARKERS = ("Qz7kW", "Jx4vR", "Pm9tY")
+BREAKERS = (" ", "@", "%", "%zz", "%40", "'", '"', "\\", ":", "/", "?", "#", "=", "&", "\u00e9", "\u00df", "\u20ac", "\t", "\n", "@@", "''", "\\'")
+passwords = st.lists(st.sampled_from(BREAKERS + MARKERS), min_size=0, max_size=6).map(
+    lambda parts: MARKERS[0] + "".join(parts) + MARKERS[1])
+
+
+def _quoted(password: str) -> str:
+    return "'" + password.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+#: how a DSN can hold the password: written raw (often malformed) or properly encoded (valid)
+DSN_FORMS = {
+    "url raw": lambda pw: f"postgresql://cdc_bridge:{pw}@127.0.0.1:5432/app",
+    "url mistyped scheme": lambda pw: f"postgresql:/cdc_bridge:{pw}@127.0.0.1/app",
+    "url encoded": lambda pw: f"postgresql://cdc_bridge:{quote(pw, safe='')}@127.0.0.1:5432/app",
+    "url query": lambda pw: f"postgresql://cdc_bridge@127.0.0.1:5432/app?password={pw}",
+    "key=value raw": lambda pw: f"host=127.0.0.1 user=cdc_bridge password={pw} dbname=app",
+    "key=value quoted": lambda pw: f"host=127.0.0.1 user=cdc_bridge password={_quoted(pw)} dbname=app",
+    "key=value unterminated quote": lambda pw: f"host=127.0.0.1 user=cdc_bridge password='{pw} dbname=app",
+    "key=value bad sslmode": lambda pw: f"host=127.0.0.1 password={_quoted(pw)} sslmode=bogus",
+}
+URL_FORMS = {
+    "raw": lambda pw: f"redis://cdc-bridge:{pw}@127.0.0.1:6379/0",
+    "encoded": lambda pw: f"redis://cdc-bridge:{quote(pw, safe='')}@127.0.0.1:6379/0",
+    "raw, bad port": lambda pw: f"rediss://:{pw}@127.0.0.1:port/0",
+    "raw, bad option": lambda pw: f"redis://:{pw}@127.0.0.1:6379/0?ssl_cert_reqs=maybe",
+}
+
+
+def _load(tmp: Path, setting: str, value: str, source: str) -> tuple[int | None, str, str]:
+    """Load a config with `setting` (postgres.dsn or redis.url) = `value` given by `source`;
+    (exit code or None when it loaded, what `cdc` printed, where the message must point)."""
+    section, key = setting.split(".")
+    variable = f"CDC_{section}_{key}".upper()
+    cfg = tmp / "cdc.yaml"
+    env: dict[str, str] = {}
+    if source == "file":
+        cfg.write_text(f"# the {setting}\n{section}:\n  {key}: {json.dumps(value)}\n")
+        where = f"{cfg}:3"
+    else:
+        cfg.write_text("mappings: mappings/\n")
+        if source == "env":
+            env[variable], where = value, variable
+        else:
+            (tmp / "secret").write_text(value + "\n")
+            env[variable + "_FILE"], where = str(tmp / "secret"), variable + "_FILE"
+    saved = set(redact_module._registered)
+    redact_module._registered.clear()  # what this load registers, and nothing else, hides the password
+    try:
+        try:
+            Settings.from_file(cfg, env=env)
+            return None, "", where
+        except CdcError as exc:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                code = report(exc)
+            return code, err.getvalue(), where
+    finally:
+        redact_module._registered.clear()
+        redact_module._registered.update(saved)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(password=passwords, form=st.sampled_from(sorted(DSN_FORMS)), source=st.sampled_from(["file", "env", "env file"]))
+@example(password="Qz7kW pa ss@Jx4vR", form="key=value raw", source="env")
+@example(password="Qz7kW@Jx4vR", form="url raw", source="file")
+@example(password="Qz7kW'Jx4vR", form="key=value unterminated quote", source="env file")
+def test_a_dsn_password_never_shows_however_malformed(password, form, source, tmp_path):
+    dsn = DSN_FORMS[form](password)
+    code, printed, where = _load(tmp_path, "postgres.dsn", dsn, source)
+    if code is None:  # accepted: then libpq reads the password as written (percent-decoded in a URL)
+        written = (password if "encoded" in form else unquote(password) if "url" in form
+                   else re.sub(r"\\(.)", r"\1", password) if "raw" in form else password)
+        assert conninfo_to_dict(dsn).get("password") == written, (form, dsn)  # (libpq's escapes unescaped)
+        return
+    assert not any(marker in printed for marker in MARKERS), printed
+    assert code == 2 and printed.count("\n") == 1, printed
+    assert printed.startswith(f"cdc: error: {where}: postgres.dsn"), printed
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(password=passwords, form=st.sampled_from(sorted(URL_FORMS)), source=st.sampled_from(["file", "env", "env file"]))
+@example(password="Qz7kW/Jx4vR", form="raw", source="env")
+def test_a_redis_url_password_never_shows_however_malformed(password, form, source, tmp_path):
+    url = URL_FORMS[form](password)
+    code, printed, where = _load(tmp_path, "redis.url", url, source)
+    if code is None:  # accepted: then redis-py reads the password as written (percent-decoded)
+        assert parse_url(url).get("password") == (password if "encoded" in form else unquote(password)), (form, url)
+        return
+    assert not any(marker in printed for marker in MARKERS), printed
+    assert code == 2 and printed.count("\n") == 1, printed
+    assert printed.startswith(f"cdc: error: {where}: redis.url"), printed
+
+
 def _commands(env) -> list[tuple[str, ...]]:
-    return [("init",), ("check",), ("run", "--until-caught-up"), ("status",), ("schema",), ("trim",),
+    return [("init",), ("check",), ("run", "--until-caught-up"), ("status",), ("schema",), ("trim",), ("recover",),
+            ("reconcile", "--dry-run"),
             ("backfill", "--entity", "ride"), ("read", "--entity", "ride"), ("dlq", "list", "--group", "g"),
             ("replay", "--entity", "ride", "--group", "g", "--from", "0"),
             ("consume", "--entity", "ride", "--group", "g", "--handler", "cdc.demo.rocketrides:ride_totals",
@@ -63,17 +219,30 @@ def test_no_command_shows_a_password_on_any_error_path(env, tmp_path):
         "wrong password": f"postgresql://cdc_bridge:{SECRET}@127.0.0.1:{pg}/{env.dbname}",
         "unreachable": f"postgresql://cdc_bridge:{SECRET}@127.0.0.1:{port}/{env.dbname}?connect_timeout=2",
         "bad option": f"postgresql://cdc_bridge:{SECRET}@127.0.0.1:{pg}/{env.dbname}?nosuch=1",
+        # passwords a parser cuts short: each half must stay hidden
+        "@ in the password": f"postgresql://cdc_bridge:{HALVES[0]}@{HALVES[1]}@127.0.0.1:{pg}/{env.dbname}",
+        "/ in the password": f"postgresql://cdc_bridge:{HALVES[0]}/{HALVES[1]}@127.0.0.1:{pg}/{env.dbname}",
+        "% in the password": f"postgresql://cdc_bridge:{HALVES[0]}%zz{HALVES[1]}@127.0.0.1:{pg}/{env.dbname}",
+        "space, key=value": f"host=127.0.0.1 port={pg} user=cdc_bridge password={HALVES[0]} {HALVES[1]} dbname={env.dbname}",
+        "unterminated quote": f"host=127.0.0.1 port={pg} user=cdc_bridge password='{HALVES[0]} {HALVES[1]} dbname={env.dbname}",
+        "quoted, wrong": f"host=127.0.0.1 port={pg} user=cdc_bridge password='{HALVES[0]}\\'\\\\ {HALVES[1]}' dbname={env.dbname}",
+        "bad sslmode": f"postgresql://cdc_bridge:{SECRET}@127.0.0.1:{pg}/{env.dbname}?sslmode=bogus",
+        "sslmode=require, no SSL": f"postgresql://cdc_bridge:{SECRET}@127.0.0.1:{pg}/{env.dbname}?sslmode=require",
     }
     bad_urls = {
         "http scheme": f"http://u:{SECRET}@127.0.0.1:{env.redis_server.port}/0",
         "wrong password": f"redis://nosuchuser:{SECRET}@127.0.0.1:{env.redis_server.port}/0",
         "unreachable": f"redis://:{SECRET}@127.0.0.1:{port}/0",
         "bad port": f"redis://:{SECRET}@127.0.0.1:port/0",
+        "@ and a space in the password": f"redis://nosuchuser:{HALVES[0]}@ {HALVES[1]}@127.0.0.1:{env.redis_server.port}/0",
+        "/ in the password": f"redis://nosuchuser:{HALVES[0]}/{HALVES[1]}@127.0.0.1:{env.redis_server.port}/0",
+        "TLS against a plain port": f"rediss://:{SECRET}@127.0.0.1:{env.redis_server.port}/0?ssl_cert_reqs=none",
     }
     runs = []
     for what, dsn in bad_dsns.items():
-        env.write_config(dsn=dsn)  # in the config file
-        for command in _commands(env)[:6]:
+        env.config_path.write_text(f"postgres: {{dsn: {json.dumps(dsn)}, slot: {env.slot}}}\n"  # in the config file
+                                   f"redis: {{url: '{env.redis_server.url}'}}\nmappings: mappings/\nhttp: {{port: 0}}\n")
+        for command in _commands(env)[:8]:  # those that connect to PostgreSQL first
             runs.append((f"config dsn {what}", command, _cdc(env, *command)))
         secret = tmp_path / "dsn"
         secret.write_text(dsn)
@@ -86,8 +255,8 @@ def test_no_command_shows_a_password_on_any_error_path(env, tmp_path):
     failures = []
     for what, command, result in runs:
         output = result.stdout + result.stderr
-        if SECRET not in output and "Traceback" not in output:
+        if not any(secret in output for secret in (SECRET, *HALVES)) and "Traceback" not in output:
             continue
         failures.append(f"{what}: cdc {' '.join(command)} -> {result.returncode}\n{output}")
     assert not failures, "\n".join(failures)
-    assert len(runs) == 4 * 8 + 4 * len(_commands(env))
+    assert len(runs) == len(bad_dsns) * 10 + len(bad_urls) * len(_commands(env))

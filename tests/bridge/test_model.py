@@ -168,6 +168,8 @@ class Model:
     def restart(self) -> None:
         assert self.bridge.poll() is None, f"the bridge stopped between quiet points: {self.log}\n{self.bridge_log()}"
         if True:
+            # a bridge stopped while it starts may not have its signal handlers yet: wait until it streams
+            wait_for(lambda: self.env.slot_active() or self.bridge.poll() is not None, 60, "the bridge to stream")
             if self.rng.random() < 0.5:
                 self.bridge.send_signal(signal.SIGTERM)
                 assert self.bridge.wait(60) == 0, self.bridge_log()

@@ -27,6 +27,7 @@ SKIPPED = {
     "pip install .": "installs into an environment (the tests run from the checkout)",
     "cd examples/node-consumer": "needs npm packages from the registry (tests/consume/test_node_consumer.py runs it)",
     "--master spark://": "needs a Spark cluster",
+    "MODEL_SEED=": "longer runs of tests/bridge/test_model.py, which make test runs",
 }
 LONG_RUNNING = ("cdc run ", "cdc consume ", ".venv/bin/cdc run ", ".venv/bin/cdc consume ")  # they run until SIGTERM: started, seen working, stopped
 DEAD_LETTER = "1795394575651-0"  # the ID the dlq examples name

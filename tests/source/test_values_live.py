@@ -24,6 +24,8 @@ from datetime import datetime
 import orjson
 import pytest
 
+from cdc.demo.local import pg_bin
+
 from cdc.source.values import (
     BUILTIN_TYPES,
     TYPE_QUERY,
@@ -38,7 +40,7 @@ psycopg = pytest.importorskip("psycopg")
 
 pytestmark = pytest.mark.integration
 
-PG_BIN = "/usr/lib/postgresql/15/bin"
+PG_BIN = str(pg_bin())  # the server the run was given (tests/conftest.py --pg)
 SESSION_OPTIONS = (
     "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 -c extra_float_digits=3 -c bytea_output=hex"
 )
@@ -128,7 +130,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     if not os.path.exists(f"{PG_BIN}/postgres") or (AS_POSTGRES and shutil.which("runuser") is None):
-        pytest.skip("PostgreSQL 15 binaries or runuser not available")
+        pytest.skip(f"PostgreSQL binaries ({PG_BIN}) or runuser not available")
     root = tempfile.mkdtemp(prefix="cdc-values-pg-")
     srv = Server(root)
     try:

@@ -43,6 +43,16 @@ def pytest_configure(config):
             raise pytest.UsageError(str(exc)) from None
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked pg18 run in the --pg 18 pass only (they start PostgreSQL 18 servers of their own)."""
+    if config.getoption("--pg") == "18":
+        return
+    later = pytest.mark.skip(reason="needs PostgreSQL 18: runs with pytest --pg 18 (make test does)")
+    for item in items:
+        if "pg18" in item.keywords:
+            item.add_marker(later)
+
+
 def pytest_report_header(config):
     return f"postgresql: {local.server_version(local.pg_bin()) or '(not installed)'} from {local.pg_bin()}"
 

@@ -247,7 +247,7 @@ class LocalPostgres:
         standby.root.mkdir(parents=True, exist_ok=True)
         _chown_to_server_user(standby.root)
         result = self._run(str(self.bin / "pg_basebackup"), "-D", str(standby.data), "-h", "127.0.0.1", "-p", str(self.port),
-                           "-U", "postgres", "-X", "stream", "-C", "-S", slot, "--no-sync", check=False)
+                           "-U", "postgres", "-X", "stream", "-c", "fast", "-C", "-S", slot, "--no-sync", check=False)
         if result.returncode != 0:
             raise RuntimeError(f"pg_basebackup failed: {result.stderr.strip()}")
         signal_file = standby.data / "standby.signal"

@@ -27,7 +27,7 @@ from cdc.demo.local import LocalPostgres, pg_bin_for, wait_for
 from conftest import Env, read_stream
 from workload import ResilientWorkload
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18]
 
 STANDBY_SLOT = "standby1"
 RIDER_MAPPING = """
@@ -104,14 +104,14 @@ def ha_env(pair, redis_server, tmp_path):
     e.close()
 
 
-def _setup(env: Env, pair: Pair) -> None:
+def _setup(env: Env, pair: Pair, postgres: str = "") -> None:
     env.apply_sql("10_rocket_rides.sql")
     env.execute("CREATE TABLE workload_ledger (n int PRIMARY KEY)")
     env.copy_mappings("ride.yaml")
     env.write_mapping("rider.yaml", RIDER_MAPPING)
     env.write_mapping("ledger.yaml", LEDGER_MAPPING)
     env.write_config("batch: {max_entries: 40, max_delay_ms: 5}\n", dsn=pair.dsn,
-                     postgres=", receive_timeout_s: 5, slot_check_interval_s: 1")
+                     postgres=", receive_timeout_s: 5, slot_check_interval_s: 1" + postgres)
     env.cdc("init", check=True)
 
 
@@ -181,7 +181,9 @@ def test_the_bridge_follows_a_promoted_standby_and_loses_and_duplicates_nothing(
     proc = env.start_bridge()
     workload.start()
     wait_for(lambda: env.redis.xlen("cdc:ledger") >= 100, 60, "the bridge to publish")
-    wait_for(lambda: pair.standby_has_synced(env.slot), 60, "the standby to hold a synced copy of the slot")
+    synced = time.monotonic()
+    wait_for(lambda: pair.standby_has_synced(env.slot), 90, "the standby to hold a synced copy of the slot")
+    print(f"\nthe standby synced the slot in {time.monotonic() - synced:.1f}s")
 
     recovery, after_promote = _crash_and_promote(env, pair, random.Random(os.getpid()), proc)
     print(f"\nfailover: first new entry {recovery:.2f}s after the primary crashed, {after_promote:.2f}s after promote")
@@ -198,3 +200,24 @@ def test_the_bridge_follows_a_promoted_standby_and_loses_and_duplicates_nothing(
     assert_streams_are_the_new_primary(env, pair)
     status = env.cdc("status", "--json", check=True)
     assert '"failover"' in status.stdout
+
+
+def test_without_a_failover_slot_the_bridge_stops_at_the_missing_slot_and_holds_redis(ha_env, pair):
+    """postgres.failover_slot: false (or a server older than 17): the promoted standby has no slot.
+    The bridge must stop with the slot error (exit 4) rather than create a slot and skip what was lost."""
+    env = ha_env
+    _setup(env, pair, ", failover_slot: false")
+    check = env.cdc("check")
+    assert "postgres.failover_slot is false, so the slot would not survive a failover" in check.stdout + check.stderr
+    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'b')")
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:rider") == 1, 60, "the first rider")
+    pair.primary.stop("immediate")
+    pair.standby.promote()
+    with psycopg.connect(pair.dsn_for(pair.standby), autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (env.slot,)).fetchone()[0] == 0
+        conn.execute("INSERT INTO riders (id, name, email) VALUES (2, 'c', 'd')")
+    assert proc.wait(90) == 4, proc.log_path.read_text()[-3000:]
+    log = proc.log_path.read_text()
+    assert f"replication slot {env.slot!r} does not exist" in log, log[-3000:]
+    assert env.redis.xlen("cdc:rider") == 1

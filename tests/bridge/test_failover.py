@@ -19,6 +19,7 @@ import shutil
 import signal
 import time
 
+import orjson
 import psycopg
 import pytest
 import redis
@@ -184,6 +185,10 @@ def test_the_bridge_follows_a_promoted_standby_and_loses_and_duplicates_nothing(
     synced = time.monotonic()
     wait_for(lambda: pair.standby_has_synced(env.slot), 90, "the standby to hold a synced copy of the slot")
     print(f"\nthe standby synced the slot in {time.monotonic() - synced:.1f}s")
+    wait_for(lambda: "failover-ready yes" in proc.log_path.read_text(), 30, "the bridge to find the slot failover-ready")
+    ready = orjson.loads(env.cdc("status", "--json", check=True).stdout)["slot"]["failover"]
+    assert ready["ready"] is True and ready["slot_failover"] is True, ready
+    assert [(s["name"], s["active"]) for s in ready["standby_slots"]] == [(STANDBY_SLOT, True)]
 
     recovery, after_promote = _crash_and_promote(env, pair, random.Random(os.getpid()), proc)
     print(f"\nfailover: first new entry {recovery:.2f}s after the primary crashed, {after_promote:.2f}s after promote")
@@ -198,8 +203,8 @@ def test_the_bridge_follows_a_promoted_standby_and_loses_and_duplicates_nothing(
     assert proc.wait(30) == 0, proc.log_path.read_text()[-3000:]
     env.cdc("run", "--until-caught-up", check=True, timeout=300)
     assert_streams_are_the_new_primary(env, pair)
-    status = env.cdc("status", "--json", check=True)
-    assert '"failover"' in status.stdout
+    after = orjson.loads(env.cdc("status", "--json", check=True).stdout)["slot"]["failover"]
+    assert after["ready"] is False  # the new primary has no standby yet
 
 
 def test_without_a_failover_slot_the_bridge_stops_at_the_missing_slot_and_holds_redis(ha_env, pair):

@@ -354,7 +354,11 @@ class Bridge:
 
     def _check_failover(self, catalog_conn: psycopg.Connection) -> None:
         """Log when the slot's failover readiness changes (cdc_slot_failover_ready shows it)."""
-        readiness = failover_readiness(catalog_conn, self.settings.postgres.slot)
+        try:
+            readiness = failover_readiness(catalog_conn, self.settings.postgres.slot)
+        except psycopg.errors.InsufficientPrivilege as exc:  # a report, never a reason to stop
+            log.warning("failover readiness unknown: %s", str(exc).strip())
+            return
         if self.failover is None or readiness.ready != self.failover.ready:
             (log.info if readiness.ready else log.warning)(
                 "failover-ready %s: %s", "yes" if readiness.ready else "no", readiness.reason)

@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 
 import orjson
@@ -205,6 +206,59 @@ def test_the_bridge_follows_a_promoted_standby_and_loses_and_duplicates_nothing(
     assert_streams_are_the_new_primary(env, pair)
     after = orjson.loads(env.cdc("status", "--json", check=True).stdout)["slot"]["failover"]
     assert after["ready"] is False  # the new primary has no standby yet
+
+
+BIG_FIRST_ID, BIG_ROWS, BIG_N = 10_000_001, 50_000, 10_000_000
+
+
+def _big_transaction(dsn: str, committed: threading.Event, errors: list) -> None:
+    """One large transaction: BIG_ROWS rides and ledger row BIG_N; `committed` is set once COMMIT returned."""
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            with conn.transaction():
+                conn.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT g, 1, 1 FROM generate_series(%s::int, %s::int) g",
+                             (BIG_FIRST_ID, BIG_FIRST_ID + BIG_ROWS - 1))
+                conn.execute("INSERT INTO workload_ledger (n) VALUES (%s)", (BIG_N,))
+        committed.set()
+    except psycopg.OperationalError as exc:  # the primary crashed before the commit returned
+        errors.append(exc)
+    finally:
+        committed.set()
+
+
+def test_a_large_transaction_published_halfway_at_the_failover_ends_whole_or_absent(ha_env, pair):
+    """The primary crashes while the bridge publishes a large transaction. The new primary has it
+    (the standby flushed its commit) or not: the streams hold it whole and once, or not at all."""
+    env = ha_env
+    _setup(env, pair)
+    workload = ResilientWorkload(pair.dsn, transactions=100000, seed=5, rate=100)
+    proc = env.start_bridge()
+    workload.start()
+    wait_for(lambda: env.redis.xlen("cdc:ledger") >= 50, 60, "the bridge to publish")
+    wait_for(lambda: pair.standby_has_synced(env.slot), 90, "the standby to hold a synced copy of the slot")
+    rng = random.Random(os.getpid())
+    committed, errors = threading.Event(), []
+    big = threading.Thread(target=_big_transaction, args=(pair.dsn, committed, errors), daemon=True)
+    big.start()
+    committed.wait(120)
+    time.sleep(rng.uniform(0.0, 1.0))  # a random crash instant while the bridge publishes it, not a wait for a condition
+    length_at_crash = env.redis.xlen("cdc:ride")
+    pair.primary.stop("immediate")
+    pair.standby.promote()
+    big.join(30)
+    done = workload.committed
+    wait_for(lambda: workload.committed >= done + 30 or proc.poll() is not None, 90, "the writers on the new primary")
+    workload.stopped.set()
+    workload.done.wait(60)
+    assert workload.error is None, workload.error
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.log_path.read_text()[-3000:]
+    env.cdc("run", "--until-caught-up", check=True, timeout=300)
+    assert_streams_are_the_new_primary(env, pair)
+    ledger, _, _ = _new_primary_state(pair)
+    published_at_crash = sum(1 for e in read_stream(env.redis, "cdc:ride")[:length_at_crash] if e["key"]["id"] >= BIG_FIRST_ID)
+    print(f"\nlarge transaction: {published_at_crash} of {BIG_ROWS} rows published at the crash; "
+          f"the new primary {'has' if BIG_N in ledger else 'lacks'} it")
 
 
 def test_without_a_failover_slot_the_bridge_stops_at_the_missing_slot_and_holds_redis(ha_env, pair):

@@ -213,11 +213,18 @@ def env(postgres, redis_server, tmp_path):
     e.close()
     with psycopg.connect(postgres.dsn, autocommit=True) as conn:
         for (slot,) in conn.execute("SELECT slot_name FROM pg_replication_slots WHERE database = %s", (dbname,)).fetchall():
+            # a killed bridge's walsender may hold the slot a moment longer
             try:
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-            except psycopg.Error:
+                wait_for(lambda: _drop_slot(conn, slot), 30, f"slot {slot} to be dropped")
+            except TimeoutError:
                 pass
         conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+
+def _drop_slot(conn: psycopg.Connection, slot: str) -> bool:
+    """Drop `slot` unless it is gone already; an error (the slot still active) means try again."""
+    conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (slot,))
+    return True
 
 
 def read_stream(client: redis.Redis, stream: str) -> list[dict]:

@@ -98,7 +98,7 @@ def create_slot(conn: psycopg.Connection, slot: str, failover: bool) -> tuple[st
         confirmed = conn.execute(
             "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput', false, false, true)", (slot,)
         ).fetchone()[0]
-        return confirmed, f"created logical failover slot {slot} (pgoutput) at {confirmed}"
+        return confirmed, f"created logical slot {slot} (pgoutput) at {confirmed} as a failover slot"
     confirmed = conn.execute("SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,)).fetchone()[0]
     return confirmed, f"created logical slot {slot} (pgoutput) at {confirmed}"
 

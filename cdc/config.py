@@ -54,6 +54,9 @@ class PostgresSettings:
     #: ask the server to stream large transactions while they run (pgoutput streaming, PostgreSQL 14+):
     #: the bridge holds their changes until the commit, spilling to its own disk instead of the server's
     streaming: bool = False
+    #: `cdc init` creates the slot as a failover slot (PostgreSQL 17+; ignored on older servers), or makes an
+    #: existing slot one, so physical standbys with sync_replication_slots keep a copy a promoted standby resumes from
+    failover_slot: bool = True
 
 
 @dataclass(frozen=True)

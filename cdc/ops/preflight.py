@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import psycopg
 import redis
+from psycopg.conninfo import conninfo_to_dict
 
 from .. import keys
 from ..config import Settings
@@ -36,6 +37,7 @@ from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..sink.redisconn import connect_redis
+from ..source.failover import failover_readiness, supports_failover
 from ..source.lsn import Lsn
 from ..source.coverage import Publication, identity_problem, publication_problem, read_coverage, read_publication
 from ..source.privileges import BACKFILL_GRANTS
@@ -144,6 +146,7 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
             superuser = _check_role(conn, report)
             _check_mappings(conn, mappings, superuser, report)
             _check_publication_and_slot(conn, settings, mappings, report)
+            _check_failover(conn, settings, report)
             _check_backfills(conn, superuser, report)
             row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s "
                                "AND wal_status IS DISTINCT FROM 'lost'", (pgs.slot,)).fetchone()  # lost: nothing to compare
@@ -244,6 +247,45 @@ def _redis_held(settings: Settings) -> Lsn | None | bool:
         client.close()
 
 
+def _check_failover(conn: psycopg.Connection, settings: Settings, report: CheckReport) -> None:
+    """Whether the slot would survive a failover to a standby: warnings (not refusals) where a standby is in
+    evidence (a physical replication slot, synchronized_standby_slots, or a DSN naming several hosts)."""
+    pgs = settings.postgres
+    hosts = len(conninfo_to_dict(pgs.dsn).get("host", "").split(","))
+    standbys = conn.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'physical'").fetchone()[0]
+    ha = hosts > 1 or standbys > 0
+    if not supports_failover(conn):
+        if pgs.failover_slot:
+            text = (f"postgres.failover_slot is ignored: PostgreSQL {conn.info.server_version // 10000} has no failover "
+                    "slots (17 and later), so after a failover to a standby the slot is gone and the changes since "
+                    "Redis' recorded position must be recovered (cdc init, then cdc recover)")
+            (report.warnings if ha else report.ok).append(text)
+        return
+    if not pgs.failover_slot:
+        report.ok.append(f"slot {pgs.slot}: postgres.failover_slot is false, so the slot would not survive a failover")
+        return
+    if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone() is None:
+        return  # reported above
+    readiness = failover_readiness(conn, pgs.slot)
+    ha = ha or bool(readiness.synchronized_standby_slots)
+    if readiness.ready:
+        report.ok.append(f"failover-ready: {readiness.reason}")
+    elif not ha:
+        report.ok.append(f"failover-ready: no standby (no physical replication slot): {readiness.reason}")
+    else:
+        for problem in readiness.problems:
+            report.warnings.append(f"slot {pgs.slot} would not survive a failover: {problem}")
+    if ha and hosts < 2:
+        report.warnings.append(
+            "postgres.dsn names one host: after a failover the bridge follows the new primary only if this address "
+            "moves to it; otherwise name every server, e.g. host=a,b port=5432,5432 target_session_attrs=read-write")
+
+
+def emit_message_signature(conn: psycopg.Connection) -> str:
+    """pg_logical_emit_message's text variant: PostgreSQL 17 added a fourth argument (flush)."""
+    return "pg_logical_emit_message(boolean, text, text" + (", boolean)" if conn.info.server_version >= 170000 else ")")
+
+
 def _check_backfills(conn: psycopg.Connection, superuser: bool, report: CheckReport) -> None:
     """What snapshots (cdc run) and backfills (cdc backfill) need: the table, its grants, logical messages."""
     role = conn.info.user
@@ -258,7 +300,7 @@ def _check_backfills(conn: psycopg.Connection, superuser: bool, report: CheckRep
     rights = conn.execute(
         "SELECT has_table_privilege('public.cdc_backfills', 'SELECT'), has_table_privilege('public.cdc_backfills', 'UPDATE'), "
         "has_table_privilege('public.cdc_backfills', 'INSERT'), has_sequence_privilege('public.cdc_backfills_id_seq', 'USAGE'), "
-        "has_function_privilege('pg_logical_emit_message(boolean, text, text)', 'EXECUTE')").fetchone()
+        "has_function_privilege(%s, 'EXECUTE')", (emit_message_signature(conn),)).fetchone()
     grants = BACKFILL_GRANTS.format(role=role)
     if not (rights[0] and rights[1]):
         report.problems.append(PrivilegeError(
@@ -272,7 +314,7 @@ def _check_backfills(conn: psycopg.Connection, superuser: bool, report: CheckRep
     if not rights[4]:
         report.problems.append(PrivilegeError(
             f"role {role} may not call pg_logical_emit_message: no heartbeats, snapshots or backfills",
-            hint=f"run: GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO {role}"))
+            hint=f"run: GRANT EXECUTE ON FUNCTION {emit_message_signature(conn)} TO {role}"))
 
 
 # -- Redis -----------------------------------------------------------------------------------------

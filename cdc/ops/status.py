@@ -20,6 +20,7 @@ from ..source.lsn import Lsn
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
+from ..source.failover import failover_readiness
 from ..source.replication import classify_pg_error
 
 __all__ = ["STALE_AFTER_S", "collect"]  # `cdc.ops.status_view.render` shows it
@@ -51,6 +52,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
             row = conn.execute(SLOT_QUERY, (settings.postgres.slot,)).fetchone()
             decoding = (conn.execute(DECODING_QUERY, (settings.postgres.slot,)).fetchone()
                         if row and conn.info.server_version >= 140000 else None)  # the view is new in 14
+            failover = failover_readiness(conn, settings.postgres.slot) if row else None
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         try:
@@ -88,6 +90,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
             "current_wal_lsn": row[2], "lag_bytes": row[3], "lag_seconds": row[6],
             "retained_wal_bytes": row[4], "max_slot_wal_keep_size": row[7], "safe_wal_size_bytes": row[8],
             "wal_status": row[5], "decoding": _decoding(decoding, settings.postgres.streaming),
+            "failover": failover.as_dict(),
         }
     publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster)
     client = connect_redis(settings.redis)

@@ -130,6 +130,9 @@ def render(status: dict, *, color: bool = False, width: int | None = None) -> st
     decoding = _decoding_line((status["slot"] or {}).get("decoding"))
     if decoding:
         console.print(decoding, soft_wrap=True)
+    failover = (status["slot"] or {}).get("failover")
+    if failover:
+        console.print(f"failover-ready: {'yes' if failover['ready'] else 'no'}: {failover['reason']}", soft_wrap=True)
     for line in _bridge_lines(status.get("bridge") or {}):
         console.print(line, soft_wrap=True)
     for s in status["streams"]:

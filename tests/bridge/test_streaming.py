@@ -122,7 +122,10 @@ def test_streamed_transactions_publish_the_same_entries_as_unstreamed_ones(env):
     counts = re.search(r"streamed transactions since start: (\d+) committed, (\d+) aborted, \d+ left open; (\d+) bytes spilled", log)
     assert counts, log[-3000:]
     committed, aborted, spilled = map(int, counts.groups())
-    assert committed >= 3 and aborted >= 2 and spilled > 0, counts.group(0)
+    # PostgreSQL 18 does not stream a transaction it already knows aborted (here: all of them, as the bridge
+    # reads after the workload ended); earlier versions stream them and send Stream Abort
+    server = env.execute("SHOW server_version_num")[0][0]
+    assert committed >= 3 and aborted >= (0 if int(server) >= 180000 else 2) and spilled > 0, counts.group(0)
 
     streamed = read_stream(env.redis, "cdc:ride")
     unstreamed = read_stream(redis.Redis.from_url(env.redis_server.url.rsplit("/", 1)[0] + "/1"), "cdc:ride")

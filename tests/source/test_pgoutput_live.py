@@ -22,6 +22,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from cdc.demo.local import pg_bin
 from cdc.source import pgoutput as po
 from cdc.source.lsn import Lsn
 from cdc.source.pgoutput import UNCHANGED_TOAST, PgOutputDecoder
@@ -29,7 +30,7 @@ from cdc.source.framing import pg_ts_to_unix_ms
 
 pytestmark = pytest.mark.integration
 
-PG_BIN = Path(os.environ.get("CDC_PG_BIN", "/usr/lib/postgresql/15/bin"))
+PG_BIN = pg_bin()  # the server the run was given (tests/conftest.py --pg)
 START_TIMEOUT = 60.0
 
 
@@ -83,7 +84,7 @@ def _wait_until_accepting(server: Server, log: Path) -> None:
 def pg_server() -> Iterator[Server]:
     for tool in ("initdb", "pg_ctl", "postgres"):
         if not (PG_BIN / tool).exists():
-            pytest.skip(f"PostgreSQL 15 not installed ({PG_BIN / tool} missing)")
+            pytest.skip(f"PostgreSQL not installed ({PG_BIN / tool} missing)")
     tmp = tempfile.mkdtemp(prefix="cdc-pgoutput-")
     data = os.path.join(tmp, "data")
     log = Path(tmp, "server.log")
@@ -336,8 +337,12 @@ def test_streamed_transaction_proto_2(conn: psycopg.Connection) -> None:
     assert [c.xid for c in commits] == [xid]
     assert commits[0].end_lsn > commits[0].commit_lsn
     assert messages.index(commits[0]) > messages.index(inserts[-1])
-    assert isinstance(messages[-1], po.StreamAbort)
-    assert messages[-1] == po.StreamAbort(aborted_xid, aborted_xid)
+    if conn.info.server_version >= 180000:
+        # PostgreSQL 18 drops a transaction it knows aborted before streaming any of it
+        assert not any(getattr(m, "xid", None) == aborted_xid for m in messages)
+    else:
+        assert isinstance(messages[-1], po.StreamAbort)
+        assert messages[-1] == po.StreamAbort(aborted_xid, aborted_xid)
 
 
 def test_two_phase_proto_3(conn: psycopg.Connection) -> None:

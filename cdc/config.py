@@ -58,6 +58,9 @@ class RedisSettings:
     #: how a batch is appended atomically with its marks: "transaction" (MULTI/EXEC under WATCH)
     #: or "script" (the Lua append script, more Redis CPU per entry)
     append: str = "transaction"
+    #: with a redis+sentinel:// url: the sentinels' own login (the url's user and password are the data nodes')
+    sentinel_username: str = ""
+    sentinel_password: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,9 @@ class Settings:
         spill = sections["batch"].spill_dir
         if spill and not Path(spill).is_absolute():
             sections["batch"] = dataclasses.replace(sections["batch"], spill_dir=str(base_dir / spill))
+        if sections["redis"].cluster and sections["redis"].url.split("://", 1)[0].lower().endswith("+sentinel"):
+            raise ConfigError(f"{where(raw.get('redis') or {}, 'cluster')}: redis.cluster cannot be used with a "
+                              "redis+sentinel:// url", hint="a cluster fails over by itself: give one node's redis:// url")
         key_file, key = _hash_key(raw, base_dir, env)
         return cls(**sections, mappings=mappings_path, hash_key_file=key_file, hash_key=key, source=source)
 
@@ -271,6 +277,11 @@ def _check_redis_url(value: str, what: str) -> None:
     from urllib.parse import urlsplit
 
     hint = "write it as redis://user:password@host:6379/0, or rediss:// for TLS, unix:///path.sock for a socket"
+    if value.split("://", 1)[0].lower() in ("redis+sentinel", "rediss+sentinel"):
+        from .sink.redisconn import parse_sentinel_url
+
+        parse_sentinel_url(value, what)
+        return
     try:
         url = urlsplit(value)
         url.port  # noqa: B018 (raises on a port that is not a number)
@@ -278,7 +289,8 @@ def _check_redis_url(value: str, what: str) -> None:
         raise ConfigError(f"{what} is not a valid URL: {exc}", hint=hint) from None
     if url.scheme not in ("redis", "rediss", "unix"):
         got = f"scheme {url.scheme + '://'!r}" if url.scheme else "no scheme"
-        raise ConfigError(f"{what} has {got}; Redis URLs start with redis://, rediss:// or unix://", hint=hint)
+        raise ConfigError(f"{what} has {got}; Redis URLs start with redis://, rediss://, unix:// "
+                          "or redis+sentinel://", hint=hint)
     if url.scheme != "unix" and not url.hostname:
         raise ConfigError(f"{what} names no host", hint=hint)
     db = url.path.lstrip("/") if url.scheme != "unix" else ""

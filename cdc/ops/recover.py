@@ -223,7 +223,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                 say(f"snapshot at {snap.position}: the rebuilt entries take position {Lsn(base)}")
                 import_snapshot(conn, snap.name)
                 publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster,
-                                      flushed_key=keys.flushed_key(slot))
+                                      flushed_key=keys.flushed_key(slot), settings=settings.redis)
                 try:
                     catalog = TypeCatalog()
                     marker = rebuild.marker(str(snap.position), lost_from, lost_to)

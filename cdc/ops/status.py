@@ -89,7 +89,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
             "retained_wal_bytes": row[4], "max_slot_wal_keep_size": row[7], "safe_wal_size_bytes": row[8],
             "wal_status": row[5], "decoding": _decoding(decoding, settings.postgres.streaming),
         }
-    publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster)
+    publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster, settings=settings.redis)
     client = connect_redis(settings.redis)
     try:
         streams = [(m.entity, s) for m in mappings for s in m.stream_keys()]

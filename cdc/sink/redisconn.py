@@ -98,7 +98,14 @@ class _MasterConnection(SentinelManagedConnection):
         if not self.connection_pool.is_master:
             return
         self.send_command("ROLE")
-        reply = self.read_response()
+        try:
+            reply = self.read_response()
+        except redis.ResponseError as exc:
+            if "NOPERM" not in str(exc):
+                raise
+            self.disconnect()
+            raise redis.ResponseError(f"{exc} (with a sentinel url every connection checks ROLE: grant the user "
+                                      "+role)") from None
         role = reply[0] if isinstance(reply, (list, tuple)) and reply else reply
         if isinstance(role, bytes):
             role = role.decode()

@@ -61,13 +61,15 @@ class LocalSentinel:
 
 
 class LocalSentinelGroup:
-    """A master, one replica (`replicaof`) and three sentinels; `url` names them the way cdc does."""
+    """A master, its replicas (`replicaof`) and three sentinels; `url` names them the way cdc does."""
 
-    def __init__(self, root: Path, *, sentinels: int = 3, down_after_ms: int = 1000, failover_timeout_ms: int = 3000,
-                 sentinel_password: str = "", redis_extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, root: Path, *, replicas: int = 1, sentinels: int = 3, down_after_ms: int = 1000,
+                 failover_timeout_ms: int = 3000, sentinel_password: str = "", redis_extra: tuple[str, ...] = ()) -> None:
         self.root = Path(root)
         self.master = LocalRedis(self.root / "node-a", extra=["--appendfsync", "always", *redis_extra])
-        self.replica = LocalRedis(self.root / "node-b", extra=["--appendfsync", "always", *redis_extra])
+        self.replicas = [LocalRedis(self.root / f"node-{chr(ord('b') + i)}", extra=["--appendfsync", "always", *redis_extra])
+                         for i in range(replicas)]
+        self.replica = self.replicas[0]
         self.sentinel_password = sentinel_password
         self.sentinels = [
             LocalSentinel(self.root / f"sentinel-{i}", self.master.port, down_after_ms=down_after_ms,
@@ -75,7 +77,7 @@ class LocalSentinelGroup:
             for i in range(sentinels)
         ]
         #: both data nodes, by port: the master changes at a failover
-        self.nodes = {self.master.port: self.master, self.replica.port: self.replica}
+        self.nodes = {node.port: node for node in (self.master, *self.replicas)}
 
     @property
     def url(self) -> str:
@@ -83,13 +85,14 @@ class LocalSentinelGroup:
 
     def start(self) -> "LocalSentinelGroup":
         self.master.start()
-        self.replica.extra += ["--replicaof", "127.0.0.1", str(self.master.port)]
-        self.replica.start()
-        wait_for(lambda: self.link_up(self.replica), 30, "the replica to sync with the master")
+        for replica in self.replicas:
+            replica.extra += ["--replicaof", "127.0.0.1", str(self.master.port)]
+            replica.start()
+            wait_for(lambda: self.link_up(replica), 30, "the replica to sync with the master")
         for s in self.sentinels:
             s.start()
-        # every sentinel knows the replica and the others before a failover can be tested
-        wait_for(lambda: all(len(s.client().sentinel_slaves(SERVICE)) == 1 and
+        # every sentinel knows the replicas and the others before a failover can be tested
+        wait_for(lambda: all(len(s.client().sentinel_slaves(SERVICE)) == len(self.replicas) and
                              s.client().sentinel_master(SERVICE)["num-other-sentinels"] == len(self.sentinels) - 1
                              for s in self.sentinels), 30, "the sentinels to discover the replica and each other")
         return self

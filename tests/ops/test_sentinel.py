@@ -40,9 +40,10 @@ class CurrentMaster:
 
 
 @pytest.fixture
-def group(servers_root, env, monkeypatch):
+def group(servers_root, env, monkeypatch, request):
     monkeypatch.setenv("CDC_REDIS_SENTINEL_PASSWORD", SENTINEL_PASSWORD)  # for every cdc command started
-    g = LocalSentinelGroup(servers_root / f"sentinel-{env.dbname}", sentinel_password=SENTINEL_PASSWORD)
+    replicas = getattr(request, "param", 1)
+    g = LocalSentinelGroup(servers_root / f"sentinel-{env.dbname}", replicas=replicas, sentinel_password=SENTINEL_PASSWORD)
     g.start()
     env.redis_server = CurrentMaster(g)
     yield g
@@ -162,8 +163,19 @@ def _assert_stream_exact(env) -> None:
     assert replay(entries, reset_at_marker=True) == table(env)
 
 
+def _waiting(procs, check, timeout: float, what: str):
+    """`wait_for`, failing with the processes' last log lines."""
+    try:
+        return wait_for(check, timeout, what)
+    except TimeoutError as exc:
+        logs = "\n".join(f"--- {p.log_path.name}\n{p.log_path.read_text()[-2000:]}" for p in procs)
+        raise AssertionError(f"{exc}\n{logs}") from None
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("group", [2], indirect=True, ids=["two-replicas"])
 def test_a_failover_mid_stream_with_wait_replicas_loses_and_duplicates_nothing(env, group):
+    """WAIT 1 needs a replica after the failover too: the second replica follows the promoted one."""
     _setup_rides(env, group, ", wait_replicas: 1, wait_timeout_ms: 1000")
     traffic = RideTraffic(env.dsn, riders=20, seed=11)
     traffic.start()
@@ -175,20 +187,24 @@ def test_a_failover_mid_stream_with_wait_replicas_loses_and_duplicates_nothing(e
 
     faulted = time.monotonic()
     old = group.kill_master()
-    held = _mark(group.client_of(group.replica))  # all the replica has: the next entry is a new one
+    # what each replica holds once it saw its master go (it applied all it had received): after that,
+    # what the promoted one gains is new
+    wait_for(lambda: not any(group.link_up(r) for r in group.replicas), 10, "the replicas to lose their master")
+    held_by = {r.port: _mark(group.client_of(r)) for r in group.replicas}
     new = group.wait_promoted(old)
+    held = held_by[new.port]
     promoted = time.monotonic()
-    wait_for(lambda: _mark(group.client_of(new)) > held, 60, "a new entry on the promoted master")
+    _waiting([bridge, consumer], lambda: _mark(group.client_of(new)) > held, 60, "a new entry on the promoted master")
     recovered = time.monotonic()
     print(f"\nfailover: promoted {promoted - faulted:.2f}s after kill -9, first new entry after {recovered - faulted:.2f}s")
 
     target = env.current_wal()
-    wait_for(lambda: _mark(group.client_of(new)) > target, 60, "the bridge to keep streaming after the failover")
+    _waiting([bridge], lambda: _mark(group.client_of(new)) > target, 60, "the bridge to keep streaming after the failover")
     traffic.stop()
     target = env.current_wal()
     wait_for(lambda: env.confirmed_flush() >= target or _mark(env.redis) >= target, 60, "the bridge to catch up")
     expected = {k: v for k, v in truth(env).items() if v != 0}
-    wait_for(lambda: state(env, "totals") == expected, 90, "the consumer to reach the exact totals")
+    _waiting([consumer], lambda: state(env, "totals") == expected, 90, "the consumer to reach the exact totals")
 
     assert bridge.poll() is None, bridge.log_path.read_text()[-3000:]
     for proc in (bridge, consumer):

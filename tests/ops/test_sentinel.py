@@ -224,9 +224,9 @@ def test_without_wait_replicas_a_replica_behind_is_a_loss_named_exactly_and_cdc_
     _setup_rides(env, group, ", wait_replicas: 0")
     bridge = env.start_bridge(env=SENTINEL_ENV)
     master, replica = group.client_of(group.master), group.client_of(group.replica)
-    env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 20, g * 1.5 FROM generate_series(1, 300) g")
     target = env.current_wal()
-    wait_for(lambda: _mark(master) > target, 60, "the first rides in redis")
+    env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 20, g * 1.5 FROM generate_series(1, 300) g")
+    _waiting([bridge], lambda: _mark(master) > target, 60, "the first rides in redis")
     wait_for(lambda: _mark(replica) == _mark(master), 30, "the replica to have them")
 
     # the replica stops applying what its master sends (it still answers the sentinels)
@@ -235,12 +235,17 @@ def test_without_wait_replicas_a_replica_behind_is_a_loss_named_exactly_and_cdc_
     env.execute("DELETE FROM rides WHERE id % 10 = 3")
     env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 20, g FROM generate_series(1, 50) g")
     target = env.current_wal()
-    wait_for(lambda: env.confirmed_flush() >= target, 60, "the slot to be acknowledged past the lost range")
+    _waiting([bridge], lambda: env.confirmed_flush() >= target, 60, "the slot to be acknowledged past the lost range")
     assert int(replica.get(f"cdc:bridge:{env.slot}:flushed")) == held
 
     old = group.kill_master()
+    # the replica dropped its master and, with it, what it had received but not applied; the pause
+    # ends before the failover, which it would hold up
+    wait_for(lambda: not group.link_up(group.replica), 10, "the replica to lose its master")
+    replica.execute_command("CLIENT", "UNPAUSE")
+    assert int(replica.get(f"cdc:bridge:{env.slot}:flushed")) == held
     new = group.wait_promoted(old)
-    group.client_of(new).execute_command("CLIENT", "UNPAUSE")
+    assert new is group.replica
     assert bridge.wait(90) == 6, bridge.log_path.read_text()[-3000:]
     log = bridge.log_path.read_text()
     found = re.search(r"redis lost entries: it holds changes up to (\S+), but slot '(\S+)' was acknowledged up to "

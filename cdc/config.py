@@ -289,8 +289,7 @@ def _check_redis_url(value: str, what: str) -> None:
         raise ConfigError(f"{what} is not a valid URL: {exc}", hint=hint) from None
     if url.scheme not in ("redis", "rediss", "unix"):
         got = f"scheme {url.scheme + '://'!r}" if url.scheme else "no scheme"
-        raise ConfigError(f"{what} has {got}; Redis URLs start with redis://, rediss://, unix:// "
-                          "or redis+sentinel://", hint=hint)
+        raise ConfigError(f"{what} has {got}; Redis URLs start with redis://, rediss:// or unix://", hint=hint)
     if url.scheme != "unix" and not url.hostname:
         raise ConfigError(f"{what} names no host", hint=hint)
     db = url.path.lstrip("/") if url.scheme != "unix" else ""

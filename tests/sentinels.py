@@ -23,7 +23,7 @@ class LocalSentinel:
     """One `redis-server --sentinel` watching `service`, its config file (which it rewrites) in `root`."""
 
     def __init__(self, root: Path, master_port: int, *, service: str = SERVICE, down_after_ms: int = 1000,
-                 failover_timeout_ms: int = 3000, quorum: int = 2, password: str = "") -> None:
+                 failover_timeout_ms: int = 3000, quorum: int = 2, password: str = "", users: tuple[str, ...] = ()) -> None:
         self.root = Path(root)
         self.port = free_port()
         self.lines = [
@@ -33,6 +33,7 @@ class LocalSentinel:
             f"sentinel failover-timeout {service} {failover_timeout_ms}",
             f"sentinel parallel-syncs {service} 1",
             *([f"requirepass {password}"] if password else []),
+            *users,  # ACL users: "user <name> on >password <rules>"
         ]
         self.password = password
         self.proc: subprocess.Popen | None = None
@@ -43,8 +44,14 @@ class LocalSentinel:
         conf.write_text("\n".join(self.lines) + "\n")
         self.proc = subprocess.Popen([shutil.which("redis-server"), str(conf), "--sentinel"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        wait_for(lambda: self.client().ping(), 30, f"sentinel on port {self.port}")
+        wait_for(self.ready, 30, f"sentinel on port {self.port}")
         return self
+
+    def ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            log = (self.root / "sentinel.log").read_text(errors="replace")[-1000:]
+            raise RuntimeError(f"the sentinel exited with {self.proc.returncode}: {log}")
+        return self.client().ping()
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, password=self.password or None, socket_timeout=2, decode_responses=True)
@@ -64,7 +71,8 @@ class LocalSentinelGroup:
     """A master, its replicas (`replicaof`) and three sentinels; `url` names them the way cdc does."""
 
     def __init__(self, root: Path, *, replicas: int = 1, sentinels: int = 3, down_after_ms: int = 1000,
-                 failover_timeout_ms: int = 3000, sentinel_password: str = "", redis_extra: tuple[str, ...] = ()) -> None:
+                 failover_timeout_ms: int = 3000, sentinel_password: str = "", sentinel_users: tuple[str, ...] = (),
+                 redis_extra: tuple[str, ...] = ()) -> None:
         self.root = Path(root)
         self.master = LocalRedis(self.root / "node-a", extra=["--appendfsync", "always", *redis_extra])
         self.replicas = [LocalRedis(self.root / f"node-{chr(ord('b') + i)}", extra=["--appendfsync", "always", *redis_extra])
@@ -73,7 +81,7 @@ class LocalSentinelGroup:
         self.sentinel_password = sentinel_password
         self.sentinels = [
             LocalSentinel(self.root / f"sentinel-{i}", self.master.port, down_after_ms=down_after_ms,
-                          failover_timeout_ms=failover_timeout_ms, password=sentinel_password)
+                          failover_timeout_ms=failover_timeout_ms, password=sentinel_password, users=sentinel_users)
             for i in range(sentinels)
         ]
         #: both data nodes, by port: the master changes at a failover

@@ -19,7 +19,7 @@ from cdc.redact import redact
 from cdc.sink import redisconn
 from cdc.sink.publisher import Publisher
 from cdc.source.lsn import Lsn
-from conftest import read_stream
+from conftest import ROOT, read_stream
 from ride_consumers import RideTraffic, state, truth
 from sentinels import LocalSentinelGroup
 from test_recover import replay, table
@@ -42,8 +42,8 @@ class CurrentMaster:
 @pytest.fixture
 def group(servers_root, env, monkeypatch, request):
     monkeypatch.setenv("CDC_REDIS_SENTINEL_PASSWORD", SENTINEL_PASSWORD)  # for every cdc command started
-    replicas = getattr(request, "param", 1)
-    g = LocalSentinelGroup(servers_root / f"sentinel-{env.dbname}", replicas=replicas, sentinel_password=SENTINEL_PASSWORD)
+    options = {"sentinel_password": SENTINEL_PASSWORD, **getattr(request, "param", {})}
+    g = LocalSentinelGroup(servers_root / f"sentinel-{env.dbname}", **options)
     g.start()
     env.redis_server = CurrentMaster(g)
     yield g
@@ -102,10 +102,19 @@ def test_the_sentinel_login_comes_from_its_own_keys_and_is_never_shown(tmp_path)
 
 # -- against real sentinels ------------------------------------------------------------------
 
+#: the sentinels' user the README documents, with its password replaced
+README_SENTINEL_USER = next(line.strip() for line in (ROOT / "README.md").read_text().splitlines()
+                            if line.strip().startswith("user cdc-sentinel "))
+
+
+@pytest.mark.parametrize("group", [{"sentinel_users": (README_SENTINEL_USER,)}], indirect=True, ids=["readme-acl"])
 def test_cdc_check_reports_the_sentinels_the_master_and_the_replicas(env, group):
-    env.write_config(redis_url=group.url, redis=", wait_replicas: 2")
-    env.init_rides("ride.yaml")  # cdc init through the sentinels
-    result = env.cdc("check", env=SENTINEL_ENV)
+    env.write_config(redis_url=group.url, redis=", wait_replicas: 2, sentinel_username: cdc-sentinel")
+    as_readme_user = {"CDC_REDIS_SENTINEL_PASSWORD": "change-me-sentinel"}
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml")
+    env.cdc("init", check=True, env=as_readme_user)  # cdc init through the sentinels, as the README's user
+    result = env.cdc("check", env=as_readme_user)
     master, replica = group.current_master().port, group.replica.port
     out = result.stdout + result.stderr
     assert "3 of 3 sentinels answer for 'mymaster'" in out
@@ -115,6 +124,7 @@ def test_cdc_check_reports_the_sentinels_the_master_and_the_replicas(env, group)
     assert result.returncode == 0, out
 
     group.sentinels[0].stop()
+    assert "change-me-sentinel" not in out
     result = env.cdc("check", env={"CDC_REDIS_SENTINEL_PASSWORD": "not-the-password"})
     out = result.stdout + result.stderr
     assert result.returncode == 5, out
@@ -173,7 +183,7 @@ def _waiting(procs, check, timeout: float, what: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group", [2], indirect=True, ids=["two-replicas"])
+@pytest.mark.parametrize("group", [{"replicas": 2}], indirect=True, ids=["two-replicas"])
 def test_a_failover_mid_stream_with_wait_replicas_loses_and_duplicates_nothing(env, group):
     """WAIT 1 needs a replica after the failover too: the second replica follows the promoted one."""
     _setup_rides(env, group, ", wait_replicas: 1, wait_timeout_ms: 1000")

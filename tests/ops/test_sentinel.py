@@ -236,8 +236,11 @@ def test_without_wait_replicas_a_replica_behind_is_a_loss_named_exactly_and_cdc_
     master, replica = group.client_of(group.master), group.client_of(group.replica)
     target = env.current_wal()
     env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 20, g * 1.5 FROM generate_series(1, 300) g")
-    _waiting([bridge], lambda: _mark(master) > target, 60, "the first rides in redis")
-    wait_for(lambda: _mark(replica) == _mark(master), 30, "the replica to have them")
+    # the transaction spans several batches: all of them, and the record after them, on both
+    _waiting([bridge], lambda: master.xlen("cdc:ride") == 300 and int(master.get(f"cdc:bridge:{env.slot}:flushed")) > target,
+             60, "the first rides in redis")
+    wait_for(lambda: replica.xlen("cdc:ride") == 300 and replica.get(f"cdc:bridge:{env.slot}:flushed") ==
+             master.get(f"cdc:bridge:{env.slot}:flushed"), 30, "the replica to have them")
 
     # the replica stops applying what its master sends (it still answers the sentinels)
     assert replica.execute_command("CLIENT", "PAUSE", "120000", "WRITE")

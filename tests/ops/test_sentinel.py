@@ -274,4 +274,9 @@ def test_without_wait_replicas_a_replica_behind_is_a_loss_named_exactly_and_cdc_
     env.execute("UPDATE rides SET distance_m = 7 WHERE id = 4")
     env.cdc("run", "--until-caught-up", check=True, env=SENTINEL_ENV)
     _assert_stream_exact(env)
+    # the other commands through the sentinels, to the promoted master
+    status = env.cdc("status", "--json", check=True)
+    assert '"data_loss": null' in status.stdout
+    env.cdc("trim", check=True)
+    assert env.cdc("read", "--entity", "ride", "--limit", "1", check=True).stdout.strip()
     assert SENTINEL_PASSWORD not in log + result.stdout + result.stderr

@@ -77,13 +77,13 @@ def check_sentinels(settings: RedisSettings) -> SentinelReport:
                     target.service, "; ".join(f"{m} by {', '.join(by)}" for m, by in named.items())))
         elif named:
             report.ok.append(f"the sentinels name {next(iter(named))} as the master of {target.service!r}")
-        _replicas(reachable[0], target.service, report)
+        _replicas(reachable[0], target.service, settings.wait_replicas, report)
     finally:
         sentinels.close()
     return report
 
 
-def _replicas(client: redis.Redis, service: str, report: SentinelReport) -> None:
+def _replicas(client: redis.Redis, service: str, wait_replicas: int, report: SentinelReport) -> None:
     try:
         replicas = client.execute_command("SENTINEL", "REPLICAS", service)
     except redis.RedisError as exc:
@@ -91,6 +91,11 @@ def _replicas(client: redis.Redis, service: str, report: SentinelReport) -> None
         return
     if not replicas:
         report.warnings.append(f"the sentinels know no replica of {service!r}: a failover has nothing to promote")
+    elif wait_replicas and len(replicas) <= wait_replicas:
+        report.warnings.append(
+            f"{service!r} has {len(replicas)} replica(s) and redis.wait_replicas is {wait_replicas}: after a failover "
+            f"the promoted master has {len(replicas) - 1}, and cdc run retries every batch until the old master "
+            f"rejoins as a replica; run {wait_replicas + 1} replicas")
     for raw in replicas:
         info = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2]))
         info = {_text(k): _text(v) for k, v in info.items()}

@@ -121,6 +121,7 @@ def test_cdc_check_reports_the_sentinels_the_master_and_the_replicas(env, group)
     assert f"the sentinels name 127.0.0.1:{master} as the master of 'mymaster'" in out
     assert f"replica 127.0.0.1:{replica}: link ok" in out
     assert "has 1 connected replica(s) but redis.wait_replicas is 2" in out
+    assert "'mymaster' has 1 replica(s) and redis.wait_replicas is 2: after a failover the promoted master has 0" in out
     assert result.returncode == 0, out
 
     group.sentinels[0].stop()

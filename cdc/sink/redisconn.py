@@ -54,9 +54,9 @@ def is_sentinel_url(url: str) -> bool:
 def parse_sentinel_url(url: str, what: str = "redis.url") -> SentinelTarget:
     """The parts of a ``redis+sentinel://`` URL; a malformed one is a ConfigError naming `what`."""
     scheme, _, rest = url.partition("://")
-    netloc, _, tail = rest.partition("/")
+    userinfo, _, rest = rest.rpartition("@")  # the login first: a password may hold '/' or ','
+    hosts, _, tail = rest.partition("/")
     path, _, query = tail.partition("?")
-    userinfo, _, hosts = netloc.rpartition("@")
     sentinels: list[tuple[str, int]] = []
     for item in hosts.split(","):
         host, sep, port = item.strip().rpartition(":")

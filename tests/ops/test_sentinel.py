@@ -63,6 +63,8 @@ def test_a_sentinel_url_names_the_sentinels_the_service_and_the_data_nodes_login
     assert (t.service, t.db, t.tls, t.username, t.password) == ("mymaster", 3, True, "cdc-bridge", "p@ss")
     assert t.options["ssl_ca_certs"] == "/ca.crt"
     assert redisconn.parse_sentinel_url("redis+sentinel://h1/mymaster").sentinels == (("h1", 26379),)
+    odd = redisconn.parse_sentinel_url("redis+sentinel://:a/b,c@h1:1,h2:2/svc")
+    assert (odd.password, odd.sentinels, odd.service) == ("a/b,c", (("h1", 1), ("h2", 2)), "svc")
     assert "p@ss" not in repr(t) and "p%40ss" not in t.describe()
 
 

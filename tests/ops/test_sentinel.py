@@ -283,3 +283,30 @@ def test_without_wait_replicas_a_replica_behind_is_a_loss_named_exactly_and_cdc_
     env.cdc("trim", check=True)
     assert env.cdc("read", "--entity", "ride", "--limit", "1", check=True).stdout.strip()
     assert SENTINEL_PASSWORD not in log + result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_with_one_replica_the_bridge_waits_after_a_failover_until_the_old_master_rejoins(env, group):
+    """WAIT 1 on a promoted master with no replica: every batch is retried, nothing acknowledged past
+    it, until the old master comes back (the sentinels make it a replica); then exact, no alarm."""
+    _setup_rides(env, group, ", wait_replicas: 1, wait_timeout_ms: 500")
+    bridge = env.start_bridge(env=SENTINEL_ENV)
+    target = env.current_wal()
+    env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 20, g FROM generate_series(1, 100) g")
+    _waiting([bridge], lambda: _mark(group.client_of(group.master)) > target, 60, "the first rides in redis")
+    old = group.kill_master()
+    new = group.wait_promoted(old)
+    env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 20, g FROM generate_series(1, 50) g")
+    waiting = env.current_wal()
+    _waiting([bridge], lambda: "only 0 of 1 redis replicas acknowledged" in bridge.log_path.read_text(), 60,
+             "the bridge to wait for a replica of the promoted master")
+    assert env.confirmed_flush() < waiting, "the slot was told about batches no replica holds"
+
+    old.start()  # back with its own data; the sentinels turn it into a replica of the promoted master
+    wait_for(lambda: group.client_of(old).role()[0] == "slave" and group.link_up(old), 60,
+             "the old master to rejoin as a replica")
+    _waiting([bridge], lambda: env.confirmed_flush() >= waiting, 60, "the bridge to resume once a replica is back")
+    assert bridge.poll() is None and not any(m in bridge.log_path.read_text() for m in LOSS_MARKERS)
+    assert group.current_master() is new
+    _assert_stream_exact(env)
+    assert len(read_stream(env.redis, "cdc:ride")) == 150

@@ -129,10 +129,12 @@ class _Sentinels(Sentinel):
 
     def discover_master(self, service_name):
         errors = []
+        refused = False
         for i, sentinel in enumerate(self.sentinels):
             try:
                 reply = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", service_name)
             except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+                refused |= isinstance(exc, redis.AuthenticationError)
                 kwargs = sentinel.connection_pool.connection_kwargs
                 errors.append(f"{kwargs['host']}:{kwargs['port']}: {exc}")
                 continue
@@ -142,7 +144,10 @@ class _Sentinels(Sentinel):
                 return host, int(port)
             errors.append(f"{sentinel.connection_pool.connection_kwargs['host']}:"
                           f"{sentinel.connection_pool.connection_kwargs['port']}: no master named {service_name!r}")
-        raise MasterNotFoundError(f"no sentinel named the master of {service_name!r}: {'; '.join(errors)}")
+        message = f"no sentinel named the master of {service_name!r}: {'; '.join(errors)}"
+        if refused:  # not a failover: retrying will not fix a wrong sentinel login
+            raise redis.AuthenticationError(f"{message} (check redis.sentinel_username and redis.sentinel_password)")
+        raise MasterNotFoundError(message)
 
 
 def connect_sentinels(settings: RedisSettings, target: SentinelTarget | None = None, **options) -> _Sentinels:

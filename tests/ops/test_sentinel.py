@@ -134,6 +134,11 @@ def test_cdc_check_reports_the_sentinels_the_master_and_the_replicas(env, group)
     assert f"sentinel 127.0.0.1:{group.sentinels[1].port} refused the login" in out
     assert f"sentinel 127.0.0.1:{group.sentinels[0].port} is unreachable" in out
     assert "not-the-password" not in out and SENTINEL_PASSWORD not in out
+    result = env.cdc("status", env={"CDC_REDIS_SENTINEL_PASSWORD": "not-the-password"})
+    # (the bridge's lanes classify every refused connection as transient, a refused login included)
+    assert result.returncode in (5, 75), result.stderr
+    assert "check redis.sentinel_username and redis.sentinel_password" in result.stderr
+    assert "not-the-password" not in result.stdout + result.stderr
 
 
 def test_a_server_that_is_not_the_master_is_never_written_to(env, group, monkeypatch):

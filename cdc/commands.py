@@ -21,6 +21,8 @@ def load_config(args: argparse.Namespace):
         redact.register(secret)
     if settings.hash_key:
         redact.register_secret(settings.hash_key.decode())
+    if settings.redis.sentinel_password:
+        redact.register_secret(settings.redis.sentinel_password)
     return settings, load_mappings(settings.mappings, hash_key=settings.hash_key or None)
 
 

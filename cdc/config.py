@@ -74,6 +74,9 @@ class RedisSettings:
     #: how a batch is appended atomically with its marks: "transaction" (MULTI/EXEC under WATCH)
     #: or "script" (the Lua append script, more Redis CPU per entry)
     append: str = "transaction"
+    #: with a redis+sentinel:// url: the sentinels' own login (the url's user and password are the data nodes')
+    sentinel_username: str = ""
+    sentinel_password: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,9 @@ class Settings:
         spill = sections["batch"].spill_dir
         if spill and not Path(spill).is_absolute():
             sections["batch"] = dataclasses.replace(sections["batch"], spill_dir=str(base_dir / spill))
+        if sections["redis"].cluster and sections["redis"].url.split("://", 1)[0].lower().endswith("+sentinel"):
+            raise ConfigError(f"{where(raw.get('redis') or {}, 'cluster')}: redis.cluster cannot be used with a "
+                              "redis+sentinel:// url", hint="a cluster fails over by itself: give one node's redis:// url")
         key_file, key = _hash_key(raw, base_dir, env)
         return cls(**sections, mappings=mappings_path, hash_key_file=key_file, hash_key=key, source=source)
 
@@ -404,6 +410,11 @@ def _check_redis_url(value: str, what: str) -> None:
 
     redact.register(value)
     hint = "write it as redis://user:password@host:6379/0, or rediss:// for TLS, unix:///path.sock for a socket"
+    if value.split("://", 1)[0].lower() in ("redis+sentinel", "rediss+sentinel"):
+        from .sink.redisconn import parse_sentinel_url
+
+        parse_sentinel_url(value, what)
+        return
     encode = "percent-encode a password's special characters in a URL (%2F for /, %3F for ?, %23 for #, %40 for @)"
     try:
         url = urlsplit(value)

@@ -36,7 +36,7 @@ from ..bridge.guards import check_redis_has_flushed, invalidated_slot_error, mis
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
-from ..sink.redisconn import connect_redis
+from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
 from ..source.failover import failover_readiness, supports_failover
 from ..source.lsn import Lsn
 from ..source.coverage import Publication, identity_problem, publication_problem, read_coverage, read_publication
@@ -343,6 +343,8 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         probes.append(("cdc run", ("EVAL", "return 1", "1", flushed)))
     if settings.redis.wait_replicas:
         probes.append(("cdc run", ("WAIT", "1", "0")))
+    if is_sentinel_url(settings.redis.url):  # every connection checks it reached the master
+        probes.append(("cdc run", ("ROLE",)))
     for m in mappings:
         for s in m.stream_keys():
             mark, lease, epoch = keys.mark_key(s), keys.lease_key(s, group), keys.lease_epoch_key(s, group)
@@ -372,11 +374,22 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
 
 
 def _where(url: str) -> str:
+    if is_sentinel_url(url):
+        return parse_sentinel_url(url).describe()
     parts = urlsplit(url)
     return f"redis at {parts.hostname or parts.path}{':' + str(parts.port) if parts.port else ''}"
 
 
 def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckReport, confirmed: Lsn | None) -> None:
+    if is_sentinel_url(settings.redis.url):
+        from .sentinels import check_sentinels
+
+        found = check_sentinels(settings.redis)
+        report.ok += found.ok
+        report.warnings += found.warnings
+        report.problems += found.problems
+        if found.problems:
+            return
     where = _where(settings.redis.url)
     try:
         client = connect_redis(settings.redis)

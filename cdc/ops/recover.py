@@ -266,7 +266,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                 say(f"snapshot at {snap.position}: the rebuilt entries take position {Lsn(base)}")
                 import_snapshot(conn, snap.name)
                 publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster,
-                                      flushed_key=keys.flushed_key(slot),
+                                      flushed_key=keys.flushed_key(slot), settings=settings.redis,
                                       entities={s: m.entity for m in mappings for s in m.stream_keys()})
                 try:
                     catalog = TypeCatalog()

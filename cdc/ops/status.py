@@ -92,7 +92,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
             "wal_status": row[5], "decoding": _decoding(decoding, settings.postgres.streaming),
             "failover": failover.as_dict(),
         }
-    publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster)
+    publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster, settings=settings.redis)
     client = connect_redis(settings.redis)
     try:
         streams = [(m.entity, s) for m in mappings for s in m.stream_keys()]

@@ -104,6 +104,7 @@ class Publisher:
         double_send: float = 0.0,
         append: str = "transaction",
         entities: Mapping[str, str] | None = None,
+        settings: RedisSettings | None = None,
     ) -> None:
         if append not in APPEND_MODES:
             raise ValueError(f"append must be one of {', '.join(APPEND_MODES)}, got {append!r}")
@@ -122,7 +123,8 @@ class Publisher:
         self._cluster = None
         self._nodes: dict[str, Node] = {}
         try:
-            client = connect_redis(RedisSettings(url=url, cluster=cluster), socket_timeout=socket_timeout,
+            # `settings` (when given) carries the rest of the login: the sentinels' own, with a sentinel url
+            client = connect_redis(settings or RedisSettings(url=url, cluster=cluster), socket_timeout=socket_timeout,
                                    socket_connect_timeout=5.0)
         except redis.RedisError as exc:  # a cluster is asked for its nodes right away
             raise classify(exc) from exc

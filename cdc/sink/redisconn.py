@@ -1,4 +1,13 @@
-"""Connecting to Redis the way the settings say: one server, or a cluster.
+"""Connecting to Redis the way the settings say: one server, a cluster, or a master named by Sentinel.
+
+A Sentinel URL, ``redis+sentinel://[user:password@]host1:26379,host2:26379/<service>/<db>``
+(``rediss+sentinel://`` for TLS), names the sentinels to ask and the service whose
+master to use. The user and password in it are the data nodes' (master and
+replicas); the sentinels' own login is ``redis.sentinel_username`` and
+``redis.sentinel_password``. Every connection asks the sentinels for the master's
+address (``SENTINEL get-master-addr-by-name``) and then checks with ``ROLE`` that
+the server it reached is a master: after a failover a reconnection finds the
+promoted replica, and a demoted master is never written to.
 
 Every connection this module makes says why it failed when the cause is not transient, as the
 connection is made (so wherever it is made: the bridge, the consumers, `cdc check`, `cdc status`):
@@ -16,24 +25,180 @@ from __future__ import annotations
 
 import socket
 import ssl
+from dataclasses import dataclass, field
+from urllib.parse import unquote
 
 import redis
 from redis.connection import Connection, SSLConnection, parse_url
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from ..config import RedisSettings
 from ..errors import ConfigError, PublishError
 
-__all__ = ["connect_redis", "tls_mismatch"]
+__all__ = ["SENTINEL_SCHEMES", "SentinelTarget", "connect_redis", "connect_sentinels", "is_sentinel_url",
+           "parse_sentinel_url", "tls_mismatch"]
 
 #: the longest a probe of what a port speaks may wait for an answer, in seconds
 PROBE_TIMEOUT = 2.0
 
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+_SENTINEL_HINT = "write it as redis+sentinel://user:password@host1:26379,host2:26379/<service>/0 (rediss+sentinel:// for TLS)"
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """What a Sentinel URL names: the sentinels, the service, and how to log in to its data nodes."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    tls: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    #: the query's options (TLS files, timeouts), as redis-py reads them from a URL
+    options: dict = field(default_factory=dict, repr=False)
+
+    def describe(self) -> str:
+        """For messages: the service and the sentinels, never a password."""
+        return f"redis master {self.service!r} (sentinels {', '.join(f'{h}:{p}' for h, p in self.sentinels)})"
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in SENTINEL_SCHEMES
+
+
+def parse_sentinel_url(url: str, what: str = "redis.url") -> SentinelTarget:
+    """The parts of a ``redis+sentinel://`` URL; a malformed one is a ConfigError naming `what`."""
+    scheme, _, rest = url.partition("://")
+    userinfo, _, rest = rest.rpartition("@")  # the login first: a password may hold '/' or ','
+    hosts, _, tail = rest.partition("/")
+    path, _, query = tail.partition("?")
+    sentinels: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep:
+            host, port = item.strip(), "26379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{what}: sentinel address {item.strip()!r} is not host:port", hint=_SENTINEL_HINT)
+        sentinels.append((host, int(port)))
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        raise ConfigError(f"{what} names no sentinel service (the master's name, as in sentinel.conf)", hint=_SENTINEL_HINT)
+    if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ConfigError(f"{what}: {'/'.join(parts)!r} is not <service>/<database number>", hint=_SENTINEL_HINT)
+    tls = scheme.lower() == "rediss+sentinel"
+    try:  # the query options (ssl_ca_certs, socket timeouts, ...) exactly as redis-py reads them
+        options = parse_url(f"{'rediss' if tls else 'redis'}://placeholder/0{'?' + query if query else ''}")
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}", hint=_SENTINEL_HINT) from None
+    for key in ("host", "port", "db", "connection_class", "username", "password"):
+        options.pop(key, None)
+    username, _, password = userinfo.partition(":")
+    return SentinelTarget(tuple(sentinels), unquote(parts[0]), int(parts[1]) if len(parts) == 2 else 0, tls,
+                          unquote(username) or None, unquote(password) or None, options)
+
+
+class _MasterConnection(SentinelManagedConnection):
+    """A connection to the master the sentinels name, refused unless the server says it is one.
+
+    Sentinels can name a master that has just been demoted (their view lags a
+    failover by up to its timeout); writing there would be refused (READONLY) or,
+    worse, accepted by a stale master cut off from the others. ``ROLE`` settles it
+    on every new connection; anything but ``master`` is a connection error, which
+    every caller treats as transient (reconnect, resolve again).
+    """
+
+    def on_connect_check_health(self, check_health: bool = True) -> None:
+        super().on_connect_check_health(check_health=check_health)
+        if not self.connection_pool.is_master:
+            return
+        self.send_command("ROLE")
+        try:
+            reply = self.read_response()
+        except redis.ResponseError as exc:
+            if "NOPERM" not in str(exc):
+                raise
+            self.disconnect()
+            raise redis.ResponseError(f"{exc} (with a sentinel url every connection checks ROLE: grant the user "
+                                      "+role)") from None
+        role = reply[0] if isinstance(reply, (list, tuple)) and reply else reply
+        if isinstance(role, bytes):
+            role = role.decode()
+        if role != "master":
+            self.disconnect()
+            raise redis.ConnectionError(
+                f"redis at {self.host}:{self.port} is a {role}, not the master of "
+                f"{self.connection_pool.service_name!r} (a failover in progress); resolving again")
+
+
+class _MasterSSLConnection(_MasterConnection, SSLConnection):
+    pass
+
+
+class _Sentinels(Sentinel):
+    """The sentinels, asked the way a client should: ``SENTINEL get-master-addr-by-name``.
+
+    (redis-py's own lookup reads ``SENTINEL MASTERS``, which needs more of the
+    sentinels' ACL and answers for every service.)
+    """
+
+    def discover_master(self, service_name):
+        errors = []
+        refused = False
+        for i, sentinel in enumerate(self.sentinels):
+            try:
+                reply = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", service_name)
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as exc:
+                refused |= isinstance(exc, redis.AuthenticationError)
+                kwargs = sentinel.connection_pool.connection_kwargs
+                errors.append(f"{kwargs['host']}:{kwargs['port']}: {exc}")
+                continue
+            if reply:
+                host, port = (p.decode() if isinstance(p, bytes) else p for p in reply)
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]  # ask it first next time
+                return host, int(port)
+            errors.append(f"{sentinel.connection_pool.connection_kwargs['host']}:"
+                          f"{sentinel.connection_pool.connection_kwargs['port']}: no master named {service_name!r}")
+        message = f"no sentinel named the master of {service_name!r}: {'; '.join(errors)}"
+        if refused:  # not a failover: retrying will not fix a wrong sentinel login
+            raise redis.AuthenticationError(f"{message} (check redis.sentinel_username and redis.sentinel_password)")
+        raise MasterNotFoundError(message)
+
+
+def connect_sentinels(settings: RedisSettings, target: SentinelTarget | None = None, **options) -> _Sentinels:
+    """A client of the sentinels themselves (with their own login), for `cdc check` and the master lookup."""
+    target = target or parse_sentinel_url(settings.url)
+    socket = {k: options.get(k, v) for k, v in (("socket_connect_timeout", 5), ("socket_timeout", 10))}
+    sentinel_kwargs = dict(socket)
+    if settings.sentinel_username:
+        sentinel_kwargs["username"] = settings.sentinel_username
+    if settings.sentinel_password:
+        sentinel_kwargs["password"] = settings.sentinel_password
+    if target.tls:
+        sentinel_kwargs.update(ssl=True, **{k: v for k, v in target.options.items() if k.startswith("ssl_")})
+    data_kwargs = {**target.options, **options}
+    return _Sentinels(list(target.sentinels), sentinel_kwargs=sentinel_kwargs, **data_kwargs)
+
+
+def _connect_master(settings: RedisSettings, **options) -> redis.Redis:
+    target = parse_sentinel_url(settings.url)
+    sentinels = connect_sentinels(settings, target, **options)
+    login = {k: v for k, v in (("username", target.username), ("password", target.password)) if v}
+    return sentinels.master_for(
+        target.service, redis_class=redis.Redis, connection_pool_class=SentinelConnectionPool,
+        connection_class=_MasterSSLConnection if target.tls else _MasterConnection,
+        db=target.db, **login, **{**target.options, **options})
+
 
 def connect_redis(settings: RedisSettings, **options) -> redis.Redis:
-    """A client for `settings.url` (a `RedisCluster` when `settings.cluster`), same API for single keys."""
+    """A client for `settings.url` (a `RedisCluster` when `settings.cluster`, the sentinels' master for a
+    ``redis+sentinel://`` URL), same API for single keys."""
     options.setdefault("socket_connect_timeout", 5)
     options.setdefault("socket_timeout", 10)
     try:
+        if is_sentinel_url(settings.url):
+            return _connect_master(settings, **options)
         base = parse_url(settings.url).get("connection_class", Connection)
         options.setdefault("connection_class", _diagnosing(base))
         if settings.cluster:

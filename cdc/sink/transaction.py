@@ -191,7 +191,7 @@ class TransactionLane:
         `flushed` (key, LSN), the record of how far Redis holds the source, is moved
         in the same transaction, and only forward: it is watched like the marks, so a
         stale writer can never set it back. `after` follows the transaction in the
-        pipeline (WAIT, test faults). The replies are read by `confirm()`.
+        pipeline (WAIT, test faults), before the keys are watched again. The replies are read by `confirm()`.
         """
         self.node.connection()
         if self._watching_on != self.node.connects:  # a new connection watches nothing yet
@@ -227,6 +227,9 @@ class TransactionLane:
             commands.append(hiredis.pack_command((b"SET", flushed[0], str(flushed[1]))))
             queued += 1
         commands.append(EXEC)
+        # `after` before the marks and stream keys are watched again: what it writes (a test fault's
+        # duplicate XADDs) must not abort the next transaction
+        commands += after
         if self._tail is None:
             watched, streams = list(marks), list(types)
             self._tail = (watched, streams, self._watch_tail(watched, streams))
@@ -234,7 +237,7 @@ class TransactionLane:
         size = sum(map(len, commands))
         if size > self._largest:
             self._largest = size
-        self.node.send(commands + after)
+        self.node.send(commands)
         self._plan = _Plan(group, flushed, after, queued, appended, self._tail)
 
     def confirm(self) -> tuple[list[int], list]:
@@ -258,8 +261,9 @@ class TransactionLane:
                         raise classify(reply)
                 replies = replies[1 + q :]
             exec_reply = replies[0]
-            after = replies[1 + reads:]
-            self._learn(watched, streams, replies[1:1 + reads])
+            n = len(plan.after)
+            after = replies[1:1 + n]
+            self._learn(watched, streams, replies[1 + n:1 + n + reads])
             if isinstance(exec_reply, Exception):
                 self._forget()
                 raise classify(exec_reply)

@@ -51,7 +51,8 @@ def _hold_commits(env) -> tuple[psycopg.Connection, threading.Thread]:
     def probe_held():
         probe = env.connect(options="-c synchronous_commit=on")
         pid = probe.info.backend_pid
-        thread = _commit_in_thread(probe, lambda c: c.execute("SELECT pg_logical_emit_message(true, %s, %s)", ("cdc_test_probe", "")))  # writes WAL: its commit waits
+        # a transaction that writes WAL: its commit waits for the standby
+        thread = _commit_in_thread(probe, lambda c: c.execute("SELECT pg_logical_emit_message(true, 'cdc_test_probe', '')"))
         wait_for(lambda: not thread.is_alive() or _sync_rep_waiter(env, pid), 30, "the probe to commit or wait")
         if thread.is_alive():
             return probe, thread

@@ -118,3 +118,31 @@ def test_backfills_queued_back_to_back_are_each_served(env):
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
+
+
+def test_an_idle_bridge_finds_a_backfill_queued_without_a_request(env):
+    """A row written without the request message (by hand, or by an older `cdc backfill`): the idle look
+    at `cdc_backfills` finds it."""
+    setup(env, rows=20, chunk=50)
+    env.cdc("init", check=True)
+    proc = env.start_bridge()
+    wait_for(env.slot_active, 30, "the bridge to attach")
+    env.execute("INSERT INTO cdc_backfills (slot, entity) VALUES (%s, 'ride')", (env.slot,))
+    wait_for(lambda: backfill_done(env), 30, "the backfill queued without a request to be read")
+    assert sorted(e["key"]["id"] for e in read_stream(env.redis, "cdc:ride") if e["op"] == "r") == list(range(1, 21))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+def test_a_bridge_started_before_cdc_backfills_existed_serves_the_first_backfill(env):
+    """`cdc backfill` creates the table when it is missing: a running bridge that found none serves it."""
+    setup(env, rows=20, chunk=50)
+    env.cdc("init", check=True)
+    env.execute("DROP TABLE cdc_backfills")
+    proc = env.start_bridge()
+    wait_for(env.slot_active, 30, "the bridge to attach")
+    waited = env.cdc("backfill", "--entity", "ride", "--wait", timeout=60)
+    assert waited.returncode == 0, waited.stderr
+    assert "backfill 1: done, 20 row(s) read" in waited.stdout
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0

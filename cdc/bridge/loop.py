@@ -239,6 +239,7 @@ class Bridge:
         that just released the slot (to a standby with the same settings) closes its server last."""
         http = self.settings.http
         deadline = time.monotonic() + PORT_WAIT_S
+        said = False
         while True:
             try:
                 return serve(self.registry, self.readiness, http.host, http.port)
@@ -246,6 +247,9 @@ class Bridge:
                 if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline or self.stopping:
                     raise ConfigError(f"cannot serve metrics on {http.host}:{http.port}: {exc.strerror}",
                                       hint="set http.port to a free port, or 0") from None
+            if not said:
+                log.info("metrics port %s:%d is in use; trying again for %.0fs", http.host, http.port, PORT_WAIT_S)
+                said = True
             time.sleep(0.1)  # the other server's shutdown takes up to its poll interval (0.5 s)
 
     # -- one session ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ acknowledged position, the guardrails' I/O.
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -57,6 +58,9 @@ __all__ = ["Bridge"]
 
 #: allocations of container objects between two collections of the youngest generation (Python: 700)
 GC_YOUNG_THRESHOLD = 20_000
+#: how long a bridge tries again to bind a metrics port in use (s): a bridge of this host that released
+#: the slot to a standby (`cdc run --standby`, same settings) closes its metrics server last
+PORT_WAIT_S = 5.0
 
 log = logging.getLogger("cdc.bridge")
 
@@ -155,13 +159,7 @@ class Bridge:
         # or full collections walk everything alive every few thousand changes.
         gc.freeze()
         gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
-        http = self.settings.http
-        server = None
-        if http.port:
-            try:
-                server = serve(self.registry, self.readiness, http.host, http.port)
-            except OSError as exc:
-                raise ConfigError(f"cannot serve metrics on {http.host}:{http.port}: {exc.strerror}", hint="set http.port to a free port, or 0") from None
+        server = self._serve_metrics() if self.settings.http.port else None
         try:
             retrying(self._session)
         except TransientError:
@@ -241,6 +239,24 @@ class Bridge:
         deadline = time.monotonic() + seconds
         while not self.stopping and time.monotonic() < deadline:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def _serve_metrics(self):
+        """Bind the metrics port; while it is in use, try again for `PORT_WAIT_S`: a bridge of this host
+        that just released the slot (to a standby with the same settings) closes its server last."""
+        http = self.settings.http
+        deadline = time.monotonic() + PORT_WAIT_S
+        said = False
+        while True:
+            try:
+                return serve(self.registry, self.readiness, http.host, http.port)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline or self.stopping:
+                    raise ConfigError(f"cannot serve metrics on {http.host}:{http.port}: {exc.strerror}",
+                                      hint="set http.port to a free port, or 0") from None
+            if not said:
+                log.info("metrics port %s:%d is in use; trying again for %.0fs", http.host, http.port, PORT_WAIT_S)
+                said = True
+            time.sleep(0.1)  # the other server's shutdown takes up to its poll interval (0.5 s)
 
     # -- one session ---------------------------------------------------------------------
 

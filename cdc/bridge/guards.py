@@ -286,8 +286,8 @@ def diverged_error(slot: str, found: Divergence) -> DataLossError:
     since = "the start" if found.since is None else str(found.since)
     return DataLossError(
         f"redis holds changes of slot {slot!r} this server's history does not have: positions in ({since}, "
-        f"{found.held}] name other transactions here ({found.cause}); nothing was streamed (the server's own "
-        "changes there would be dropped as already written)",
+        f"{found.held}] name other transactions here ({found.cause}); nothing was streamed: the server's own "
+        "changes there would be dropped as already written",
         hint=f"run cdc recover: it rebuilds the streams from the tables once the server's WAL passes {found.held}, "
         "then cdc run")
 

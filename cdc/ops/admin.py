@@ -175,8 +175,8 @@ def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False, s
             check_source_history(client, slot, server)  # stops on a divergence (recorded), else records the history
             if created and confirmed < current:
                 found = Divergence(confirmed, current, f"slot {slot!r} was created at {confirmed}, below the position "
-                                   "redis holds: this server's WAL never reached it (a promoted standby or a restored "
-                                   "backup without the last transactions)")
+                                   "redis holds, which this server's WAL never reached: a promoted standby or a restored "
+                                   "backup lacked the last transactions")
                 error = diverged_error(slot, found)
                 record_divergence(client, slot, error, found)
                 raise error

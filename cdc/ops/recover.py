@@ -256,7 +256,7 @@ def _still_fenced(client, slot: str) -> None:
 
 
 def _past_redis(conn: psycopg.Connection, client, settings: Settings, mappings: Sequence[Mapping]) -> Lsn:
-    """Refuse (exit 75, nothing changed) while the server's WAL has not passed every position Redis holds.
+    """Refuse (exit 75, nothing changed) while the server's WAL has not reached every position Redis holds.
 
     The rebuilt entries take position (P - 1, seq) for a snapshot at P, and the marks drop every entry at
     or below them: after a divergence (Redis holding positions the server's history lacks, see
@@ -272,12 +272,13 @@ def _past_redis(conn: psycopg.Connection, client, settings: Settings, mappings: 
             if mark:  # entries at (P - 1, seq) go after a mark whose LSN is below P - 1
                 held = max(held, Lsn(int(mark[:20]) + 1))
     row = conn.execute("SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_lsn()::text END").fetchone()
-    if row[0] is not None and Lsn.parse(row[0]) <= held:
+    # creating the snapshot's slot writes WAL first, so P > the WAL position read here: P - 1 >= every mark
+    if row[0] is not None and Lsn.parse(row[0]) < held:
         raise TransientError(
-            f"the server's WAL is at {row[0]}, not past {held}, where redis holds the source of slot {slot!r} "
+            f"the server's WAL is at {row[0]}, below {held}, where redis holds the source of slot {slot!r} "
             "(redis holds changes this server's history lacks): a rebuild now would sit below the streams' "
             "high-water marks; cdc recover changed nothing",
-            hint=f"wait until pg_current_wal_lsn() passes {held} (after more writes), or run SELECT pg_switch_wal() "
+            hint=f"wait until pg_current_wal_lsn() reaches {held} (after more writes), or run SELECT pg_switch_wal() "
             "as a superuser (it moves the WAL to the next 16 MB segment, once something was written in this one; "
             "repeat as needed), then cdc recover again")
     return held

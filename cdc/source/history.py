@@ -76,10 +76,10 @@ def divergence(system_id: str, timeline: int, held: Lsn, server: ServerHistory) 
     history lacks. None: every position up to `held` is the server's too."""
     if system_id != server.system_id:
         return Divergence(None, held, f"redis holds the changes of PostgreSQL system {system_id}, but this server is "
-                          f"system {server.system_id} (another server, or one restored from a logical dump)")
+                          f"system {server.system_id}: another server, or one restored from a logical dump")
     if timeline > server.timeline:
         return Divergence(None, held, f"redis holds changes of timeline {timeline}, but this server is on timeline "
-                          f"{server.timeline} (restored from a backup taken before)")
+                          f"{server.timeline}: restored from a backup taken before")
     if timeline < server.timeline:
         switch = server.switches.get(timeline)
         if switch is None:
@@ -87,9 +87,9 @@ def divergence(system_id: str, timeline: int, held: Lsn, server: ServerHistory) 
                               f"of this server's timeline {server.timeline}")
         if switch < held:
             return Divergence(switch, held, f"this server's timeline {server.timeline} branched off timeline "
-                              f"{timeline} at {switch}, below what redis holds (a promoted standby, or a "
-                              "point-in-time restore, that lacked the last transactions)")
+                              f"{timeline} at {switch}, below what redis holds: a promoted standby or a "
+                              "point-in-time restore lacked the last transactions")
     if server.wal is not None and server.wal < held:
-        return Divergence(server.wal, held, f"this server's WAL is at {server.wal} only (restored from a backup, "
-                          "without the last transactions)")
+        return Divergence(server.wal, held, f"this server's WAL is at {server.wal} only: restored from a backup "
+                          "without the last transactions")
     return None

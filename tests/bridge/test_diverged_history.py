@@ -167,6 +167,7 @@ def test_a_new_slot_on_a_promoted_standby_that_lacked_redis_positions_stops_unti
     init = env.cdc("init")
     assert init.returncode == 6, init.stdout + init.stderr
     message = _error(init)
+    print("\ncdc init:", message)
     hexed = f"{held >> 32:X}/{held & 0xFFFFFFFF:X}"
     assert re.search(rf"positions in \([0-9A-F]+/[0-9A-F]+, {hexed}\]", message), message
     assert "timeline 2 branched off timeline 1" in message, message
@@ -185,6 +186,7 @@ def test_a_new_slot_on_a_promoted_standby_that_lacked_redis_positions_stops_unti
 
     early = env.cdc("recover")
     assert early.returncode == 75, early.stdout + early.stderr
+    print("cdc recover:", early.stderr.strip())
     assert "pg_switch_wal()" in early.stderr and hexed in early.stderr, early.stderr
     assert env.redis.xlen("cdc:rider") == 45  # nothing changed
     with psycopg.connect(pair.dsn_for(pair.standby), autocommit=True) as conn:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 
 import orjson
 import psycopg
@@ -225,4 +224,3 @@ def test_a_synced_failover_slot_behind_redis_stops_the_bridge_instead_of_streami
     (error,) = [line for line in log.splitlines() if line.startswith("cdc: error: ")]
     assert f", {hexed}]" in error and "branched off" in error and "cdc recover" in error, error
     assert env.redis.xlen("cdc:rider") == 45  # nothing of the new primary streamed over the old entries
-    proc.send_signal(signal.SIGTERM)

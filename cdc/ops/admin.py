@@ -172,8 +172,10 @@ def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False, s
             return f"registered redis for slot {slot} at {confirmed}"
         current = Lsn(int(client.get(key)))
         if server is not None:
-            check_source_history(client, slot, server)  # stops on a divergence (recorded), else records the history
-            if created and confirmed < current:
+            below = created and confirmed < current
+            # stops on a divergence (recorded), else records the history (not yet when the new slot is below)
+            check_source_history(client, slot, server, record=not below)
+            if below:
                 found = Divergence(confirmed, current, f"slot {slot!r} was created at {confirmed}, below the position "
                                    "redis holds, which this server's WAL never reached: a promoted standby or a restored "
                                    "backup lacked the last transactions")

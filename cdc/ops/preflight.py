@@ -390,8 +390,8 @@ def _check_history(client, settings: Settings, report: CheckReport) -> bool:
     except DataLossError as exc:
         report.problems.append(exc)
         return True
-    report.ok.append(f"postgres system {server.system_id}, timeline {server.timeline}: redis holds no position "
-                     "its history lacks")
+    report.ok.append(f"postgres system {server.system_id}, timeline {server.timeline}: redis holds nothing "
+                     "this server's history lacks")
     return False
 
 

@@ -90,6 +90,6 @@ def divergence(system_id: str, timeline: int, held: Lsn, server: ServerHistory) 
                               f"{timeline} at {switch}, below what redis holds: a promoted standby or a "
                               "point-in-time restore lacked the last transactions")
     if server.wal is not None and server.wal < held:
-        return Divergence(server.wal, held, f"this server's WAL is at {server.wal} only: restored from a backup "
-                          "without the last transactions")
+        return Divergence(server.wal, held, f"this server's WAL is at {server.wal} only, below what redis holds: a promoted "
+                          "standby or a restored backup lacked the last transactions")
     return None

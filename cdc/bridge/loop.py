@@ -38,6 +38,7 @@ from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
 from ..source.catalog import load_types
 from ..source.deadline import bounded
+from ..source.history import read_history
 from ..source.failover import FailoverReadiness, failover_readiness
 from ..source.lsn import Lsn
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
@@ -48,7 +49,7 @@ from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
 from .gate import TableGate
-from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, record_stream_loss, redis_record, stream_problems
+from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss, redis_record, stream_problems
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
@@ -298,7 +299,9 @@ class Bridge:
             publisher.ping()
             self.slot_watch.redis_held = lambda: redis_record(client, pgs.slot)  # for a missing slot's error
             health = self.check_slot(catalog_conn)
+            server = read_history(pgs.dsn)  # once per session: whose history Redis' positions belong to
             try:
+                check_source_history(client, pgs.slot, server)
                 held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn, self.stream_entities)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
                                           reserve=publisher.memory_reserve)

@@ -76,7 +76,8 @@ def failures_key(stream: str, group: str) -> str:
 def bridge_state_key(slot: str) -> str:
     """A hash of what the bridge of `slot` knows and `cdc status` shows: paused for Redis memory
     (``paused``, ``memory_ratio``, ``paused_since_ms``) and detected Redis data loss (``data_loss_from``,
-    ``data_loss_to``, ``data_loss_at_ms``)."""
+    ``data_loss_to``, ``data_loss_at_ms``; ``data_loss_diverged`` when Redis holds changes the server's history
+    lacks, which holds the bridge until cdc recover)."""
     return f"cdc:bridge:{slot}:state"
 
 
@@ -88,6 +89,13 @@ def flushed_key(slot: str) -> str:
     up as a value behind the slot, and the missing LSN range is exactly between.
     """
     return f"cdc:bridge:{slot}:flushed"
+
+
+def source_key(slot: str) -> str:
+    """A hash of the server history the flushed record's positions belong to (``system_id``: PostgreSQL's
+    system identifier, ``timeline``): positions of another system, or past the point where the server's
+    timeline branched off, name transactions the server does not have (see `cdc.source.history`)."""
+    return f"cdc:bridge:{slot}:source"
 
 
 def bound_tables_key(slot: str) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,14 +54,24 @@ from ..mapping.model import Mapping
 from ..operator_sql import WHERE_HINT, Condition, SqlRefused, parse_where
 from ..source.privileges import fix_for
 
-__all__ = ["BACKFILL_DDL", "WATERMARK_PREFIX", "BackfillDriver", "Windows", "enqueue", "ensure_table", "request_slot",
-           "supersede"]
+__all__ = ["BACKFILL_DDL", "IDLE_POLL_S", "REQUEST_RETRY_S", "WATERMARK_PREFIX", "BackfillDriver", "Windows", "enqueue",
+           "ensure_table", "parse_request", "request_slot", "supersede"]
 
 log = logging.getLogger("cdc.backfill")
 
 WATERMARK_PREFIX = "cdc.wm"
-#: a logical message telling the running bridge a backfill was queued (no polling needed)
+#: a logical message telling the running bridge a backfill was queued, transactional with its row. It is
+#: decoded once that row's commit is flushed to the WAL, which comes before the commit is visible to
+#: other sessions (a moment, or as long as a synchronous standby takes to answer): the bridge's
+#: lookup can miss the row, and looks again (`BackfillDriver.request`)
 REQUEST_PREFIX = "cdc.bridge.backfill"
+#: while a requested backfill's row is not visible yet, the bridge looks again this often (s)
+REQUEST_RETRY_S = 0.2
+#: for this long (s); then it warns, and the idle look finds the row if it ever appears
+REQUEST_PATIENCE_S = 60.0
+#: a bridge with no backfill to write looks at `cdc_backfills` this often anyway (s): a request it
+#: could not see (its row invisible, an old bridge's message form) is never left pending for good
+IDLE_POLL_S = 5.0
 TRUNCATED = ("<truncated>",)  # in a window's changed keys: every row of the chunk is stale
 
 BACKFILL_DDL = """
@@ -179,11 +190,17 @@ def enqueue(conn: psycopg.Connection, slot: str, mapping: Mapping, where: str | 
     return backfill_id
 
 
+def parse_request(content: bytes | str) -> tuple[str | None, int | None]:
+    """The slot a backfill request (`REQUEST_PREFIX` message) is for (None in the old form, an id alone),
+    and the id of its `cdc_backfills` row (None if unreadable)."""
+    text = content.decode() if isinstance(content, bytes) else content
+    slot, sep, backfill_id = text.rpartition(":")
+    return (slot if sep else None), (int(backfill_id) if backfill_id.isdigit() else None)
+
+
 def request_slot(content: bytes | str) -> str | None:
     """The slot a backfill request (`REQUEST_PREFIX` message) is for; None in the old form (an id alone)."""
-    text = content.decode() if isinstance(content, bytes) else content
-    slot, sep, _ = text.rpartition(":")
-    return slot if sep else None
+    return parse_request(content)[0]
 
 
 def supersede(conn: psycopg.Connection, slot: str, entities: Sequence[str], why: str) -> list[tuple[int, str]]:
@@ -264,6 +281,7 @@ class BackfillDriver:
         self.resumed = False  # the resume watermark is written (first thing, once per session)
         self.disabled = False
         self.idle = False  # the last look found no unfinished backfill
+        self.requested: dict[int, float] = {}  # id named by a request -> when (monotonic s), until a look sees its row
         self.failed = 0
         self._error_column: bool | None = None
 
@@ -285,20 +303,45 @@ class BackfillDriver:
             self.disabled = self.idle = True
         self.resumed = True
 
+    def request(self, backfill_id: int | None) -> None:
+        """The stream showed a request for this slot: its row is committed, but maybe not visible yet.
+
+        Until a look sees that row, the driver is not idle and the session looks again every
+        `REQUEST_RETRY_S`: the row shows up as soon as its commit is visible.
+        """
+        if backfill_id is not None:
+            self.requested.setdefault(backfill_id, time.monotonic())
+            self.idle = False
+
+    def _look_for_requested(self, conn: psycopg.Connection) -> None:
+        """Forget the requests whose row is visible now (whatever its status); warn of one that stays invisible."""
+        visible = {r[0] for r in conn.execute("SELECT id FROM cdc_backfills WHERE id = ANY(%s)", (list(self.requested),))}
+        now = time.monotonic()
+        for backfill_id, since in list(self.requested.items()):
+            if backfill_id in visible:
+                del self.requested[backfill_id]
+            elif now - since > REQUEST_PATIENCE_S:
+                log.warning("backfill %d was requested %.0fs ago and its row is still not in cdc_backfills (deleted, "
+                            "or its commit waits for a synchronous standby); looking for it every %.0fs from now on",
+                            backfill_id, now - since, IDLE_POLL_S)
+                del self.requested[backfill_id]
+
     def tick(self, conn: psycopg.Connection) -> bool:
-        """Write the next chunk of the oldest unfinished backfill; False when there is none."""
+        """Write the next chunk of the oldest unfinished backfill; False when there is none (yet)."""
         self.resume(conn)
         if self.waiting_for is not None or self.disabled:
             return True
         if not conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0]:
-            self.disabled = self.idle = True  # `cdc init` creates it
+            self.idle = True  # `cdc init` or `cdc backfill` creates it: the next look sees it
             return False
+        if self.requested:  # first: a row seen here is seen by the next statement's snapshot too
+            self._look_for_requested(conn)
         row = conn.execute(
             "SELECT id, entity, where_sql, last_key, chunks FROM cdc_backfills "
             "WHERE slot = %s AND status IN ('pending', 'running') ORDER BY id LIMIT 1",
             (self.slot,),
         ).fetchone()
-        self.idle = row is None
+        self.idle = row is None and not self.requested
         if row is None:
             return False
         backfill_id, entity, where, last_key, chunks = row

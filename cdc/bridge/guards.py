@@ -17,10 +17,12 @@ from .. import keys
 from ..errors import DataLossError, PublishError, SlotError
 from ..sink.streamkeys import STREAM, stream_key_error
 from ..sink.trim import UnconsumedRemoved, removed_unconsumed
+from ..source.history import Divergence, ServerHistory, divergence
 from ..source.lsn import Lsn
 
 __all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
-           "invalidated_slot_error", "missing_slot_error", "record_data_loss", "record_stream_loss", "redis_record", "stream_problems"]
+           "invalidated_slot_error", "missing_slot_error", "record_data_loss", "record_stream_loss",
+           "check_source_history", "record_source", "record_divergence", "diverged_error", "redis_record", "stream_problems"]
 
 log = logging.getLogger("cdc.guard")
 
@@ -202,7 +204,7 @@ class MemoryWatch:
         self._recorded = self.paused
 
 
-DATA_LOSS_FIELDS = ("data_loss_from", "data_loss_to", "data_loss_at_ms", "data_loss")
+DATA_LOSS_FIELDS = ("data_loss_from", "data_loss_to", "data_loss_at_ms", "data_loss", "data_loss_diverged")
 
 
 def record_data_loss(client: redis.Redis, slot: str, held: Lsn | None, confirmed: Lsn, message: str) -> None:
@@ -273,6 +275,58 @@ def _unconsumed_loss(client: redis.Redis, gone: UnconsumedRemoved, entity: str, 
     )
     error.lost_stream, error.lost_to = gone.stream, lsn
     return error
+
+
+def record_source(client: redis.Redis, slot: str, server: ServerHistory) -> None:
+    """Record beside the flushed record the server history its positions belong to."""
+    client.hset(keys.source_key(slot), mapping={"system_id": server.system_id, "timeline": server.timeline})
+
+
+def diverged_error(slot: str, found: Divergence) -> DataLossError:
+    since = "the start" if found.since is None else str(found.since)
+    return DataLossError(
+        f"redis holds changes of slot {slot!r} this server's history does not have: positions in ({since}, "
+        f"{found.held}] name other transactions here ({found.cause}); nothing was streamed: the server's own "
+        "changes there would be dropped as already written",
+        hint=f"run cdc recover: it rebuilds the streams from the tables once the server's WAL passes {found.held}, "
+        "then cdc run")
+
+
+def record_divergence(client: redis.Redis, slot: str, error: DataLossError, found: Divergence) -> None:
+    """Leave the divergence for cdc status; it holds the bridge (`check_source_history`) until cdc recover."""
+    record_data_loss(client, slot, found.since, found.held, error.message)
+    client.hset(keys.bridge_state_key(slot), "data_loss_diverged", 1)
+
+
+def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, *, record: bool = True) -> None:
+    """Stop (exit 6, recorded for cdc status) when Redis holds positions the server's history lacks: another
+    system, an older timeline, or a newer one that branched off below Redis' record (`cdc.source.history`);
+    or when such a divergence was recorded (by cdc init) and cdc recover has not repaired it yet.
+
+    A record without a recorded history (older deployments), or a newer timeline that branched off at or above
+    Redis' record, is accepted and recorded (unless `record` is false: cdc check only reads).
+    """
+    state = client.hgetall(keys.bridge_state_key(slot))
+    if state.get(b"data_loss_diverged"):
+        raise DataLossError(state.get(b"data_loss", b"").decode(), hint="run cdc recover, then cdc run")
+    raw = client.get(keys.flushed_key(slot))
+    if raw is None or int(raw) == 0:  # nothing held (or cdc recover at work): check_redis_has_flushed judges
+        return
+    held = Lsn(int(raw))
+    recorded = {k.decode(): v.decode() for k, v in client.hgetall(keys.source_key(slot)).items()}
+    if "system_id" in recorded:
+        found = divergence(recorded["system_id"], int(recorded["timeline"]), held, server)
+    else:  # an older deployment: only the server's WAL position can tell
+        found = divergence(server.system_id, server.timeline, held, server)
+    if found is not None:
+        error = diverged_error(slot, found)
+        record_divergence(client, slot, error, found)
+        raise error
+    if record and recorded != {"system_id": server.system_id, "timeline": str(server.timeline)}:
+        if recorded:
+            log.info("source timeline %s -> %d: it branched off at or above %s, which redis holds; nothing diverged",
+                     recorded.get("timeline"), server.timeline, held)
+        record_source(client, slot, server)
 
 
 def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn, streams: Mapping[str, str] | None = None,

@@ -17,6 +17,7 @@ acknowledged position, the guardrails' I/O.
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -37,6 +38,7 @@ from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
 from ..source.catalog import load_types
 from ..source.deadline import bounded
+from ..source.history import read_history
 from ..source.failover import FailoverReadiness, failover_readiness
 from ..source.lsn import Lsn
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
@@ -47,7 +49,7 @@ from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
 from .gate import TableGate
-from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, record_stream_loss, redis_record, stream_problems
+from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss, redis_record, stream_problems
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
@@ -57,6 +59,9 @@ __all__ = ["Bridge"]
 
 #: allocations of container objects between two collections of the youngest generation (Python: 700)
 GC_YOUNG_THRESHOLD = 20_000
+#: how long a bridge tries again to bind a metrics port in use (s): a bridge of this host that released
+#: the slot to a standby (`cdc run --standby`, same settings) closes its metrics server last
+PORT_WAIT_S = 5.0
 
 log = logging.getLogger("cdc.bridge")
 
@@ -155,13 +160,7 @@ class Bridge:
         # or full collections walk everything alive every few thousand changes.
         gc.freeze()
         gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
-        http = self.settings.http
-        server = None
-        if http.port:
-            try:
-                server = serve(self.registry, self.readiness, http.host, http.port)
-            except OSError as exc:
-                raise ConfigError(f"cannot serve metrics on {http.host}:{http.port}: {exc.strerror}", hint="set http.port to a free port, or 0") from None
+        server = self._serve_metrics() if self.settings.http.port else None
         try:
             retrying(self._session)
         except TransientError:
@@ -242,6 +241,24 @@ class Bridge:
         while not self.stopping and time.monotonic() < deadline:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
+    def _serve_metrics(self):
+        """Bind the metrics port; while it is in use, try again for `PORT_WAIT_S`: a bridge of this host
+        that just released the slot (to a standby with the same settings) closes its server last."""
+        http = self.settings.http
+        deadline = time.monotonic() + PORT_WAIT_S
+        said = False
+        while True:
+            try:
+                return serve(self.registry, self.readiness, http.host, http.port)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline or self.stopping:
+                    raise ConfigError(f"cannot serve metrics on {http.host}:{http.port}: {exc.strerror}",
+                                      hint="set http.port to a free port, or 0") from None
+            if not said:
+                log.info("metrics port %s:%d is in use; trying again for %.0fs", http.host, http.port, PORT_WAIT_S)
+                said = True
+            time.sleep(0.1)  # the other server's shutdown takes up to its poll interval (0.5 s)
+
     # -- one session ---------------------------------------------------------------------
 
     def _connect_catalog(self) -> psycopg.Connection:
@@ -282,7 +299,9 @@ class Bridge:
             publisher.ping()
             self.slot_watch.redis_held = lambda: redis_record(client, pgs.slot)  # for a missing slot's error
             health = self.check_slot(catalog_conn)
+            server = read_history(pgs.dsn)  # once per session: whose history Redis' positions belong to
             try:
+                check_source_history(client, pgs.slot, server)
                 held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn, self.stream_entities)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
                                           reserve=publisher.memory_reserve)

@@ -32,7 +32,7 @@ from ..source.deadline import ConnectionSilent, bounded
 from ..source.framing import parse_copy_data
 from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
-from .backfill import REQUEST_PREFIX, WATERMARK_PREFIX, BackfillDriver, Windows, request_slot
+from .backfill import IDLE_POLL_S, REQUEST_PREFIX, REQUEST_RETRY_S, WATERMARK_PREFIX, BackfillDriver, Windows, parse_request
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .inflight import InFlight
 from .snapshot import queue_chunk
@@ -60,7 +60,7 @@ _GUARD_INTERVAL_S = 0.5
 class Timers:
     """When the loop next does each periodic thing, and when the server was last heard (monotonic s)."""
 
-    __slots__ = ("status", "poll", "guard", "slot_check", "heartbeat", "trim", "heard", "verify")
+    __slots__ = ("status", "poll", "guard", "slot_check", "heartbeat", "trim", "heard", "verify", "backfill")
 
     def __init__(self, now: float, slot_check_s: float, heartbeat_s: float, trim_s: float) -> None:
         self.status = self.heard = now
@@ -69,6 +69,7 @@ class Timers:
         self.slot_check = now + slot_check_s
         self.heartbeat = now + heartbeat_s if heartbeat_s else float("inf")
         self.trim = now + trim_s if trim_s else float("inf")
+        self.backfill = now + IDLE_POLL_S  # the next look at cdc_backfills not prompted by the stream
 
 
 class Session:
@@ -139,7 +140,8 @@ class Session:
                     raw = read(0)
                 else:
                     # wake up for the status update, the caught-up poll, or the silence limit
-                    raw = read(max(0.0, min(t.status, t.poll or t.status, t.heard + self.receive_timeout) - monotonic()))
+                    raw = read(max(0.0, min(t.status, t.poll or t.status, t.heard + self.receive_timeout, t.backfill)
+                                       - monotonic()))
                 now = monotonic()
                 if raw is None:
                     if self.idle(now):
@@ -255,8 +257,12 @@ class Session:
             self.watermark(msg)
         elif msg.prefix == REQUEST_PREFIX:  # `cdc backfill` queued one
             self.tx.seq += 1
-            if request_slot(msg.content) in (None, self.backfill.slot):
+            slot, backfill_id = parse_request(msg.content)
+            if slot in (None, self.backfill.slot):
+                # its row is committed, but may not be visible yet: the driver looks until it is
+                self.backfill.request(backfill_id)
                 self.drive_backfill()
+                self.next_backfill_look(time.monotonic())
         else:
             route_message(msg, self.messages, self.tx, self.batcher)
 
@@ -369,6 +375,16 @@ class Session:
         if now >= t.trim:
             bridge.trim_streams()
             t.trim = time.monotonic() + bridge.settings.trim.interval_s
+        if now >= t.backfill:
+            self.drive_backfill()
+            self.next_backfill_look(now)
+
+    def next_backfill_look(self, now: float) -> None:
+        """When to look at `cdc_backfills` again unprompted: soon while a requested row is not visible
+        yet, slowly otherwise (a busy driver is moved on by its watermarks, an idle one by requests)."""
+        t = self.timers
+        t.backfill = now + (REQUEST_RETRY_S if self.backfill.requested else IDLE_POLL_S)
+        t.guard = min(t.guard, t.backfill)
 
     def drive_backfill(self) -> None:
         self.bridge.drive_backfill(self.backfill, self.conn)

@@ -14,9 +14,11 @@ import psycopg
 import redis
 
 from ..bridge.backfill import enqueue, ensure_table
-from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_data_loss
+from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error,
+                             record_data_loss, record_divergence, record_source)
 from ..source.catalog import load_types, table_shape
 from ..source.coverage import Publication, identity_problem, read_coverage, read_publication
+from ..source.history import Divergence, ServerHistory, read_history
 from ..source.failover import create_slot, make_failover_slot
 from ..config import Settings
 from .. import keys
@@ -139,11 +141,11 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                     done.append(converted)
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
-    done.append(_register_redis(settings, Lsn.parse(confirmed), created))
+    done.append(_register_redis(settings, Lsn.parse(confirmed), created, read_history(pgs.dsn)))
     return done
 
 
-def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False) -> str:
+def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False, server: ServerHistory | None = None) -> str:
     """Record in Redis that it holds the source up to the slot's position, unless it already does.
 
     `cdc run` compares this record with the slot to detect a Redis that lost data;
@@ -152,6 +154,11 @@ def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False) -
     change in between was lost to the slot. The record then stays where it is and the gap
     is recorded as a data loss, so `cdc run` refuses (exit 6) until `cdc recover` rebuilds
     the streams from the tables.
+
+    The `server`'s history (system identifier, timeline) is recorded beside the record. Redis
+    holding positions that history lacks (`check_source_history`), or a slot `created` now
+    below Redis' record (the server's WAL never reached it: a promoted standby or a restored
+    backup without the last transactions), is recorded as a divergence and stops (exit 6).
     """
     slot = settings.postgres.slot
     key = keys.flushed_key(slot)
@@ -160,8 +167,21 @@ def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False) -
         client = connect_redis(settings.redis)
         if client.set(key, str(int(confirmed)), nx=True):
             clear_data_loss(client, slot)
+            if server is not None:
+                record_source(client, slot, server)
             return f"registered redis for slot {slot} at {confirmed}"
         current = Lsn(int(client.get(key)))
+        if server is not None:
+            below = created and confirmed < current
+            # stops on a divergence (recorded), else records the history (not yet when the new slot is below)
+            check_source_history(client, slot, server, record=not below)
+            if below:
+                found = Divergence(confirmed, current, f"slot {slot!r} was created at {confirmed}, below the position "
+                                   "redis holds, which this server's WAL never reached: a promoted standby or a restored "
+                                   "backup lacked the last transactions")
+                error = diverged_error(slot, found)
+                record_divergence(client, slot, error, found)
+                raise error
         if current < confirmed and created:
             message = (f"slot {slot!r} was created at {confirmed}, but redis holds the source up to {current} only: "
                        f"every change committed in ({current}, {confirmed}] was lost to the slot")

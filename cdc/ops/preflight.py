@@ -32,12 +32,13 @@ from psycopg.conninfo import conninfo_to_dict
 from .. import keys
 from ..config import Settings
 from ..bridge.gate import TableGate
-from ..bridge.guards import check_redis_has_flushed, invalidated_slot_error, missing_slot_error, redis_record, stream_problems
+from ..bridge.guards import check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error, redis_record, stream_problems
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
 from ..source.failover import failover_readiness, supports_failover
+from ..source.history import read_history
 from ..source.lsn import Lsn
 from ..source.coverage import Publication, identity_problem, publication_problem, read_coverage, read_publication
 from ..source.privileges import BACKFILL_GRANTS
@@ -335,6 +336,8 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc status", ("HGETALL", keys.bridge_state_key(settings.postgres.slot))),
         ("cdc run", ("HGETALL", keys.bound_tables_key(settings.postgres.slot))),
         ("cdc run", ("HSET", keys.bound_tables_key(settings.postgres.slot), "f", "v")),
+        ("cdc run", ("HGETALL", keys.source_key(settings.postgres.slot))),
+        ("cdc run", ("HSET", keys.source_key(settings.postgres.slot), "f", "v")),
     ]
     if settings.redis.append == "transaction":  # appends: MULTI/EXEC under WATCH of the marks and the record
         probes += [("cdc run", ("MULTI",)), ("cdc run", ("EXEC",)), ("cdc run", ("WATCH", flushed)),
@@ -380,6 +383,22 @@ def _where(url: str) -> str:
     return f"redis at {parts.hostname or parts.path}{':' + str(parts.port) if parts.port else ''}"
 
 
+def _check_history(client, settings: Settings, report: CheckReport) -> bool:
+    """True when Redis holds positions the server's history lacks (cdc run refuses, exit 6; recorded for status)."""
+    try:
+        server = read_history(settings.postgres.dsn)
+    except CdcError:  # the connection's problem is reported by the postgres checks
+        return False
+    try:
+        check_source_history(client, settings.postgres.slot, server, record=False)
+    except DataLossError as exc:
+        report.problems.append(exc)
+        return True
+    report.ok.append(f"postgres system {server.system_id}, timeline {server.timeline}: redis holds nothing "
+                     "this server's history lacks")
+    return False
+
+
 def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckReport, confirmed: Lsn | None) -> None:
     if is_sentinel_url(settings.redis.url):
         from .sentinels import check_sentinels
@@ -403,7 +422,8 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         _check_durability(node, where, settings.redis.wait_replicas, report)
         _check_acl(node, where, acl_probes(settings, mappings), report)
         streams = {s: m.entity for m in mappings for s in m.stream_keys()}
-        if confirmed is not None:  # what cdc run checks first on every connection
+        diverged = _check_history(client, settings, report)
+        if confirmed is not None and not diverged:  # what cdc run checks first on every connection
             try:
                 check_redis_has_flushed(client, settings.postgres.slot, confirmed)
                 report.ok.append(f"{where} holds the source up to slot {settings.postgres.slot}'s position {confirmed}")

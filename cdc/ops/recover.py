@@ -2,7 +2,10 @@
 
 Runs with the bridge stopped, and keeps it stopped while it works:
 
-1. It refuses while a bridge is attached to the slot. It then sets the record of how far
+1. It refuses while a bridge is attached to the slot, and (exit 75, changing nothing) while
+   the server's WAL has not passed every position Redis holds: after a divergence (Redis
+   holding changes the server's history lacks, `cdc.source.history`) a rebuild below the
+   high-water marks would be dropped by them. It then sets the record of how far
    Redis holds the source (`keys.flushed_key`) to 0, so a bridge started meanwhile stops
    at once with the data-loss error (exit 6), and checks the slot once more.
 2. A temporary slot exports a snapshot at position P: a transaction is in it exactly
@@ -16,7 +19,8 @@ Runs with the bridge stopped, and keeps it stopped while it works:
 4. Only then are the unfinished snapshots and backfills of the slot for the rebuilt
    entities marked ``superseded`` in `cdc_backfills` (the rebuild holds every row: going
    on with them would publish each row again after the marker), and the record moves to
-   the slot's position and the recorded loss goes. The bridge resumes from the slot; the
+   the slot's position, the server's history (system identifier, timeline) is recorded
+   beside it, and the recorded loss goes. The bridge resumes from the slot; the
    marks drop its changes below P, which the snapshot already holds.
 
 A mapped stream whose history vanished (gone while its mark says it held entries) is
@@ -39,16 +43,17 @@ from psycopg import sql
 from .. import keys
 from ..bridge.backfill import supersede
 from ..bridge.gate import record_current
-from ..bridge.guards import clear_data_loss, invalidated_slot_error
+from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_source
 from ..commands import redis_for
 from ..config import Settings
-from ..errors import CdcError, PublishError, SlotError
+from ..errors import CdcError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector
 from ..reconcile.exported_snapshot import ExportedSnapshot, import_snapshot
 from ..sink.entry import next_stream_id
 from ..sink.publisher import Publisher, StreamBatch, position
 from ..sink.trim import account_removed
+from ..source.history import read_history
 from ..source.lsn import Lsn
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
@@ -250,12 +255,42 @@ def _still_fenced(client, slot: str) -> None:
                        hint="stop every bridge on this slot, then run cdc recover again")
 
 
+def _past_redis(conn: psycopg.Connection, client, settings: Settings, mappings: Sequence[Mapping]) -> Lsn:
+    """Refuse (exit 75, nothing changed) while the server's WAL has not reached every position Redis holds.
+
+    The rebuilt entries take position (P - 1, seq) for a snapshot at P, and the marks drop every entry at
+    or below them: after a divergence (Redis holding positions the server's history lacks, see
+    `cdc.source.history`) a snapshot at or below Redis' record would be dropped, and a consumer would see
+    positions go backwards after the marker. Resetting the marks would break that order too: wait instead.
+    """
+    slot = settings.postgres.slot
+    raw = client.get(keys.flushed_key(slot))
+    held = Lsn(int(raw)) if raw else Lsn(0)
+    for m in mappings:
+        for stream in m.stream_keys():
+            mark = client.get(keys.mark_key(stream))
+            if mark:  # entries at (P - 1, seq) go after a mark whose LSN is below P - 1
+                held = max(held, Lsn(int(mark[:20]) + 1))
+    row = conn.execute("SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_lsn()::text END").fetchone()
+    # creating the snapshot's slot writes WAL first, so P > the WAL position read here: P - 1 >= every mark
+    if row[0] is not None and Lsn.parse(row[0]) < held:
+        raise TransientError(
+            f"the server's WAL is at {row[0]}, below {held}, where redis holds the source of slot {slot!r} "
+            "(redis holds changes this server's history lacks): a rebuild now would sit below the streams' "
+            "high-water marks; cdc recover changed nothing",
+            hint=f"wait until pg_current_wal_lsn() reaches {held} (after more writes), or run SELECT pg_switch_wal() "
+            "as a superuser (it moves the WAL to the next 16 MB segment, once something was written in this one; "
+            "repeat as needed), then cdc recover again")
+    return held
+
+
 def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str], None]) -> None:
     """Rebuild every mapped table's streams (see the module's docstring); `say` prints one line per step."""
     slot = settings.postgres.slot
     with connect(settings) as conn, redis_for(settings) as client:
         try:
             confirmed = _idle_slot(conn, slot)
+            _past_redis(conn, client, settings, mappings)
             vanished = _vanished_streams(client, mappings)
             lost_from, lost_to = _fence(client, settings, say)
             _forget_vanished(client, mappings, vanished, say)
@@ -294,6 +329,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                     record_current(conn, client, slot, [m.table for m in mappings if m.table], snap.position)
                 finally:
                     publisher.close()
+            record_source(client, slot, read_history(settings.postgres.dsn))  # the streams are this server's now
             clear_data_loss(client, slot)
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=slot) from exc

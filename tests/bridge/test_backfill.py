@@ -73,6 +73,10 @@ def setup(env, extra: str = "", rows: int = 5000, chunk: int = 300) -> None:
     env.write_config(f"batch: {{backfill_chunk_rows: {chunk}}}\n")
 
 
+def rows_done(env) -> int:
+    return env.execute("SELECT rows_done FROM cdc_backfills ORDER BY id LIMIT 1")[0][0]
+
+
 def backfill_done(env) -> bool:
     return env.execute("SELECT bool_and(status = 'done') FROM cdc_backfills")[0][0]
 
@@ -112,13 +116,16 @@ def test_backfill_resumes_after_kill_9_without_duplicates(env):
     progress = []
     for _ in range(4):
         proc = env.start_bridge()
-        wait_for(env.slot_active, 30, "the bridge to attach")
-        time.sleep(rng.uniform(0.2, 0.5))  # a random crash instant during the backfill
+        # a crash instant during the backfill: after this bridge wrote a random number of chunks (not
+        # after a time, which a loaded machine can spend starting up), within a chunk's round trip
+        target = (progress[-1] if progress else 0) + rng.randint(1, 20) * 200
+        wait_for(lambda: rows_done(env) >= target, 60, f"the bridge to read the backfill up to row {target}")
+        time.sleep(rng.uniform(0, 0.05))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         env.wait_slot_inactive()
-        progress.append(env.execute("SELECT rows_done FROM cdc_backfills")[0][0])
-    assert 0 < progress[0] < 40000, f"the first kill must interrupt the backfill: {progress}"
+        progress.append(rows_done(env))
+    assert 0 < progress[0] < progress[-1] < 40000, f"every kill interrupts the backfill: {progress}"
     proc = env.start_bridge()
     wait_for(env.slot_active, 30, "the last bridge to attach")
     wait_for(lambda: backfill_done(env), 60, "the backfill to finish")

@@ -76,10 +76,19 @@ class Rig:
         raw = self.env.redis.get("{cdc:ride}:hwm")
         return int(raw[:20]) if raw else 0
 
-    def wait_streaming(self, timeout: float) -> None:
-        """Until a change committed now is in Redis."""
+    def wait_streaming(self, timeout: float, workload: ResilientWorkload) -> None:
+        """Until a change committed now is in Redis; at once if the bridge exited or the workload ended
+        (it would commit nothing new). A failure shows the end of the bridge's log."""
         target = self.env.current_wal()
-        wait_for(lambda: self.mark_lsn() > target, timeout, "a change committed after the fault to reach redis")
+        try:
+            wait_for(lambda: self.bridge.poll() is not None or workload.done.is_set() or self.mark_lsn() > target,
+                     timeout, "a change committed after the fault to reach redis")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc} (workload: {workload.committed} transactions committed); bridge log:\n"
+                                 f"{self.bridge.log_path.read_text()[-3000:]}") from None
+        assert workload.error is None and not workload.done.is_set(), f"the workload ended: {workload.error!r}"
+        assert self.bridge.poll() is None, \
+            f"the bridge exited {self.bridge.returncode}: {self.bridge.log_path.read_text()[-3000:]}"
 
     def assert_no_alarm(self) -> None:
         assert self.bridge.poll() is None, f"the bridge exited {self.bridge.returncode}: {self.bridge.log_path.read_text()[-3000:]}"
@@ -147,7 +156,7 @@ def test_faults_at_random_moments_raise_no_false_alarm_and_lose_nothing(rig):
                                  noise_rows=200)
     rig.start_bridge()
     workload.start()
-    rig.wait_streaming(60)
+    rig.wait_streaming(60, workload)
     faults = rig.faults()
     plan = [name for name in faults for _ in range(ROUNDS)]
     rig.rng.shuffle(plan)
@@ -158,7 +167,7 @@ def test_faults_at_random_moments_raise_no_false_alarm_and_lose_nothing(rig):
             faults[name]()
             healed = time.monotonic()
             bound = RECOVERY_BOUND_S.get(name, DEFAULT_BOUND_S)
-            rig.wait_streaming(bound + 30)  # measured below against the bound, so a slow one shows its time
+            rig.wait_streaming(bound + 30, workload)  # measured below against the bound, so a slow one shows its time
             recovery[name].append(time.monotonic() - healed)
             rig.assert_no_alarm()
             assert workload.error is None, workload.error

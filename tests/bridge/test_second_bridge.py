@@ -108,3 +108,37 @@ def test_only_a_bridge_of_this_host_whose_process_is_gone_counts_as_gone():
     assert not gone(SlotHolder(1, f"cdc run on other-host pid {dead}", None), host, 99)
     assert not gone(SlotHolder(1, "pg_recvlogical", None), host, 99)
     assert not gone(SlotHolder(1, None, None), host, 99)
+
+
+def test_a_metrics_port_still_held_by_a_closing_bridge_is_bound_once_free(monkeypatch):
+    """The standby takes over as soon as the first bridge released the slot, which closes its metrics
+    server only after: the standby tries the port again rather than exiting (for up to PORT_WAIT_S)."""
+    import threading
+
+    from cdc.bridge import loop
+    from cdc.config import Settings
+    from cdc.errors import ConfigError
+
+    def blocked_port() -> socket.socket:
+        blocker = socket.socket()
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        return blocker
+
+    blocker = blocked_port()
+    port = blocker.getsockname()[1]
+    bridge = loop.Bridge(Settings.from_dict({"http": {"host": "127.0.0.1", "port": port}}), [])
+    closing = threading.Timer(0.5, blocker.close)  # the first bridge's server shutting down
+    closing.start()
+    server = bridge._serve_metrics()
+    closing.join()
+    assert server.server_address[1] == port
+    server.shutdown()
+    server.server_close()
+
+    blocker = blocked_port()  # a port that stays taken: the error, after the wait
+    monkeypatch.setattr(loop, "PORT_WAIT_S", 0.3)
+    bridge = loop.Bridge(Settings.from_dict({"http": {"host": "127.0.0.1", "port": blocker.getsockname()[1]}}), [])
+    with pytest.raises(ConfigError, match="cannot serve metrics on 127.0.0.1:.*Address already in use"):
+        bridge._serve_metrics()
+    blocker.close()

@@ -127,7 +127,7 @@ def test_a_truncate_empties_the_windows_of_its_table(bound):
 
 
 def test_a_resume_closes_every_window_left_open_and_requests_name_their_slot():
-    from cdc.bridge.backfill import request_slot
+    from cdc.bridge.backfill import parse_request, request_slot
 
     windows = Windows()
     windows.low("1:0:aa", ("public", "rides"))
@@ -136,6 +136,8 @@ def test_a_resume_closes_every_window_left_open_and_requests_name_their_slot():
     assert not windows.open and not windows.tables, "nothing holds the acknowledgements any more"
     assert windows.close("1:0:aa") is None, "a late high of a closed window finds none"
     assert request_slot(b"cdc_a:17") == "cdc_a" and request_slot("17") is None
+    assert parse_request(b"cdc_a:17") == ("cdc_a", 17) and parse_request("17") == (None, 17)
+    assert parse_request(b"a:b:x") == ("a:b", None), "an unreadable id is no request to look for"
 
 
 def test_messages_go_to_the_first_matching_prefix_and_take_a_seq():

@@ -22,7 +22,7 @@ from ..source.lsn import Lsn
 
 __all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
            "invalidated_slot_error", "missing_slot_error", "record_data_loss", "record_stream_loss",
-           "check_source_history", "record_source", "record_divergence", "diverged_error", "redis_record", "stream_problems"]
+           "check_source_history", "record_source", "record_divergence", "diverged_error", "redis_record", "stop_on_stream_problems", "stream_problems"]
 
 log = logging.getLogger("cdc.guard")
 
@@ -228,6 +228,15 @@ def record_stream_loss(client: redis.Redis, slot: str, error: DataLossError) -> 
         record_data_loss(client, slot, Lsn(0), lost_to, error.message)
 
 
+def stop_on_stream_problems(client: redis.Redis, slot: str, streams: Mapping[str, str]) -> None:
+    """Raise the first reason `stream_problems` finds, a data loss recorded for `cdc status` first."""
+    problems = stream_problems(client, streams)
+    if problems:
+        if isinstance(problems[0], DataLossError):
+            record_stream_loss(client, slot, problems[0])
+        raise problems[0]
+
+
 def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[PublishError]:
     """Why appends to these streams (stream key -> entity) would be refused: data losses first (exit 6: a
     stream gone, or replaced by another type, while its mark says it held entries), then keys of another type
@@ -349,11 +358,7 @@ def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn, stre
             raise DataLossError(recorded, hint="run cdc recover (the bridge stopped), then cdc run") from None
         record_data_loss(client, slot, held, confirmed, exc.message)
         raise
-    problems = stream_problems(client, streams or {})
-    if problems:
-        if isinstance(problems[0], DataLossError):
-            record_stream_loss(client, slot, problems[0])
-        raise problems[0]
+    stop_on_stream_problems(client, slot, streams or {})
     clear_data_loss(client, slot)
     return held
 

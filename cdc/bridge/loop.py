@@ -49,7 +49,8 @@ from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
 from .gate import TableGate
-from .guards import MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss, redis_record, stream_problems
+from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
+                     redis_record, stop_on_stream_problems)
 from .inflight import Sent
 from .metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
@@ -414,11 +415,7 @@ class Bridge:
     def check_streams(self) -> None:
         """Stop when a mapped stream's history vanished, or a key of another type took its place, even
         while no change is written to it (the append itself refuses too); a loss is recorded for status."""
-        problems = stream_problems(self._streams_client, self.stream_entities)
-        if problems:
-            if isinstance(problems[0], DataLossError):
-                record_stream_loss(self._streams_client, self.settings.postgres.slot, problems[0])
-            raise problems[0]
+        stop_on_stream_problems(self._streams_client, self.settings.postgres.slot, self.stream_entities)
 
     def _check_failover(self, catalog_conn: psycopg.Connection) -> None:
         """Log when the slot's failover readiness changes (cdc_slot_failover_ready shows it)."""

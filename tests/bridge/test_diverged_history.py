@@ -12,9 +12,7 @@ the new primary's tables.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 
 import orjson
 import psycopg
@@ -22,12 +20,12 @@ import pytest
 import redis
 
 from cdc import keys
-from cdc.demo.local import LocalPostgres, pg_bin_for, wait_for
+from cdc.demo.local import wait_for
 from conftest import Env, read_stream
+from pg_pair import PrimaryStandby, pair_root
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18]
 
-STANDBY_SLOT = "standby1"
 RIDER_MAPPING = """
 entity: rider
 table: public.riders
@@ -36,61 +34,9 @@ fields: {id: id, name: name}
 """
 
 
-class Pair:
-    """A PostgreSQL 18 primary and its asynchronous physical standby; the primary never waits for it
-    (no synchronized_standby_slots): what the standby lacks, a bridge may already have published."""
-
-    def __init__(self, root, dbname: str) -> None:
-        bin_dir = pg_bin_for("18")
-        self.dbname = dbname
-        self.primary = LocalPostgres(root / "primary", bin_dir=bin_dir, settings={"wal_keep_size": "'256MB'"})
-        self.primary.start()
-        with psycopg.connect(self.primary.dsn, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{dbname}"')
-        self.standby = self.primary.make_standby(root / "standby", STANDBY_SLOT, settings={
-            "sync_replication_slots": "on",
-            "hot_standby_feedback": "on",
-            "primary_conninfo": f"'host=127.0.0.1 port={self.primary.port} user=postgres dbname={dbname}'",
-        })
-        self.standby.start()
-
-    def dsn_for(self, server: LocalPostgres) -> str:
-        return server.dsn_for("postgres", dbname=self.dbname)
-
-    @property
-    def dsn(self) -> str:
-        return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} user=postgres "
-                f"dbname={self.dbname} target_session_attrs=read-write connect_timeout=2")
-
-    def standby_replayed(self) -> int:
-        with psycopg.connect(self.dsn_for(self.standby), autocommit=True) as conn:
-            return int(conn.execute("SELECT pg_last_wal_replay_lsn() - '0/0'::pg_lsn").fetchone()[0])
-
-    def primary_wal(self) -> int:
-        with psycopg.connect(self.dsn_for(self.primary), autocommit=True) as conn:
-            return int(conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])
-
-    def primary_wal_of_standby(self) -> int:
-        with psycopg.connect(self.dsn_for(self.standby), autocommit=True) as conn:
-            return int(conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])
-
-    def standby_has_synced(self, slot: str) -> bool:
-        with psycopg.connect(self.dsn_for(self.standby), autocommit=True) as conn:
-            row = conn.execute("SELECT synced, temporary FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
-        return bool(row and row[0] and not row[1])
-
-    def stop(self) -> None:
-        self.standby.stop("immediate")
-        self.primary.stop("immediate")
-
-
 @pytest.fixture
 def pair(servers_root, tmp_path):
-    root = servers_root / f"div-{os.getpid()}-{tmp_path.name}"
-    root.mkdir()
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres", "postgres")
-    p = Pair(root, "div")
+    p = PrimaryStandby(pair_root(servers_root, tmp_path, "div"), "div", wait_for_standby=False)
     yield p
     p.stop()
 
@@ -103,7 +49,7 @@ def div_env(pair, redis_server, tmp_path):
     e.close()
 
 
-def _run(pair: Pair, sql: str, params=None) -> None:
+def _run(pair: PrimaryStandby, sql: str, params=None) -> None:
     with psycopg.connect(pair.dsn, autocommit=True) as conn:
         conn.execute(sql, params)
 
@@ -113,7 +59,7 @@ def _error(result) -> str:
     return "\n".join(lines)
 
 
-def _diverge(env: Env, pair: Pair, failover: bool) -> tuple[object, int, int]:
+def _diverge(env: Env, pair: PrimaryStandby, failover: bool) -> tuple[object, int, int]:
     """Publish riders 1-20 (the standby has them), stop the standby, publish riders 21-40 and a rename of 1-5
     (the standby lacks them), crash the primary, start and promote the standby. Returns the bridge's process,
     the standby's branch point and Redis' record."""
@@ -143,7 +89,7 @@ def _diverge(env: Env, pair: Pair, failover: bool) -> tuple[object, int, int]:
     return proc, branch, held
 
 
-def _new_primary(pair: Pair) -> dict[int, str]:
+def _new_primary(pair: PrimaryStandby) -> dict[int, str]:
     with psycopg.connect(pair.dsn_for(pair.standby), autocommit=True) as conn:
         return dict(conn.execute("SELECT id, name FROM riders").fetchall())
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import threading
 import time
@@ -26,13 +25,13 @@ import psycopg
 import pytest
 import redis
 
-from cdc.demo.local import LocalPostgres, free_port, pg_bin_for, wait_for
+from cdc.demo.local import free_port, wait_for
 from conftest import Env, read_stream
+from pg_pair import STANDBY_SLOT, PrimaryStandby, pair_root
 from workload import ResilientWorkload
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18]
 
-STANDBY_SLOT = "standby1"
 RIDER_MAPPING = """
 entity: rider
 table: public.riders
@@ -47,54 +46,9 @@ fields: {n: n}
 """
 
 
-class Pair:
-    """A PostgreSQL 18 primary and its physical standby, set up for failover slots."""
-
-    def __init__(self, root, dbname: str) -> None:
-        bin_dir = pg_bin_for("18")
-        self.dbname = dbname
-        self.primary = LocalPostgres(root / "primary", bin_dir=bin_dir, settings={
-            "synchronized_standby_slots": f"'{STANDBY_SLOT}'",
-            "wal_keep_size": "'256MB'",
-        })
-        self.primary.start()
-        with psycopg.connect(self.primary.dsn, autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{dbname}"')
-        self.standby = self.primary.make_standby(root / "standby", STANDBY_SLOT, settings={
-            "synchronized_standby_slots": "''",  # names a slot of the primary; the standby has none
-            "sync_replication_slots": "on",
-            "hot_standby_feedback": "on",
-            "primary_conninfo": f"'host=127.0.0.1 port={self.primary.port} user=postgres dbname={dbname}'",
-        })
-        self.standby.start()
-
-    def dsn_for(self, server: LocalPostgres) -> str:
-        return server.dsn_for("postgres", dbname=self.dbname)
-
-    @property
-    def dsn(self) -> str:
-        """Both servers; libpq connects to the one that accepts writes."""
-        return (f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} user=postgres "
-                f"dbname={self.dbname} target_session_attrs=read-write connect_timeout=2")
-
-    def standby_has_synced(self, slot: str) -> bool:
-        """The standby holds a persistent, synced copy of `slot` (a promoted standby resumes from it)."""
-        with psycopg.connect(self.dsn_for(self.standby), autocommit=True) as conn:
-            row = conn.execute("SELECT synced, temporary FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
-        return bool(row and row[0] and not row[1])
-
-    def stop(self) -> None:
-        self.standby.stop("immediate")
-        self.primary.stop("immediate")
-
-
 @pytest.fixture
 def pair(servers_root, tmp_path):
-    root = servers_root / f"ha-{os.getpid()}-{tmp_path.name}"
-    root.mkdir()
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres", "postgres")
-    p = Pair(root, "ha")
+    p = PrimaryStandby(pair_root(servers_root, tmp_path, "ha"), "ha", wait_for_standby=True)
     yield p
     p.stop()
 
@@ -116,7 +70,7 @@ def failover_ready_metric(port: int) -> float | None:
     return None
 
 
-def _setup(env: Env, pair: Pair, postgres: str = "", extra: str = "") -> None:
+def _setup(env: Env, pair: PrimaryStandby, postgres: str = "", extra: str = "") -> None:
     env.apply_sql("10_rocket_rides.sql")
     env.execute("CREATE TABLE workload_ledger (n int PRIMARY KEY)")
     env.copy_mappings("ride.yaml")
@@ -127,7 +81,7 @@ def _setup(env: Env, pair: Pair, postgres: str = "", extra: str = "") -> None:
     env.cdc("init", check=True)
 
 
-def _new_primary_state(pair: Pair) -> tuple[set[int], dict[int, str], dict[int, str]]:
+def _new_primary_state(pair: PrimaryStandby) -> tuple[set[int], dict[int, str], dict[int, str]]:
     with psycopg.connect(pair.dsn_for(pair.standby), autocommit=True) as conn:
         ledger = {r[0] for r in conn.execute("SELECT n FROM workload_ledger")}
         rides = {r[0]: f"{r[1]:.3f}" for r in conn.execute("SELECT id, distance_m FROM rides")}
@@ -146,7 +100,7 @@ def _replay(entries: list[dict], field: str) -> dict:
     return table
 
 
-def assert_streams_are_the_new_primary(env: Env, pair: Pair) -> None:
+def assert_streams_are_the_new_primary(env: Env, pair: PrimaryStandby) -> None:
     ledger, rides, riders = _new_primary_state(pair)
     streams = {s: read_stream(env.redis, f"cdc:{s}") for s in ("ledger", "ride", "rider")}
     for name, entries in streams.items():
@@ -166,7 +120,7 @@ def _last_lsn(env: Env) -> int:
     return max((int(e[0][1][b"lsn"]) for e in last if e), default=0)
 
 
-def _crash_and_promote(env: Env, pair: Pair, rng: random.Random, proc) -> tuple[float, float]:
+def _crash_and_promote(env: Env, pair: PrimaryStandby, rng: random.Random, proc) -> tuple[float, float]:
     """Crash the primary at a random moment, promote the standby; return (fault→first new entry, promote→it) in s."""
     time.sleep(rng.uniform(0.5, 2.5))  # a random crash instant while the writers commit, not a wait for a condition
     fault = time.monotonic()

@@ -385,19 +385,16 @@ class Bridge:
     def start_gate(self, catalog_conn: psycopg.Connection, client, confirmed: Lsn) -> None:
         """The ack gate's first reading, before streaming: tables re-created, renamed or unpublished while
         the bridge was stopped stop it here (see `cdc.bridge.gate`)."""
-        try:
-            with self._bounded(catalog_conn, "checking the mapped tables"):
-                self.gate.start(catalog_conn, client, confirmed)
-        except psycopg.Error as exc:
-            raise classify_pg_error(exc, role=catalog_conn.info.user) from exc
-        except redis.RedisError as exc:
-            raise TransientError(f"redis unavailable: {exc}") from exc
+        self._read_catalog(catalog_conn, lambda: self.gate.start(catalog_conn, client, confirmed))
 
     def verify_tables(self, catalog_conn: psycopg.Connection) -> None:
         """One reading of the ack gate; raises what stops the bridge (exit 4) when it does not vouch."""
+        self._read_catalog(catalog_conn, lambda: self.gate.verify(catalog_conn))
+
+    def _read_catalog(self, catalog_conn: psycopg.Connection, reading) -> None:
         try:
             with self._bounded(catalog_conn, "checking the mapped tables"):
-                self.gate.verify(catalog_conn)
+                reading()
         except psycopg.Error as exc:
             raise classify_pg_error(exc, role=catalog_conn.info.user) from exc
         except redis.RedisError as exc:

@@ -290,8 +290,8 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
     with connect(settings) as conn, redis_for(settings) as client:
         try:
             confirmed = _idle_slot(conn, slot)
+            vanished = _vanished_streams(client, mappings)  # keys of another type first: their marks cannot be read
             _past_redis(conn, client, settings, mappings)
-            vanished = _vanished_streams(client, mappings)
             lost_from, lost_to = _fence(client, settings, say)
             _forget_vanished(client, mappings, vanished, say)
             _idle_slot(conn, slot)

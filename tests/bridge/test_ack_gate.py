@@ -74,6 +74,15 @@ def lsn_now(env) -> int:
     return env.current_wal()
 
 
+def running_with_one_ride(env):
+    """A bridge checking its tables every 0.2 s, one ride published; the bridge and the WAL position after it."""
+    env.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = env.start_bridge()
+    env.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1)")
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 1, 30, "the first row")
+    return proc, lsn_now(env)
+
+
 def recreate(env) -> int:
     """Drop and re-create rides in one transaction; the WAL position before it."""
     before = lsn_now(env)
@@ -134,11 +143,7 @@ def test_a_table_recreated_while_the_bridge_is_stopped_is_refused_at_start(rides
     ("DROP TABLE rides", "was dropped: its changes since are not in the stream"),
 ])
 def test_a_table_leaving_the_publication_or_dropped_while_running_holds_the_slot(rides, change, says):
-    rides.write_config("batch: {status_interval_s: 0.2}\n")
-    proc = rides.start_bridge()
-    rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1)")
-    wait_for(lambda: rides.redis.xlen("cdc:ride") == 1, 30, "the first row")
-    before = lsn_now(rides)
+    proc, before = running_with_one_ride(rides)
     rides.execute(change)
     if "DROP TABLE" not in change:
         rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (2, 1, 2); DELETE FROM rides WHERE id = 1")
@@ -159,11 +164,7 @@ def test_a_table_leaving_the_publication_or_dropped_while_running_holds_the_slot
     ("CREATE SCHEMA archive; ALTER TABLE rides SET SCHEMA archive", "archive.rides"),
 ])
 def test_a_table_renamed_or_moved_while_running_stops_the_bridge(rides, change, now):
-    rides.write_config("batch: {status_interval_s: 0.2}\n")
-    proc = rides.start_bridge()
-    rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1)")
-    wait_for(lambda: rides.redis.xlen("cdc:ride") == 1, 30, "the first row")
-    before = lsn_now(rides)
+    proc, before = running_with_one_ride(rides)
     rides.execute(change)
     rides.execute(f"INSERT INTO {now} (id, rider_id, distance_m) VALUES (2, 1, 2)")
     assert proc.wait(30) == 4
@@ -218,7 +219,7 @@ def meas_now(env) -> dict:
 
 
 def test_a_partitioned_table_mapped_by_its_parent(meas):
-    first = meas.cdc("init", check=True)
+    meas.cdc("init", check=True)
     second = meas.cdc("init", check=True)  # idempotent
     assert "already covers the mapped tables" in second.stdout, second.stdout
     assert meas.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = 'cdc'")[0][0] is True

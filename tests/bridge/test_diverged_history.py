@@ -17,12 +17,11 @@ import re
 import orjson
 import psycopg
 import pytest
-import redis
 
 from cdc import keys
 from cdc.demo.local import wait_for
 from conftest import Env, read_stream
-from pg_pair import PrimaryStandby, pair_root
+from pg_pair import PrimaryStandby, env_on, running_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18]
 
@@ -36,17 +35,14 @@ fields: {id: id, name: name}
 
 @pytest.fixture
 def pair(servers_root, tmp_path):
-    p = PrimaryStandby(pair_root(servers_root, tmp_path, "div"), "div", wait_for_standby=False)
-    yield p
-    p.stop()
+    with running_pair(servers_root, tmp_path, "div", wait_for_standby=False) as p:
+        yield p
 
 
 @pytest.fixture
 def div_env(pair, redis_server, tmp_path):
-    redis.Redis.from_url(redis_server.url).flushall()
-    e = Env(pair.primary, redis_server, pair.dbname, tmp_path)
-    yield e
-    e.close()
+    with env_on(pair, redis_server, tmp_path) as e:
+        yield e
 
 
 def _run(pair: PrimaryStandby, sql: str, params=None) -> None:

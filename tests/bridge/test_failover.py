@@ -23,11 +23,10 @@ import urllib.request
 import orjson
 import psycopg
 import pytest
-import redis
 
 from cdc.demo.local import free_port, wait_for
 from conftest import Env, read_stream
-from pg_pair import STANDBY_SLOT, PrimaryStandby, pair_root
+from pg_pair import STANDBY_SLOT, PrimaryStandby, env_on, running_pair
 from workload import ResilientWorkload
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18]
@@ -48,17 +47,14 @@ fields: {n: n}
 
 @pytest.fixture
 def pair(servers_root, tmp_path):
-    p = PrimaryStandby(pair_root(servers_root, tmp_path, "ha"), "ha", wait_for_standby=True)
-    yield p
-    p.stop()
+    with running_pair(servers_root, tmp_path, "ha", wait_for_standby=True) as p:
+        yield p
 
 
 @pytest.fixture
 def ha_env(pair, redis_server, tmp_path):
-    redis.Redis.from_url(redis_server.url).flushall()
-    e = Env(pair.primary, redis_server, pair.dbname, tmp_path)
-    yield e
-    e.close()
+    with env_on(pair, redis_server, tmp_path) as e:
+        yield e
 
 
 def failover_ready_metric(port: int) -> float | None:

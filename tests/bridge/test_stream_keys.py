@@ -9,6 +9,7 @@ import pytest
 
 from cdc.demo.local import wait_for
 from conftest import read_stream
+from replay import replay
 
 pytestmark = pytest.mark.integration
 
@@ -35,19 +36,7 @@ def write(env, tables: tuple[str, ...], ids: range, v: str = "x") -> None:
 
 
 def table(env, name: str) -> dict:
-    return {i: v for i, v in env.execute(f"SELECT id, v FROM {name}")}
-
-
-def replay(entries: list[dict], reset_at_marker: bool = False) -> dict:
-    rows: dict = {}
-    for e in entries:
-        if e["op"] in ("c", "u", "r"):
-            rows[e["key"]["id"]] = e["data"]["v"]
-        elif e["op"] == "d":
-            rows.pop(e["key"]["id"], None)
-        elif e["op"] == "t" or (e["op"] == "x" and reset_at_marker):
-            rows.clear()
-    return rows
+    return {i: {"id": i, "v": v} for i, v in env.execute(f"SELECT id, v FROM {name}")}
 
 
 def exact(env) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from cdc.source.lsn import Lsn
 from conftest import read_stream
+from replay import replay, ride_rows
 
 pytestmark = pytest.mark.integration
 
@@ -17,24 +18,10 @@ RIDE = ("entity: ride\ntable: public.rides\nkey: [id]\nsnapshot: initial\n"
         "fields: {id: id, distance: distance_m, rider: rider_id}\n")
 
 
-def table(env) -> dict:
-    return {i: {"id": i, "distance": f"{d:.3f}", "rider": r} for i, d, r in env.execute("SELECT id, distance_m, rider_id FROM rides")}
-
-
 def after_marker(entries: list[dict]) -> list[dict]:
     markers = [i for i, e in enumerate(entries) if e["op"] == "x"]
     assert len(markers) == 1, markers
     return entries[markers[0] + 1:]
-
-
-def replay(entries: list[dict]) -> dict:
-    rows: dict = {}
-    for e in entries:
-        if e["op"] in ("c", "u", "r"):
-            rows[e["key"]["id"]] = e["data"]
-        elif e["op"] == "d":
-            rows.pop(e["key"]["id"], None)
-    return rows
 
 
 def test_the_readme_recovery_of_a_lost_slot_puts_each_row_once_after_the_marker(env):
@@ -88,7 +75,7 @@ def test_the_readme_recovery_of_a_lost_slot_puts_each_row_once_after_the_marker(
     snapshot_rows = Counter(e["key"]["id"] for e in tail if e["op"] == "r")
     assert len(snapshot_rows) == 92 and set(snapshot_rows.values()) == {1}, "each row once after the marker"
     assert [e["op"] for e in tail[92:]] == ["u", "c"]
-    assert replay(tail) == replay(entries) == table(env)
+    assert replay(tail) == replay(entries) == ride_rows(env)
     statuses = env.execute("SELECT id, status, error FROM cdc_backfills ORDER BY id")
     assert statuses[0][:2] == (1, "done") and statuses[1][:2] == (2, "superseded")
     assert statuses[1][2].startswith("superseded by cdc recover at ")

@@ -13,26 +13,10 @@ import redis
 
 from cdc.demo.local import LocalRedis, free_port, wait_for
 from conftest import read_stream
+from replay import replay, ride_rows
 from ride_consumers import state, truth
 
 pytestmark = pytest.mark.integration
-
-
-def replay(entries: list[dict], reset_at_marker: bool) -> dict:
-    """Apply a stream to an empty table; at a marker (x), start again from empty when asked."""
-    rows: dict = {}
-    for e in entries:
-        if e["op"] in ("c", "u", "r"):
-            rows[e["key"]["id"]] = e["data"]
-        elif e["op"] == "d":
-            rows.pop(e["key"]["id"], None)
-        elif e["op"] == "t" or (e["op"] == "x" and reset_at_marker):
-            rows.clear()
-    return rows
-
-
-def table(env) -> dict:
-    return {i: {"id": i, "distance": f"{d:.3f}", "rider": r} for i, d, r in env.execute("SELECT id, distance_m, rider_id FROM rides")}
 
 
 def mirror(env) -> dict:
@@ -41,7 +25,7 @@ def mirror(env) -> dict:
 
 def consumers_exact(env) -> bool:
     expected = {k: v for k, v in truth(env).items() if v != 0}
-    return state(env, "totals") == expected and mirror(env) == table(env)
+    return state(env, "totals") == expected and mirror(env) == ride_rows(env)
 
 
 @pytest.fixture
@@ -116,8 +100,8 @@ def test_recover_after_a_real_loss_replays_to_the_table_and_resets_consumers(env
     # every change exactly once: positions strictly increase along the stream
     positions = [(int(e["lsn"]), int(e["seq"])) for e in entries]
     assert positions == sorted(set(positions))
-    assert replay(entries, reset_at_marker=False) == table(env)
-    assert replay(entries, reset_at_marker=True) == table(env)
+    assert replay(entries, reset_at_marker=False) == ride_rows(env)
+    assert replay(entries, reset_at_marker=True) == ride_rows(env)
 
     # the consumers kept state from the lost range; the marker resets it exactly
     wait_for(lambda: consumers_exact(env), 60, "the consumers to be exact after the recovery")
@@ -174,7 +158,7 @@ def test_recover_after_the_slot_was_dropped_and_created_again(env):
     env.execute("DELETE FROM rides WHERE id = 2")
     env.cdc("run", "--until-caught-up", check=True)
     entries = read_stream(env.redis, "cdc:ride")
-    assert replay(entries, reset_at_marker=False) == replay(entries, reset_at_marker=True) == table(env)
+    assert replay(entries, reset_at_marker=False) == replay(entries, reset_at_marker=True) == ride_rows(env)
 
 
 def test_a_partitioned_entity_is_rebuilt_at_one_position_and_a_table_sink_ends_exact_in_any_order(env):
@@ -209,7 +193,7 @@ def test_a_partitioned_entity_is_rebuilt_at_one_position_and_a_table_sink_ends_e
                 sink(entries[start:start + 37])
     finally:
         sink.close()
-    assert mirror(env) == table(env)
+    assert mirror(env) == ride_rows(env)
 
 
 @pytest.mark.slow
@@ -242,7 +226,7 @@ def test_a_recovery_killed_midway_keeps_the_bridge_out_and_completes_when_run_ag
     entries = read_stream(client, "cdc:ride")
     positions = [(int(e["lsn"]), int(e["seq"])) for e in entries]
     assert positions == sorted(set(positions))
-    assert replay(entries, reset_at_marker=False) == replay(entries, reset_at_marker=True) == table(env)
+    assert replay(entries, reset_at_marker=False) == replay(entries, reset_at_marker=True) == ride_rows(env)
 
 
 def test_recover_with_redis_away_is_one_line_without_the_password(env):
@@ -281,4 +265,4 @@ def test_a_bridge_writing_during_the_rebuild_fails_it_and_a_second_run_completes
     assert "ride: rebuilt 1 stream(s): 0 deleted keys (d), the marker (x), 45 rows (r)" in result.stdout
     env.cdc("run", "--until-caught-up", check=True)
     entries = read_stream(env.redis, "cdc:ride")
-    assert replay(entries, reset_at_marker=False) == replay(entries, reset_at_marker=True) == table(env)
+    assert replay(entries, reset_at_marker=False) == replay(entries, reset_at_marker=True) == ride_rows(env)

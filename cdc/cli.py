@@ -82,6 +82,10 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
     consume.add_argument("--max-deliveries", type=int, default=c.MAX_DELIVERIES,
                          help="an entry that failed this many deliveries goes to the dead-letter stream "
                               f"cdc:dlq:<group> (default {c.MAX_DELIVERIES})")
+    consume.add_argument("--metrics-port", type=int, default=0,
+                         help="serve /metrics, /healthz and /readyz on this port (default 0: not served)")
+    consume.add_argument("--metrics-host", default="0.0.0.0",
+                         help="the address --metrics-port listens on (default 0.0.0.0)")
 
 
 def build_parser() -> argparse.ArgumentParser:

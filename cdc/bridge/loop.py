@@ -52,7 +52,7 @@ from .gate import TableGate
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
 from .inflight import Sent
-from .metrics import Histogram, Registry, serve
+from ..metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
 from .session import Session
 

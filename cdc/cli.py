@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument("--master", help="Spark master URL (default: reconcile.master, local[*])")
     reconcile.add_argument("--json", action="store_true", help="print the report as JSON")
     reconcile.add_argument("--report", help="also write the JSON report to this file")
+    reconcile.add_argument("--metrics-file", help="also write the run's outcome as Prometheus metrics to this file "
+                                                  "(node_exporter's textfile format; name it *.prom)")
     status = command("status", cmd_status, "show the slot, lag and streams")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--stale-after-s", type=number, default=3600.0, help="list consumers idle this long as stale")

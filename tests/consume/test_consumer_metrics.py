@@ -145,5 +145,10 @@ def test_cdc_consume_serves_its_metrics_and_refuses_a_port_in_use(rides):
     assert second.returncode == 2
     assert second.stderr.strip().endswith(f"cdc: error: cannot serve metrics on 127.0.0.1:{port}: Address already in use; "
                                           "give --metrics-port a free port, or 0")
+    nowhere = env.cdc("consume", "--entity", "ride", "--group", "other", "--sink", "public.m", "--metrics-port", "9",
+                      "--metrics-host", "192.0.2.1", timeout=60)  # an address of no interface here
+    assert nowhere.returncode == 2
+    assert nowhere.stderr.strip().endswith("cdc: error: cannot serve metrics on 192.0.2.1:9: Cannot assign requested address; "
+                                           "give --metrics-port a free port, or 0")
     proc.terminate()
     assert proc.wait(30) == 0, proc.log_path.read_text()

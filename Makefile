@@ -20,10 +20,13 @@ servers-deps:
 	@test -x /usr/lib/postgresql/15/bin/postgres || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql-15; }
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server; }
 
-# tools the tests use beyond the servers: node/npm (the Node.js consumer example), openssl (TLS certificates)
+# tools the tests use beyond the servers: node/npm (the Node.js consumer example), openssl (TLS certificates),
+# promtool (Debian's prometheus package: checks deploy/prometheus/; the server the package may start is stopped)
 test-deps:
 	@command -v node >/dev/null && command -v npm >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs npm; }
 	@command -v openssl >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq openssl; }
+	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus \
+	  && { $(SUDO) systemctl disable --now prometheus >/dev/null 2>&1 || $(SUDO) service prometheus stop >/dev/null 2>&1 || true; }; }
 
 # `cdc reconcile`: pyspark, a Java runtime and the PostgreSQL JDBC driver
 reconcile-deps: $(VENV)/.reconcile-installed

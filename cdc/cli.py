@@ -82,6 +82,10 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
     consume.add_argument("--max-deliveries", type=int, default=c.MAX_DELIVERIES,
                          help="an entry that failed this many deliveries goes to the dead-letter stream "
                               f"cdc:dlq:<group> (default {c.MAX_DELIVERIES})")
+    consume.add_argument("--metrics-port", type=int, default=0,
+                         help="serve /metrics, /healthz and /readyz on this port (default 0: not served)")
+    consume.add_argument("--metrics-host", default="0.0.0.0",
+                         help="the address --metrics-port listens on (default 0.0.0.0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument("--master", help="Spark master URL (default: reconcile.master, local[*])")
     reconcile.add_argument("--json", action="store_true", help="print the report as JSON")
     reconcile.add_argument("--report", help="also write the JSON report to this file")
+    reconcile.add_argument("--metrics-file", help="also write the run's outcome as Prometheus metrics to this file "
+                                                  "(node_exporter's textfile format; name it *.prom)")
     status = command("status", cmd_status, "show the slot, lag and streams")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--stale-after-s", type=number, default=3600.0, help="list consumers idle this long as stale")

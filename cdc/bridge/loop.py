@@ -52,7 +52,7 @@ from .gate import TableGate
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
 from .inflight import Sent
-from .metrics import Histogram, Registry, serve
+from ..metrics import Histogram, Registry, serve
 from .streamed import StreamedTransactions, spill_dir_error
 from .session import Session
 
@@ -207,6 +207,10 @@ class Bridge:
                 lambda: self.slot_watch.health.retained_bytes)
         r.gauge("cdc_retained_wal_alarm", "retained WAL alarm level: 0 ok, 1 warning, 2 critical",
                 lambda: ("ok", "warning", "critical").index(self.slot_watch.health.level))
+        r.gauge("cdc_retained_wal_alarm_bytes", "retained WAL at which the alarm turns warning or critical",
+                self._alarm_levels)
+        r.gauge("cdc_slot_wal_keep_size_bytes", "the server's max_slot_wal_keep_size: retained WAL past it invalidates the slot "
+                "(left out when unlimited)", lambda: self.slot_watch.health.max_keep_bytes if self.slot_watch.health.max_keep_bytes >= 0 else None)
         r.gauge("cdc_slot_failover_ready", "1 when the slot would survive a failover to a standby (failover slot, "
                 "synchronized_standby_slots naming an active standby slot; PostgreSQL 17+), else 0",
                 lambda: None if self.failover is None else int(self.failover.ready))
@@ -228,7 +232,15 @@ class Bridge:
         r.gauge("cdc_redis_memory_ratio", "Redis used memory / maxmemory", lambda: self.memory.ratio if self.memory else None)
         r.gauge("cdc_paused", "1 while reading is paused for Redis memory", lambda: int(self.state == "paused"))
         r.gauge("cdc_up", "1 while streaming", lambda: int(self.state in ("streaming", "paused")))
+        r.gauge("cdc_ready", "1 while /readyz answers 200", lambda: int(self.readiness()[0]))
         return r
+
+    def _alarm_levels(self) -> dict | None:
+        health = self.slot_watch.health
+        if health.wal_status == "unknown":  # the slot was not checked yet: its server's limit is not known
+            return None
+        warn, critical = self.slot_watch.thresholds(health.max_keep_bytes)
+        return {(("level", "warning"),): warn, (("level", "critical"),): critical}
 
     def _dead_letters(self) -> float:
         client = connect_redis(self.settings.redis, socket_timeout=2)

@@ -22,7 +22,7 @@ from ..loader import APPLY_PARAMETERS, check_signature
 from ..sink.entry import Entry
 from .statedb import StateConnection, StateTable
 
-__all__ = ["TransactionalHandler", "Apply", "lock_checkpoints"]
+__all__ = ["TransactionalHandler", "Apply", "ResetCount", "lock_checkpoints"]
 
 log = logging.getLogger("cdc.checkpoint")
 
@@ -44,6 +44,42 @@ STATE_TABLES = [
     StateTable("cdc_checkpoints", ("SELECT", "INSERT", "UPDATE"), "apply sql/20_consumer_state.sql there (as the owner)"),
     StateTable("cdc_replays", ("INSERT",), "apply sql/20_consumer_state.sql there (as the owner)"),
 ]
+
+
+_RESETS = "SELECT count(*) FROM cdc_reconcile_runs WHERE consumer = %s AND status = 'repaired'"
+
+
+class ResetCount:
+    """How many reconciliation resets repaired `consumer`'s state (`cdc_reconcile_runs`, written by
+    `cdc reconcile`), for /metrics: read on the metrics schedule over a connection of its own.
+
+    None when the history cannot be read (no table, no SELECT on it): the metric is left out."""
+
+    def __init__(self, dsn: str, consumer: str) -> None:
+        self.dsn, self.consumer = dsn, consumer
+        self.conn: psycopg.Connection | None = None
+        self.unreadable = False
+
+    def __call__(self) -> int | None:
+        if self.unreadable:
+            return None
+        try:
+            if self.conn is None or self.conn.closed:
+                self.conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+            return int(self.conn.execute(_RESETS, (self.consumer,)).fetchone()[0])
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InsufficientPrivilege) as exc:
+            self.unreadable = True
+            log.warning("cdc_consumer_resets_total left out: %s (grant SELECT on cdc_reconcile_runs to show it)",
+                        str(exc).splitlines()[0])
+            return None
+        except psycopg.Error:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 def lock_checkpoints(conn: psycopg.Connection, consumer: str, streams: list[str]) -> dict[str, tuple[str, tuple[int, int], int]]:

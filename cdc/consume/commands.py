@@ -31,6 +31,9 @@ def cmd_consume(args: argparse.Namespace) -> int:
     from ..consume.consumer import Consumer
 
     check_position(args.start, "--start")
+    check_positive(args, "metrics_port", allow_zero=True)
+    if args.metrics_port > 65535:
+        raise UsageError(f"--metrics-port {args.metrics_port}: not a port", hint="give a port up to 65535, or 0")
     for option in ("count", "lease_ttl_ms", "claim_idle_ms", "max_deliveries"):
         if getattr(args, option) < 1:
             raise UsageError(f"--{option.replace('_', '-')} {getattr(args, option)}: must be at least 1",
@@ -70,14 +73,32 @@ def cmd_consume(args: argparse.Namespace) -> int:
             from ..consume.table_sink import TableSink
 
             handler = TableSink(state_dsn, args.sink)
+        server = _serve_metrics(consumer, args, settings.postgres.slot, state_dsn if apply is not None else None)
         try:
             _consume(consumer, handler, settings, mapping, args.start, stop, log)
         except redis.RedisError as exc:
             raise redis_refusal(exc) if whose(exc) == SETUP and not isinstance(exc, redis.AuthenticationError) else exc
         finally:
             handler.close()
+            if server is not None:
+                server.close()
             log.info("consumer stopped %r %r", consumer, handler)
     return 0
+
+
+def _serve_metrics(consumer, args: argparse.Namespace, slot: str, state_dsn: str | None):
+    """--metrics-port: serve /metrics, /healthz, /readyz (resets counted for a --handler consumer)."""
+    if not args.metrics_port:
+        return None
+    from ..consume.checkpoint import ResetCount
+    from ..errors import ConfigError
+
+    resets = ResetCount(state_dsn, args.group) if state_dsn is not None else None
+    try:
+        return consumer.serve_metrics(args.metrics_port, args.metrics_host, slot=slot, resets=resets)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc.strerror}",
+                          hint="give --metrics-port a free port, or 0") from None
 
 
 def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> None:
@@ -93,6 +114,7 @@ def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> Non
     backoff = Backoff()
     checked = False
     while not stop.is_set():
+        consumer.metrics.tick()
         done = consumer.acked + consumer.dead_lettered
         backoff.streaming(time.monotonic())
         try:
@@ -112,6 +134,7 @@ def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> Non
             if consumer.acked + consumer.dead_lettered > done:
                 backoff.progressed()
             delay = backoff.next(time.monotonic())
+            consumer.metrics.state = "retrying"
             log.warning("transient failure, retrying in %.1fs: %s", delay, " ".join(str(exc).split()))
             stop.wait(delay)
 

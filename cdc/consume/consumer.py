@@ -39,6 +39,7 @@ from ..errors import CdcError
 from ..loader import check_signature
 from .failures import ENTRY, whose
 from .lease import Lease
+from .metrics import ConsumerMetrics, MetricsServer, serve_metrics
 
 __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
 
@@ -133,12 +134,18 @@ class Consumer:
         self.failed = 0
         self.dead_lettered = 0
         self.claimed = 0
+        #: counters for /metrics (served only when asked: `serve_metrics`)
+        self.metrics = ConsumerMetrics(group)
 
     def __repr__(self) -> str:
         return (
             f"<Consumer {self.group}/{self.name} delivered={self.delivered} acked={self.acked} "
             f"failed={self.failed} dead_lettered={self.dead_lettered} claimed={self.claimed}>"
         )
+
+    def serve_metrics(self, port: int, host: str = "0.0.0.0", **options) -> MetricsServer:
+        """Serve this consumer's /metrics, /healthz and /readyz (`cdc.consume.metrics.serve_metrics`)."""
+        return serve_metrics(self, port, host, **options)
 
     # -- groups -----------------------------------------------------------------------
 
@@ -235,6 +242,7 @@ class Consumer:
         self._retry_one.discard(stream)
         self._redelivered.discard(entry_id)
         self.dead_lettered += 1
+        self.metrics.dead_letters[stream] += 1
         log.warning("dead-lettered %s %s after %d failed deliveries: %s", stream, entry_id, failures, error)
 
     def _finish_dead_letters(self, entries: list[Entry]) -> list[Entry]:
@@ -269,6 +277,7 @@ class Consumer:
     def read(self) -> list[Entry]:
         """The next batch: own pending entries first (after a restart or a failure), then new ones."""
         now = time.monotonic()
+        self.metrics.loop_at = now
         if self.exclusive and now >= self._next_lease_check:
             self._refresh_leases()
             self._next_lease_check = now + self._lease_check_every
@@ -323,6 +332,8 @@ class Consumer:
         pipe.execute()
         self._retry_one.difference_update(by_stream)
         self.acked += len(entries)
+        for stream, ids in by_stream.items():
+            self.metrics.handled[stream] += len(ids)
 
     def fail(self, entry: Entry, error: BaseException | str) -> None:
         """Record that the handler failed on `entry` (alone): it stays pending and is delivered again,
@@ -338,6 +349,7 @@ class Consumer:
         pipe.hset(failures_key, f"{entry.id}:error", text[:2000])
         failures = int(pipe.execute()[0])
         self.failed += 1
+        self.metrics.failures[entry.stream] += 1
         self._pending_phase.add(entry.stream)
         if failures >= self.max_deliveries:
             self.dead_letter(entry.stream, entry.id, entry, failures, text)
@@ -355,12 +367,14 @@ class Consumer:
         check_signature(handle, ("entries",), f"the handler of consumer {self.name}")
         stop = stop or threading.Event()
         log.info("consumer %s of group %s on %s", self.name, self.group, ", ".join(self.streams))
+        self.metrics.state = "reading"
         try:
             while not stop.is_set():
                 entries = self.read()
                 if entries:
                     self.process(entries, handle)
         finally:
+            self.metrics.state = "stopped"
             for lease in self.leases.values():
                 lease.release()
 
@@ -375,7 +389,7 @@ class Consumer:
         other error is raised to the caller with the batch left pending, to retry or stop.
         """
         try:
-            handle(entries)
+            self._timed(handle, entries)
         except Fenced as exc:
             self._fenced(entries, exc)
             return
@@ -395,7 +409,7 @@ class Consumer:
             if e.stream in blocked:
                 continue
             try:
-                handle([e])
+                self._timed(handle, [e])
             except Fenced as exc:
                 self._fenced([e], exc)
                 blocked.add(e.stream)
@@ -409,6 +423,13 @@ class Consumer:
                     blocked.add(e.stream)
             else:
                 self.ack([e])
+
+    def _timed(self, handle: Callable[[list[Entry]], None], entries: list[Entry]) -> None:
+        started = time.monotonic()
+        try:
+            handle(entries)
+        finally:
+            self.metrics.handler_seconds.observe(time.monotonic() - started)
 
     def _fenced(self, entries: Sequence[Entry], exc: Fenced) -> None:
         log.warning("fenced off: %s", exc)

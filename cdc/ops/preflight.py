@@ -331,6 +331,7 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc run", ("HMGET", keys.TRIM_ACCOUNTED, "f")), ("cdc trim", ("HSET", keys.TRIM_ACCOUNTED, "f", "v")),
         ("consumers", ("XADD", keys.dead_letter_key(group), "*", "f", "v")),
         ("consumers", ("MULTI",)), ("consumers", ("EXEC",)),
+        ("consumers", ("HMGET", keys.bridge_state_key(settings.postgres.slot), "data_loss_at_ms")),
         ("cdc run", ("HSET", keys.bridge_state_key(settings.postgres.slot), "f", "v")),
         ("cdc run", ("HDEL", keys.bridge_state_key(settings.postgres.slot), "f")),
         ("cdc status", ("HGETALL", keys.bridge_state_key(settings.postgres.slot))),
@@ -372,6 +373,7 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
                 ("consumers", ("HSET", keys.failures_key(s, group), "0-1:error", "e")),
                 ("consumers", ("HMGET", keys.failures_key(s, group), "0-1", "0-1:error")),
                 ("consumers", ("HDEL", keys.failures_key(s, group), "0-1")),
+                ("consumers", ("XINFO", "GROUPS", s)), ("consumers", ("XPENDING", s, group, "-", "+", "1")),
             ]
     return probes
 

@@ -24,9 +24,10 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     from ..reconcile.spec import load_specs
     from ..reconcile.truth import start_spark
 
-    if args.report and not Path(args.report).resolve().parent.is_dir():
-        raise UsageError(f"--report {args.report}: folder {Path(args.report).resolve().parent} does not exist",
-                         hint="give a file in an existing folder")  # checked before Spark spends minutes
+    for option, path in (("--report", args.report), ("--metrics-file", args.metrics_file)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise UsageError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist",
+                             hint="give a file in an existing folder")  # checked before Spark spends minutes
     settings, mappings = load_config(args)
     if args.master:
         settings = dataclasses.replace(settings, reconcile=dataclasses.replace(settings.reconcile, master=args.master))
@@ -65,6 +66,10 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     report = [r.as_json(args.dry_run) for r in results]
     if args.report:
         Path(args.report).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    if args.metrics_file:
+        from ..reconcile.metrics_file import write_metrics_file
+
+        write_metrics_file(args.metrics_file, results, args.dry_run)
     if args.json:
         sys.stdout.write(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n")
     else:

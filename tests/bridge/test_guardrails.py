@@ -38,6 +38,16 @@ def rides(env):
 def test_metrics_health_and_readiness(rides):
     port = free_port()
     rides.write_config(f"http: {{host: 127.0.0.1, port: {port}}}\n")
+    rides.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '64MB'")
+    rides.execute("SELECT pg_reload_conf()")
+    try:
+        _metrics_health_and_readiness(rides, port)
+    finally:
+        rides.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+        rides.execute("SELECT pg_reload_conf()")
+
+
+def _metrics_health_and_readiness(rides, port: int) -> None:
     proc = rides.start_bridge()
     base = f"http://127.0.0.1:{port}"
     wait_for(lambda: get(base + "/readyz")[0] == 200, 30, "the bridge to be ready")
@@ -52,10 +62,16 @@ def test_metrics_health_and_readiness(rides):
     assert metric(text, "cdc_retained_wal_bytes") > 0
     assert metric(text, "cdc_confirmed_flush_lsn") > 0
     assert metric(text, "cdc_up") == 1
+    assert metric(text, "cdc_ready") == 1
+    # the server's limit, and the alarm levels the bridge derives from it (half and four fifths)
+    assert metric(text, "cdc_slot_wal_keep_size_bytes") == 64 << 20
+    assert metric(text, 'cdc_retained_wal_alarm_bytes{level="warning"}') == 32 << 20
+    assert metric(text, 'cdc_retained_wal_alarm_bytes{level="critical"}') == (64 << 20) * 4 // 5
     # Redis goes away: not ready, retries counted, and back
     rides.redis_server.stop()
     wait_for(lambda: get(base + "/readyz")[0] == 503, 30, "readiness to drop while redis is down")
     assert get(base + "/healthz")[0] == 200
+    assert metric(get(base + "/metrics")[1], "cdc_ready") == 0
     rides.redis_server.start()
     wait_for(lambda: get(base + "/readyz")[0] == 200, 60, "readiness to come back")
     assert metric(get(base + "/metrics")[1], 'cdc_transient_failures_total{side="redis"}') >= 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cdc.bridge.metrics import Histogram, Registry
+from cdc.metrics import Histogram, Registry
 
 
 def test_families_render_in_the_prometheus_text_format(caplog):

@@ -22,6 +22,8 @@ NOT_SWEPT = {
     "--name": "any text names a consumer", "--group": "any text names a group",
     # only read once Spark has started (tests/reconcile covers the job's failures)
     "--master": "read by Spark (tests/reconcile covers a failing job)",
+    # read only with --metrics-port (tests/consume/test_consumer_metrics.py gives it an address that cannot be bound)
+    "--metrics-host": "read only with --metrics-port",
 }
 GARBAGE = {
     "--entity": ["nosuch", ""],
@@ -34,6 +36,7 @@ GARBAGE = {
     "--where": ["1 =;", "no_such_column > 0"],
     "--spec": ["nosuch"],
     "--report": ["/nonexistent/folder/report.json"],
+    "--metrics-file": ["/nonexistent/folder/cdc.prom"],
     "--log-level": ["loud"],
     "--log-format": ["xml"],
 }

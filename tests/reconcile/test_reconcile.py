@@ -556,12 +556,22 @@ def test_a_consumer_that_cannot_apply_an_entry_is_reported_and_left_alone(env):
 # -- the command ------------------------------------------------------------------------
 
 
+def textfile(path) -> dict:
+    """The samples of a textfile-collector file: (name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(path.read_text()) for s in f.samples}
+
+
 def test_cdc_reconcile_reports_repairs_and_exits_by_outcome(env):
     bridge, consumers = exact_consumer(env, rides=50, seed=5)
     try:
         env.execute("UPDATE consumer_states SET total_distance = total_distance - 1 WHERE consumer = 'ride-totals' AND rider_id = 2")
         report = env.tmp / "report.json"
-        dry = env.cdc("reconcile", "--dry-run", "--master", "local[1]", "--report", str(report), timeout=300)
+        prom = env.tmp / "cdc.prom"
+        dry = env.cdc("reconcile", "--dry-run", "--master", "local[1]", "--report", str(report), "--metrics-file", str(prom),
+                      timeout=300)
         assert dry.returncode == 7, dry.stderr
         assert "NOT repaired (dry run)" in dry.stdout
         assert "rider_id" in dry.stdout and "difference" in dry.stdout
@@ -579,9 +589,22 @@ def test_cdc_reconcile_reports_repairs_and_exits_by_outcome(env):
         assert doc["consumers"][0]["status"] == "drift"
         assert {tuple(d["key"].values()) for d in doc["consumers"][0]["drift"]} == {(2,)}
         assert all(Decimal(d["difference"]) == 1 for d in doc["consumers"][0]["drift"])
-        fixed = env.cdc("reconcile", "--json", timeout=300)
+        who = {"spec": "totals", "consumer": "ride-totals"}
+        dry_metrics = textfile(prom)
+        assert dry_metrics[("cdc_reconcile_status", frozenset({**who, "status": "drift"}.items()))] == 1
+        assert dry_metrics[("cdc_reconcile_status", frozenset({**who, "status": "repaired"}.items()))] == 0
+        assert dry_metrics[("cdc_reconcile_keys_drifted", frozenset(who.items()))] == 1
+        assert dry_metrics[("cdc_reconcile_dry_run", frozenset({"spec": "totals"}.items()))] == 1
+        ran_at = dry_metrics[("cdc_reconcile_last_run_timestamp_seconds", frozenset({"spec": "totals"}.items()))]
+        assert time.time() - 300 < ran_at <= time.time()
+        fixed = env.cdc("reconcile", "--json", "--metrics-file", str(prom), timeout=300)
         assert fixed.returncode == 0, fixed.stderr
         assert orjson.loads(fixed.stdout)[0]["consumers"][0]["status"] == "repaired"
+        fixed_metrics = textfile(prom)
+        assert fixed_metrics[("cdc_reconcile_status", frozenset({**who, "status": "repaired"}.items()))] == 1
+        assert fixed_metrics[("cdc_reconcile_dry_run", frozenset({"spec": "totals"}.items()))] == 0
+        assert fixed_metrics[("cdc_reconcile_last_run_timestamp_seconds", frozenset({"spec": "totals"}.items()))] >= ran_at
+        assert [p.name for p in prom.parent.iterdir() if p.name.startswith("cdc.prom")] == ["cdc.prom"]  # no leftover
         assert state(env, "ride-totals") == truth(env)
         assert "Traceback" not in dry.stderr + fixed.stderr
         status = env.cdc("status", check=True).stdout

@@ -1,7 +1,7 @@
 """Prometheus metrics and health endpoints.
 
-Values are read when scraped: the bridge keeps plain counters on itself (cheap on
-the hot path) and registers functions that report them; `Registry` is a
+Values are read when scraped: the bridge and the consumers keep plain counters on
+themselves (cheap on the hot path) and register functions that report them; `Registry` is a
 `prometheus_client` custom collector that turns them into metric families at
 scrape time, and the library writes the exposition format. `serve()` runs a
 small HTTP server in a daemon thread with ``/metrics``, ``/healthz`` and ``/readyz``.
@@ -28,7 +28,8 @@ Labels = tuple[tuple[str, str], ...]
 class Histogram:
     """A histogram observed from one thread without locks, read by the collector from another."""
 
-    def __init__(self, buckets: Iterable[float]) -> None:
+    def __init__(self, buckets: Iterable[float], labels: Labels = ()) -> None:
+        self.labels = labels
         self.bounds = sorted(buckets)
         self.counts = [0] * (len(self.bounds) + 1)
         self.total = 0.0
@@ -45,7 +46,9 @@ class Histogram:
             running += n
             buckets.append((_le(bound), running))
         buckets.append(("+Inf", self.count))
-        return HistogramMetricFamily(name, help, buckets=buckets, sum_value=self.total)
+        family = HistogramMetricFamily(name, help, labels=[k for k, _ in self.labels])
+        family.add_metric([v for _, v in self.labels], buckets, sum_value=self.total)
+        return family
 
 
 def _le(bound: float) -> str:
@@ -99,22 +102,25 @@ class Registry:
         return generate_latest(self.collectors).decode()
 
 
+def _answers() -> tuple[bool, str]:
+    return True, "ok"
+
+
 def serve(
     registry: Registry,
     ready: Callable[[], tuple[bool, str]],
     host: str = "0.0.0.0",
     port: int = 9187,
+    alive: Callable[[], tuple[bool, str]] = _answers,
 ) -> ThreadingHTTPServer:
-    """Serve /metrics, /healthz (the process answers) and /readyz (connected and not stalled)."""
+    """Serve /metrics, /healthz (`alive`: by default, the process answers) and /readyz (`ready`)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
             if self.path == "/metrics":
                 self._reply(200, registry.render(), CONTENT_TYPE_LATEST)
-            elif self.path == "/healthz":
-                self._reply(200, "ok\n")
-            elif self.path == "/readyz":
-                ok, why = ready()
+            elif self.path in ("/healthz", "/readyz"):
+                ok, why = (alive if self.path == "/healthz" else ready)()
                 self._reply(200 if ok else 503, why + "\n")
             else:
                 self._reply(404, "not found\n")

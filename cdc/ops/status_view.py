@@ -14,6 +14,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ..source.lsn import lsn_text
+
 __all__ = ["render"]
 
 _WIDE = 250  # columns off a terminal: a table is as wide as its content, up to this
@@ -72,7 +74,7 @@ def _stream_tables(streams: list[dict]) -> list[Table]:
     consumers = _table("consumers", "stream", "group", "consumer", "pending", "idle", "")
     for s in streams:
         table.add_row(s["entity"], s["stream"], str(s["length"]), _dash(s["first_time"]), _dash(s["last_time"]),
-                      _dash(s["last_lsn"]), str(s["trimmed"]), str(s["force_trimmed"]))
+                      _dash(lsn_text(s["last_lsn"])), str(s["trimmed"]), str(s["force_trimmed"]))
         for g in s["groups"]:
             idle = None if g["oldest_pending_idle_ms"] is None else f"{g['oldest_pending_idle_ms'] / 1000:.1f}s"
             groups.add_row(s["stream"], g["group"], "?" if g["lag"] is None else str(g["lag"]), str(g["pending"]),

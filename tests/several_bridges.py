@@ -54,15 +54,18 @@ def run_two_bridges(a: Env, b: Env, *, rounds: int, seed: int, transactions: int
     workload = MixedWorkload(a.dsn, transactions=transactions, seed=seed, big_every=50, big_size=300, rate=150)
     rng = random.Random(seed)
     procs = {a.slot: _attach(a), b.slot: _attach(b)}
+    kills = {a.slot: 0, b.slot: 0}
     workload.start()
     try:
-        for _ in range(rounds):
+        while not workload.done.is_set() and sum(kills.values()) < rounds:  # crashes while the writer runs
             e = rng.choice((a, b))
             time.sleep(rng.uniform(0.05, 0.5))  # a random crash instant, not a wait for a condition
             procs[e.slot].send_signal(signal.SIGKILL)
             procs[e.slot].wait(10)
+            kills[e.slot] += 1
             e.wait_slot_inactive()
             procs[e.slot] = _attach(e)
+        assert min(kills.values()) >= 2, f"each bridge killed while the writer ran: {kills}"
         assert workload.done.wait(300), "the workload to finish"
         assert workload.error is None, workload.error
     finally:

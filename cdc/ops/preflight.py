@@ -341,6 +341,7 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc run", ("HGETALL", keys.BRIDGE_SLOTS)), ("cdc run", ("HGETALL", keys.STREAM_OWNERS)),
         ("cdc run", ("EVAL", "return 1", "2", keys.BRIDGE_SLOTS, keys.STREAM_OWNERS)),
         ("cdc run", ("HSET", keys.BRIDGE_SLOTS, "f", "v")), ("cdc run", ("HSET", keys.STREAM_OWNERS, "f", "v")),
+        ("cdc run", ("HMGET", keys.BRIDGE_SLOTS, "f")), ("cdc run", ("HMGET", keys.STREAM_OWNERS, "f")),
         ("cdc run", ("HSET", keys.source_key(settings.postgres.slot), "f", "v")),
     ]
     if settings.redis.append == "transaction":  # appends: MULTI/EXEC under WATCH of the marks and the record

@@ -18,6 +18,7 @@ from ..sink.entry import reply_text
 from ..exits import as_cdc_error
 from ..source.lsn import lsn_text
 from ..mapping.model import Mapping
+from ..sink.claims import other_bridges
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source.failover import failover_readiness
@@ -100,6 +101,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
         trim_stats = {k.decode(): int(v) for k, v in client.hgetall(keys.TRIM_STATS).items()}
         bridge_state = {k.decode(): v.decode() for k, v in client.hgetall(keys.bridge_state_key(settings.postgres.slot)).items()}
         result["bridge"] = _bridge(bridge_state, bool(result["slot"] and result["slot"]["active"]))
+        result["other_bridges"] = other_bridges(client, settings.postgres.slot)  # on the same Redis
         alarm = (missing_slot_error(settings.postgres.slot, redis_record(client, settings.postgres.slot))
                  if result["slot"] is None else
                  invalidated_slot_error(settings.postgres.slot) if result["slot"]["wal_status"] == "lost" else None)

@@ -123,6 +123,14 @@ def _bridge_lines(bridge: dict) -> list[str]:
     return lines
 
 
+def _others_line(others: list[dict]) -> str | None:
+    """The other bridges writing into the same Redis (each with its own `cdc status --config`)."""
+    if not others:
+        return None
+    return "other bridges on this redis: " + "; ".join(
+        f"slot {o['slot']} (publication {o['publication']}, {len(o['streams'])} stream(s))" for o in others)
+
+
 def render(status: dict, *, color: bool = False, width: int | None = None) -> str:
     """The status as text; `color` and `width` for a terminal (default: plain, wide)."""
     out = io.StringIO()
@@ -137,6 +145,9 @@ def render(status: dict, *, color: bool = False, width: int | None = None) -> st
         console.print(f"failover-ready: {'yes' if failover['ready'] else 'no'}: {failover['reason']}", soft_wrap=True)
     for line in _bridge_lines(status.get("bridge") or {}):
         console.print(line, soft_wrap=True)
+    others = _others_line(status.get("other_bridges") or [])
+    if others:
+        console.print(others, soft_wrap=True)
     for s in status["streams"]:
         if s["force_trimmed"]:
             console.print(f"WARNING: {s['stream']}: {s['force_trimmed']} unconsumed entries dropped by the hard trim cap",

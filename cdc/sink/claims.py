@@ -28,18 +28,19 @@ import redis
 from .. import keys
 from ..errors import ConfigError
 
-__all__ = ["BridgeIdentity", "claim", "claim_problems", "judge", "unmapped_owned"]
+__all__ = ["BridgeIdentity", "claim", "claim_problems", "judge", "other_bridges", "unmapped_owned"]
 
-#: registers the slot and claims the streams only when nothing another bridge holds is among them
+#: registers the slot and claims the streams only when nothing another bridge holds is among them (only
+#: commands the bridge's ACL user has: a script runs with its caller's rights)
 CLAIM_SCRIPT = """
-local mine = redis.call('HGET', KEYS[1], ARGV[1])
+local mine = redis.call('HMGET', KEYS[1], ARGV[1])[1]
 if mine and mine ~= ARGV[2] then return 0 end
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   if all[i] ~= ARGV[1] and all[i + 1] == ARGV[2] then return 0 end
 end
 for i = 3, #ARGV do
-  local owner = redis.call('HGET', KEYS[2], ARGV[i])
+  local owner = redis.call('HMGET', KEYS[2], ARGV[i])[1]
   if owner and owner ~= ARGV[1] then return 0 end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
@@ -151,3 +152,20 @@ def unmapped_owned(client: redis.Redis, slot: str, streams: Mapping[str, str]) -
     _, owners = _read(client)
     return sorted(s for s, owner in owners.items() if owner == slot and s not in streams)
 
+
+
+def other_bridges(client: redis.Redis, slot: str) -> list[dict]:
+    """The bridges registered on this Redis besides `slot`'s: what each reads and the streams it writes
+    (`cdc status`)."""
+    registered, owners = _read(client)
+    found = []
+    for other, encoded in sorted(registered.items()):
+        if other == slot:
+            continue
+        try:
+            system_id, database, publication = orjson.loads(encoded)
+        except (orjson.JSONDecodeError, ValueError, TypeError):
+            system_id = database = publication = None
+        found.append({"slot": other, "system_id": system_id, "database": database, "publication": publication,
+                      "streams": sorted(s for s, owner in owners.items() if owner == other)})
+    return found

@@ -5,6 +5,7 @@ and cdc run, naming the other bridge and the fix; disjoint bridges each stay exa
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from cdc import keys
@@ -55,9 +56,13 @@ def test_a_stream_slot_or_publication_of_another_bridge_is_refused(env, tmp_path
     _refused(b, f"slot {a.slot!r} is registered on this redis for publication {a.publication!r}",
              "two configs name the same postgres.slot")
 
-    # nothing was taken from the first bridge
+    # nothing was taken from the first bridge, and its status names the other one
     a.cdc("run", "--until-caught-up", check=True)
     assert {k.decode(): v.decode() for k, v in a.redis.hgetall(keys.STREAM_OWNERS).items()} == owners
+    status = orjson.loads(a.cdc("status", "--json", check=True).stdout)
+    assert [(o["slot"], o["publication"], o["streams"]) for o in status["other_bridges"]] == [
+        (f"{a.slot}_b", "cdc_b", ["cdc:rider"])]
+    assert f"other bridges on this redis: slot {a.slot}_b (publication cdc_b, 1 stream(s))" in a.cdc("status").stdout
 
 
 @pytest.mark.slow

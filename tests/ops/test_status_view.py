@@ -54,3 +54,11 @@ def test_the_servers_decoding_counters_go_under_the_slot_line():
         "decoded since 2026-11-24T04:00:00Z: 1,234 transactions, 1.5 MiB; spilled to the server's disk: "
         "2 transactions, 380.0 MiB; streamed in progress (postgres.streaming off): 0 transactions, 0.0 MiB")
     assert "decoded" not in render({"slot": dict(SLOT, decoding=None), "streams": []}), "nothing before PostgreSQL 14"
+
+
+def test_the_other_bridges_on_the_redis_get_one_line():
+    others = [{"slot": "cdc_riders", "publication": "cdc_riders", "database": "app", "system_id": "7",
+               "streams": ["cdc:rider", "cdc:rocket"]}]
+    text = render({"slot": SLOT, "streams": [], "other_bridges": others})
+    assert text.splitlines()[1] == "other bridges on this redis: slot cdc_riders (publication cdc_riders, 2 stream(s))"
+    assert "other bridges" not in render({"slot": SLOT, "streams": [], "other_bridges": []})

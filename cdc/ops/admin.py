@@ -115,8 +115,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     with connect(settings) as conn:
         try:
             _wal_level(conn)
-            server = read_history(pgs.dsn)
-            _claim(settings, mappings, server)  # before anything is created: nothing another bridge holds
+            _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
             _publication(conn, pgs.publication, _tables(mappings), done)
             ensure_table(conn)
             slot = conn.execute(
@@ -144,7 +143,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
                     done.append(converted)
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
-    done.append(_register_redis(settings, Lsn.parse(confirmed), created, server))
+    done.append(_register_redis(settings, Lsn.parse(confirmed), created, read_history(pgs.dsn)))
     return done
 
 

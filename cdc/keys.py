@@ -19,6 +19,11 @@ TRIM_STATS = "cdc:stats:trim"
 #: a hash: stream -> the entry ID below which entries missing from it were removed knowingly (by the trim
 #: cap, or accepted by cdc recover); unconsumed entries missing anywhere else vanished (`cdc.sink.trim`)
 TRIM_ACCOUNTED = "cdc:stats:trim:accounted"
+#: a hash: slot -> the server, database and publication its bridge reads (`cdc.sink.claims`); one hash tag
+#: with `STREAM_OWNERS`, so one script judges and claims both on a Redis Cluster
+BRIDGE_SLOTS = "{cdc:bridge}:slots"
+#: a hash: stream -> the slot whose bridge writes it (`cdc.sink.claims`); a stream has one writer
+STREAM_OWNERS = "{cdc:bridge}:streams"
 
 
 def has_hash_tag(key: str) -> bool:

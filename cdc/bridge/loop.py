@@ -38,7 +38,8 @@ from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
 from ..source.catalog import load_types
 from ..source.deadline import bounded
-from ..source.history import read_history
+from ..sink.claims import BridgeIdentity, claim, unmapped_owned
+from ..source.history import ServerHistory, read_history
 from ..source.failover import FailoverReadiness, failover_readiness
 from ..source.lsn import Lsn
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
@@ -314,6 +315,7 @@ class Bridge:
             health = self.check_slot(catalog_conn)
             server = read_history(pgs.dsn)  # once per session: whose history Redis' positions belong to
             try:
+                self.claim(client, server)  # nothing another bridge on this Redis writes or reads
                 check_source_history(client, pgs.slot, server)
                 held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn, self.stream_entities)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
@@ -343,6 +345,16 @@ class Bridge:
             publisher.close()
             client.close()
             catalog_conn.close()
+
+    def claim(self, client, server: ServerHistory) -> None:
+        """Register the slot and claim the mapped streams on Redis (`cdc.sink.claims`), once per session."""
+        pgs = self.settings.postgres
+        claim(client, BridgeIdentity(pgs.slot, server.system_id, server.database, pgs.publication), self.stream_entities)
+        for stream in unmapped_owned(client, pgs.slot, self.stream_entities):
+            log.warning("stream %s is claimed by slot %s, but no mapping of this config writes it: if another config "
+                        "names the same slot, give it its own postgres.slot and postgres.publication (its changes are "
+                        "acknowledged here without an entry); if the mapping was removed, release it: redis-cli HDEL %s %s",
+                        stream, pgs.slot, keys.STREAM_OWNERS, stream)
 
     @property
     def stream_entities(self) -> dict[str, str]:

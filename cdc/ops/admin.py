@@ -25,6 +25,7 @@ from .. import keys
 from ..errors import MappingError, SlotError, SourceError
 from ..exits import as_cdc_error
 from ..source.lsn import Lsn
+from ..sink.claims import BridgeIdentity, claim
 from ..sink.redisconn import connect_redis
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector
@@ -114,6 +115,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     with connect(settings) as conn:
         try:
             _wal_level(conn)
+            _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
             _publication(conn, pgs.publication, _tables(mappings), done)
             ensure_table(conn)
             slot = conn.execute(
@@ -143,6 +145,21 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
     done.append(_register_redis(settings, Lsn.parse(confirmed), created, read_history(pgs.dsn)))
     return done
+
+
+def _claim(settings: Settings, mappings: Sequence[Mapping], server: ServerHistory) -> None:
+    """Register the slot and claim the mapped streams on Redis (`cdc.sink.claims`), as cdc run does."""
+    pgs = settings.postgres
+    client = None
+    try:
+        client = connect_redis(settings.redis)
+        claim(client, BridgeIdentity(pgs.slot, server.system_id, server.database, pgs.publication),
+              {s: m.entity for m in mappings for s in m.stream_keys()})
+    except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
+        raise as_cdc_error(exc) from exc
+    finally:
+        if client is not None:
+            client.close()
 
 
 def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False, server: ServerHistory | None = None) -> str:

@@ -36,9 +36,10 @@ from ..bridge.guards import check_redis_has_flushed, check_source_history, inval
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
+from ..sink.claims import BridgeIdentity, claim_problems, unmapped_owned
 from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
 from ..source.failover import failover_readiness, supports_failover
-from ..source.history import read_history
+from ..source.history import ServerHistory, read_history
 from ..source.lsn import Lsn
 from ..source.coverage import Publication, identity_problem, publication_problem, read_coverage, read_publication
 from ..source.privileges import BACKFILL_GRANTS
@@ -338,6 +339,10 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc run", ("HGETALL", keys.bound_tables_key(settings.postgres.slot))),
         ("cdc run", ("HSET", keys.bound_tables_key(settings.postgres.slot), "f", "v")),
         ("cdc run", ("HGETALL", keys.source_key(settings.postgres.slot))),
+        ("cdc run", ("HGETALL", keys.BRIDGE_SLOTS)), ("cdc run", ("HGETALL", keys.STREAM_OWNERS)),
+        ("cdc run", ("EVAL", "return 1", "2", keys.BRIDGE_SLOTS, keys.STREAM_OWNERS)),
+        ("cdc run", ("HSET", keys.BRIDGE_SLOTS, "f", "v")), ("cdc run", ("HSET", keys.STREAM_OWNERS, "f", "v")),
+        ("cdc run", ("HMGET", keys.BRIDGE_SLOTS, "f")), ("cdc run", ("HMGET", keys.STREAM_OWNERS, "f")),
         ("cdc run", ("HSET", keys.source_key(settings.postgres.slot), "f", "v")),
     ]
     if settings.redis.append == "transaction":  # appends: MULTI/EXEC under WATCH of the marks and the record
@@ -385,12 +390,25 @@ def _where(url: str) -> str:
     return f"redis at {parts.hostname or parts.path}{':' + str(parts.port) if parts.port else ''}"
 
 
-def _check_history(client, settings: Settings, report: CheckReport) -> bool:
+def _check_claims(client, settings: Settings, streams: dict[str, str], server: ServerHistory, report: CheckReport) -> None:
+    """What cdc run refuses because another bridge on this Redis holds it: the slot's name, the publication,
+    a stream (`cdc.sink.claims`); a stream this slot claims that no mapping writes is a warning."""
+    pgs = settings.postgres
+    problems = claim_problems(client, BridgeIdentity(pgs.slot, server.system_id, server.database, pgs.publication),
+                              streams)
+    report.problems += problems
+    if not problems:
+        report.ok.append(f"slot {pgs.slot}, publication {pgs.publication} and the {len(streams)} mapped stream(s) are "
+                         "no other bridge's on this redis")
+    for stream in unmapped_owned(client, pgs.slot, streams):
+        report.warnings.append(
+            f"stream {stream} is claimed by slot {pgs.slot}, but no mapping of this config writes it: if another config "
+            "names the same slot, give it its own postgres.slot and postgres.publication (cdc run would acknowledge its "
+            f"changes without an entry); if the mapping was removed, release it: redis-cli HDEL {keys.STREAM_OWNERS} {stream}")
+
+
+def _check_history(client, settings: Settings, server: ServerHistory, report: CheckReport) -> bool:
     """True when Redis holds positions the server's history lacks (cdc run refuses, exit 6; recorded for status)."""
-    try:
-        server = read_history(settings.postgres.dsn)
-    except CdcError:  # the connection's problem is reported by the postgres checks
-        return False
     try:
         check_source_history(client, settings.postgres.slot, server, record=False)
     except DataLossError as exc:
@@ -424,7 +442,13 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         _check_durability(node, where, settings.redis.wait_replicas, report)
         _check_acl(node, where, acl_probes(settings, mappings), report)
         streams = {s: m.entity for m in mappings for s in m.stream_keys()}
-        diverged = _check_history(client, settings, report)
+        try:
+            server = read_history(settings.postgres.dsn)
+        except CdcError:  # the connection's problem is reported by the postgres checks
+            server = None
+        if server is not None:
+            _check_claims(client, settings, streams, server, report)
+        diverged = server is not None and _check_history(client, settings, server, report)
         if confirmed is not None and not diverged:  # what cdc run checks first on every connection
             try:
                 check_redis_has_flushed(client, settings.postgres.slot, confirmed)

@@ -50,6 +50,7 @@ from ..errors import CdcError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector
 from ..reconcile.exported_snapshot import ExportedSnapshot, import_snapshot
+from ..sink.claims import BridgeIdentity, claim
 from ..sink.entry import next_stream_id
 from ..sink.publisher import Publisher, StreamBatch, position
 from ..sink.trim import account_removed
@@ -290,6 +291,9 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
     with connect(settings) as conn, redis_for(settings) as client:
         try:
             confirmed = _idle_slot(conn, slot)
+            server = read_history(settings.postgres.dsn)  # the slot and streams must be this bridge's own
+            claim(client, BridgeIdentity(slot, server.system_id, server.database, settings.postgres.publication),
+                  {s: m.entity for m in mappings for s in m.stream_keys()})
             vanished = _vanished_streams(client, mappings)  # keys of another type first: their marks cannot be read
             _past_redis(conn, client, settings, mappings)
             lost_from, lost_to = _fence(client, settings, say)

@@ -16,8 +16,9 @@ from ..bridge.guards import invalidated_slot_error, missing_slot_error, redis_re
 from ..config import Settings
 from ..sink.entry import reply_text
 from ..exits import as_cdc_error
-from ..source.lsn import Lsn
+from ..source.lsn import lsn_text
 from ..mapping.model import Mapping
+from ..sink.claims import other_bridges
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source.failover import failover_readiness
@@ -76,7 +77,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
     result["reconciliations"] = [
         {"spec": r[0], "consumer": r[1], "status": r[2], "reason": r[3],
          "finished_at": r[4].isoformat(timespec="seconds").replace("+00:00", "Z"), "dry_run": r[5],
-         "keys_compared": r[6], "keys_drifted": r[7], "position": str(Lsn(int(r[8])))}
+         "keys_compared": r[6], "keys_drifted": r[7], "position": lsn_text(r[8])}
         for r in reconciliations
     ]
     result["backfills"] = [
@@ -100,6 +101,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
         trim_stats = {k.decode(): int(v) for k, v in client.hgetall(keys.TRIM_STATS).items()}
         bridge_state = {k.decode(): v.decode() for k, v in client.hgetall(keys.bridge_state_key(settings.postgres.slot)).items()}
         result["bridge"] = _bridge(bridge_state, bool(result["slot"] and result["slot"]["active"]))
+        result["other_bridges"] = other_bridges(client, settings.postgres.slot)  # on the same Redis
         alarm = (missing_slot_error(settings.postgres.slot, redis_record(client, settings.postgres.slot))
                  if result["slot"] is None else
                  invalidated_slot_error(settings.postgres.slot) if result["slot"]["wal_status"] == "lost" else None)
@@ -116,7 +118,9 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
                 "first_time": _id_time(first[0][0]) if first else None,
                 "last_id": last[0][0].decode() if last else None,
                 "last_time": _id_time(last[0][0]) if last else None,
-                "last_lsn": mark[0] if mark else None, "last_seq": mark[1] if mark else None,
+                # the decimal (as the mark holds it) and as PostgreSQL prints it
+                "last_lsn": mark[0] if mark else None, "last_lsn_text": lsn_text(mark[0]) if mark else None,
+                "last_seq": mark[1] if mark else None,
                 "trimmed": trim_stats.get(f"{stream}:trimmed", 0),
                 "force_trimmed": trim_stats.get(f"{stream}:forced", 0),
                 "groups": _groups(client, stream, stale_after_s) if length or client.exists(stream) else [],

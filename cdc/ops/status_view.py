@@ -14,6 +14,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ..source.lsn import lsn_text
+
 __all__ = ["render"]
 
 _WIDE = 250  # columns off a terminal: a table is as wide as its content, up to this
@@ -72,7 +74,7 @@ def _stream_tables(streams: list[dict]) -> list[Table]:
     consumers = _table("consumers", "stream", "group", "consumer", "pending", "idle", "")
     for s in streams:
         table.add_row(s["entity"], s["stream"], str(s["length"]), _dash(s["first_time"]), _dash(s["last_time"]),
-                      _dash(s["last_lsn"]), str(s["trimmed"]), str(s["force_trimmed"]))
+                      _dash(lsn_text(s["last_lsn"])), str(s["trimmed"]), str(s["force_trimmed"]))
         for g in s["groups"]:
             idle = None if g["oldest_pending_idle_ms"] is None else f"{g['oldest_pending_idle_ms'] / 1000:.1f}s"
             groups.add_row(s["stream"], g["group"], "?" if g["lag"] is None else str(g["lag"]), str(g["pending"]),
@@ -121,6 +123,14 @@ def _bridge_lines(bridge: dict) -> list[str]:
     return lines
 
 
+def _others_line(others: list[dict]) -> str | None:
+    """The other bridges writing into the same Redis (each with its own `cdc status --config`)."""
+    if not others:
+        return None
+    return "other bridges on this redis: " + "; ".join(
+        f"slot {o['slot']} (publication {o['publication']}, {len(o['streams'])} stream(s))" for o in others)
+
+
 def render(status: dict, *, color: bool = False, width: int | None = None) -> str:
     """The status as text; `color` and `width` for a terminal (default: plain, wide)."""
     out = io.StringIO()
@@ -135,6 +145,9 @@ def render(status: dict, *, color: bool = False, width: int | None = None) -> st
         console.print(f"failover-ready: {'yes' if failover['ready'] else 'no'}: {failover['reason']}", soft_wrap=True)
     for line in _bridge_lines(status.get("bridge") or {}):
         console.print(line, soft_wrap=True)
+    others = _others_line(status.get("other_bridges") or [])
+    if others:
+        console.print(others, soft_wrap=True)
     for s in status["streams"]:
         if s["force_trimmed"]:
             console.print(f"WARNING: {s['stream']}: {s['force_trimmed']} unconsumed entries dropped by the hard trim cap",

@@ -43,6 +43,7 @@ from psycopg import sql
 from ..consume.checkpoint import Apply, lock_checkpoints
 from .drift import DriftReport, compare
 from ..errors import CdcError
+from ..source.lsn import lsn_text
 from ..sink.entry import Entry, next_stream_id, parse_stream_id, reply_text
 from .spec import ConsumerTarget, ReconcileSpec
 from ..consume.replay import read_range
@@ -286,7 +287,7 @@ def reset_consumer(
             fence = int(conn.execute(_FENCE_LOCK, (target.name,)).fetchone()[0])
             if fence >= position:
                 outcome.status = "stale"
-                outcome.reason = f"a reset from a newer snapshot (position {fence}) was applied already"
+                outcome.reason = f"a reset from a newer snapshot (position {lsn_text(fence)}) was applied already"
                 return outcome
             locked_at = time.monotonic()
             _reset_locked(conn, client, spec, target, sorted(streams), position, holds, apply, dry_run, outcome)

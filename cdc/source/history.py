@@ -31,6 +31,8 @@ class ServerHistory:
     switches: dict[int, Lsn]
     #: the server's WAL insert position (None on a standby)
     wal: Lsn | None = None
+    #: the database the connection reads (IDENTIFY_SYSTEM's dbname)
+    database: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def read_history(dsn: str) -> ServerHistory:
     try:
         with psycopg.connect(dsn, replication="database", autocommit=True, options=SESSION_OPTIONS,
                              connect_timeout=10) as conn:
-            system_id, timeline = conn.execute("IDENTIFY_SYSTEM").fetchone()[:2]
+            system_id, timeline, _, database = conn.execute("IDENTIFY_SYSTEM").fetchone()[:4]
             timeline = int(timeline)
             switches: dict[int, Lsn] = {}
             if timeline > 1:
@@ -68,7 +70,8 @@ def read_history(dsn: str) -> ServerHistory:
                                "ELSE pg_current_wal_lsn()::text END").fetchone()
     except psycopg.Error as exc:
         raise classify_pg_error(exc) from exc
-    return ServerHistory(str(system_id), timeline, switches, None if row[0] is None else Lsn.parse(row[0]))
+    return ServerHistory(str(system_id), timeline, switches, None if row[0] is None else Lsn.parse(row[0]),
+                         database or "")
 
 
 def divergence(system_id: str, timeline: int, held: Lsn, server: ServerHistory) -> Divergence | None:

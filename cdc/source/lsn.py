@@ -6,7 +6,7 @@ PostgreSQL does, ``X/Y`` in upper-case hex, and parses from that form.
 
 from __future__ import annotations
 
-__all__ = ["Lsn", "INVALID_LSN"]
+__all__ = ["Lsn", "INVALID_LSN", "lsn_text"]
 
 
 class Lsn(int):
@@ -34,3 +34,11 @@ class Lsn(int):
 
 
 INVALID_LSN = Lsn(0)
+
+
+def lsn_text(value: int | None) -> str | None:
+    """A position as PostgreSQL prints it (``0/1A2B3C4``) for a person to read; None stays None.
+
+    Redis keeps positions as decimal integers (the marks, the flushed record): every human output
+    formats them through here, so a position reads the same in `cdc status`, errors and logs."""
+    return None if value is None else str(Lsn(int(value)))

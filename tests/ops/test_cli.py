@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from cdc.demo.local import wait_for
+from cdc.source.lsn import Lsn
 
 from conftest import TEST_HASH_KEY
 
@@ -54,7 +55,11 @@ def test_status_shows_slot_and_streams(env):
     assert status["slot"]["max_slot_wal_keep_size"] == "-1" and status["slot"]["lag_seconds"] is None  # inactive
     (stream,) = status["streams"]
     assert stream["stream"] == "cdc:ride" and stream["length"] == 2 and stream["last_seq"] == 1
+    # the JSON keeps the decimal position and gives it as PostgreSQL prints it; the table shows only the latter
+    assert stream["last_lsn_text"] == str(Lsn(stream["last_lsn"])) and "/" in stream["last_lsn_text"]
     text = env.cdc("status", check=True).stdout
+    (row,) = [line.split() for line in text.splitlines() if line.split()[:2] == ["ride", "cdc:ride"]]
+    assert stream["last_lsn_text"] in row and str(stream["last_lsn"]) not in row
     assert f"slot {env.slot}: inactive" in text and "cdc:ride" in text and "of max_slot_wal_keep_size -1" in text
     decoding = status["slot"]["decoding"]  # what the server decoded for the slot: a small transaction, neither spilled nor streamed
     assert decoding["transactions"] >= 1 and decoding["bytes"] > 0 and decoding["streaming"] is False

@@ -23,7 +23,7 @@ def test_the_slot_line_and_one_table_per_subject():
          "where": "id <= 40000", "rows_per_s": 1234.5}], "reconciliations": []})
     assert text.splitlines()[0] == ("slot cdc: active, confirmed 0/1A, current 0/2B, lag 17 bytes (0.25s), "
                                     "retained WAL 90 bytes of max_slot_wal_keep_size -1, wal_status reserved")
-    assert rows(text, "ride") == [["ride", "cdc:ride", "2", "2026-01-01T00:00:00.000Z", "-", "123", "4", "0"]]
+    assert rows(text, "ride") == [["ride", "cdc:ride", "2", "2026-01-01T00:00:00.000Z", "-", "0/7B", "4", "0"]]
     assert rows(text, "cdc:ride") == [["cdc:ride", "totals", "?", "1", "1.5s", "2"],
                                       ["cdc:ride", "totals", "worker-1", "1", "0.3s"]]
     assert rows(text, "3") == [["3", "ride", "id", "<=", "40000", "running", "500", "40000", "1,234"]]
@@ -54,3 +54,11 @@ def test_the_servers_decoding_counters_go_under_the_slot_line():
         "decoded since 2026-11-24T04:00:00Z: 1,234 transactions, 1.5 MiB; spilled to the server's disk: "
         "2 transactions, 380.0 MiB; streamed in progress (postgres.streaming off): 0 transactions, 0.0 MiB")
     assert "decoded" not in render({"slot": dict(SLOT, decoding=None), "streams": []}), "nothing before PostgreSQL 14"
+
+
+def test_the_other_bridges_on_the_redis_get_one_line():
+    others = [{"slot": "cdc_riders", "publication": "cdc_riders", "database": "app", "system_id": "7",
+               "streams": ["cdc:rider", "cdc:rocket"]}]
+    text = render({"slot": SLOT, "streams": [], "other_bridges": others})
+    assert text.splitlines()[1] == "other bridges on this redis: slot cdc_riders (publication cdc_riders, 2 stream(s))"
+    assert "other bridges" not in render({"slot": SLOT, "streams": [], "other_bridges": []})

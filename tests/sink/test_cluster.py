@@ -148,3 +148,23 @@ def test_a_failed_stream_moves_neither_its_mark_nor_the_flushed_record_on_a_clus
     finally:
         pub.close()
         client.close()
+
+
+@pytest.mark.slow
+def test_two_bridges_on_disjoint_tables_stay_exact_through_kill_9_on_a_cluster(env, cluster, tmp_path):
+    from several_bridges import assert_exact, ride_and_rider_bridges, run_two_bridges
+
+    url = f"redis://127.0.0.1:{cluster[0].port}/0"
+    a, b = ride_and_rider_bridges(env, tmp_path / "b", redis_url=url, redis=", cluster: true")
+    try:
+        workload = run_two_bridges(a, b, rounds=10, seed=5, transactions=1000)
+    finally:
+        b.close()
+    client = RedisCluster(host="127.0.0.1", port=cluster[0].port)
+    try:
+        assert client.keyslot(keys.BRIDGE_SLOTS) == client.keyslot(keys.STREAM_OWNERS), "one script claims both"
+        assert {k.decode(): v.decode() for k, v in client.hgetall(keys.STREAM_OWNERS).items()} == {
+            "cdc:ride": a.slot, "cdc:rider": b.slot}
+        assert_exact(client, workload)
+    finally:
+        client.close()

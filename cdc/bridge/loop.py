@@ -292,6 +292,7 @@ class Bridge:
             rs.url, cluster=rs.cluster, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
             wait_timeout_ms=rs.wait_timeout_ms, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)),
             append=rs.append, socket_timeout=self.redis_timeout, entities=self.stream_entities, settings=rs,
+            after_others=self.settings.transactions.stream or None,
         )
         client = connect_redis(rs, socket_timeout=self.redis_timeout)
         self._streams_client = client
@@ -358,8 +359,11 @@ class Bridge:
 
     @property
     def stream_entities(self) -> dict[str, str]:
-        """Every mapped stream key -> its entity."""
-        return {s: m.entity for m in self.mappings for s in m.stream_keys()}
+        """Every stream key the bridge writes -> its entity (the transactions stream's: `keys.TRANSACTIONS_OWNER`)."""
+        streams = {s: m.entity for m in self.mappings for s in m.stream_keys()}
+        if self.settings.transactions.stream:
+            streams[self.settings.transactions.stream] = keys.TRANSACTIONS_OWNER
+        return streams
 
     @property
     def redis_timeout(self) -> float:
@@ -472,7 +476,7 @@ class Bridge:
         policy = TrimPolicy(max_len=self.settings.trim.max_len, max_age_s=self.settings.trim.max_age_s)
         client = connect_redis(self.settings.redis, socket_timeout=self.redis_timeout)
         try:
-            for result in trim_mapped(client, self.mappings, policy):
+            for result in trim_mapped(client, self.mappings, policy, also=[self.settings.transactions.stream]):
                 self.entries_trimmed += result.trimmed
                 self.entries_force_trimmed += result.forced
         except redis.RedisError as exc:

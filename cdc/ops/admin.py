@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import psycopg
 import redis
 
+from ..commands import written_streams
 from ..bridge.backfill import enqueue, ensure_table
 from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error,
                              record_data_loss, record_divergence, record_source)
@@ -148,13 +149,13 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
 
 
 def _claim(settings: Settings, mappings: Sequence[Mapping], server: ServerHistory) -> None:
-    """Register the slot and claim the mapped streams on Redis (`cdc.sink.claims`), as cdc run does."""
+    """Register the slot and claim the streams it writes on Redis (`cdc.sink.claims`), as cdc run does."""
     pgs = settings.postgres
     client = None
     try:
         client = connect_redis(settings.redis)
         claim(client, BridgeIdentity(pgs.slot, server.system_id, server.database, pgs.publication),
-              {s: m.entity for m in mappings for s in m.stream_keys()})
+              written_streams(settings, mappings))
     except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
         raise as_cdc_error(exc) from exc
     finally:

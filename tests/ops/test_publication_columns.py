@@ -121,6 +121,7 @@ def test_a_publication_sending_less_stops_the_bridge_and_check_until_init(accoun
     assert published(env, "accounts") == ["id", "name", "score"]
     proc.terminate()
     assert proc.wait(30) == 0
+    assert "entities account: a publication row filter would turn an update crossing it" in proc.log_path.read_text()
 
     # the mapping now reads the new column, which the publication does not send
     env.write_mapping("account.yaml", MAPPING.replace("name: name}", "name: name, extra: extra}"))
@@ -224,3 +225,6 @@ def test_a_partitioned_table_lists_its_partitions_identity_and_full_identity_tak
     assert published(env, "meas") is None
     env.execute("UPDATE meas SET v = 4 WHERE id = 2")
     assert env.cdc("check").returncode == 0
+    run = env.cdc("run", "--until-caught-up")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("publication cdc sends every column of public.meas (REPLICA IDENTITY FULL") == 1, run.stderr

@@ -61,24 +61,9 @@ def _qualified(tables: Sequence[tuple[str, str]]) -> str:
     return ", ".join(f"{quote_ident(s)}.{quote_ident(t)}" for s, t in tables)
 
 
-#: every member of a publication as ALTER PUBLICATION ... SET TABLE takes it: its column list and row filter
-MEMBERS_QUERY = """
-SELECT n.nspname, c.relname,
-       (SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum) FROM pg_attribute a
-        WHERE a.attrelid = r.prrelid AND a.attnum = ANY(r.prattrs::int2[])),
-       pg_get_expr(r.prqual, r.prrelid)
-FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
-JOIN pg_class c ON c.oid = r.prrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE p.pubname = %s ORDER BY 1, 2
-"""
-
-
-def _entry(table: tuple[str, str], columns: Sequence[str] | None, where: str | None = None) -> str:
-    """One table of FOR TABLE / SET TABLE: its name, column list and row filter."""
-    text = _qualified([table])
-    if columns is not None:
-        text += f" ({', '.join(quote_ident(c) for c in columns)})"
-    return text + (f" WHERE ({where})" if where else "")
+def _entry(table: tuple[str, str], columns: Sequence[str] | None) -> str:
+    """One table of FOR TABLE / ADD TABLE: its name and column list (None: every column)."""
+    return _qualified([table]) + ("" if columns is None else f" ({', '.join(quote_ident(c) for c in columns)})")
 
 
 def _plans(coverage: dict[tuple[str, str], TableCoverage], mappings: Sequence[Mapping],
@@ -98,18 +83,25 @@ def _plans(coverage: dict[tuple[str, str], TableCoverage], mappings: Sequence[Ma
 
 
 def _set_tables(conn: psycopg.Connection, name: str, plans: dict[tuple[str, str], ColumnPlan], done: list[str]) -> None:
-    """Give every mapped table its column list (and no row filter) in one ALTER PUBLICATION ... SET TABLE, keeping
-    every other member as it is; nothing when each already has it."""
-    stale = [p for p in plans.values() if not p.table.member or p.table.published != p.wanted or p.table.row_filter]
+    """Give every mapped table its column list (and no row filter); nothing when each already has it.
+
+    A member whose list differs is dropped and added again with its list in one transaction, so no
+    change is ever decoded without it: ALTER PUBLICATION ... SET TABLE would need ownership of every
+    member, and the other members (other deployments' tables) are never touched. A member published
+    as its parent's partition is left for the check that follows.
+    """
+    stale = [(t, p) for t, p in sorted(plans.items())
+             if not p.table.member or (p.table.covered and (p.table.published != p.wanted or p.table.row_filter))]
     if not stale:
         done.append(f"publication {name} already covers the mapped tables with the columns they need")
         return
-    entries = [_qualified([(schema, table)]) + (f" ({columns})" if columns else "") + (f" WHERE ({where})" if where else "")
-               for schema, table, columns, where in conn.execute(MEMBERS_QUERY, (name,)).fetchall()
-               if (schema, table) not in plans]  # other members as they are
-    entries += [_entry(t, p.wanted) for t, p in sorted(plans.items())]
-    conn.execute(f"ALTER PUBLICATION {quote_ident(name)} SET TABLE {', '.join(entries)}")
-    added = sum(not p.table.member for p in stale)
+    quoted = quote_ident(name)
+    again = [t for t, p in stale if p.table.member]
+    with conn.transaction():
+        if again:
+            conn.execute(f"ALTER PUBLICATION {quoted} DROP TABLE {_qualified(again)}")
+        conn.execute(f"ALTER PUBLICATION {quoted} ADD TABLE {', '.join(_entry(t, p.wanted) for t, p in stale)}")
+    added = len(stale) - len(again)
     done.append(f"publication {name}: set the columns of {len(stale)} mapped table(s)"
                 + (f", {added} of them added" if added else ""))
 

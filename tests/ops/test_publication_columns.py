@@ -85,7 +85,14 @@ def accounts(env):
 
 def test_init_sends_only_the_mapped_columns_and_updates_the_list_in_place(accounts):
     env = accounts
+    # init runs as the owner of the publication and of the mapped table; another member is not its own
+    owner = f"owner_{env.dbname}"
+    env.execute(f'CREATE ROLE "{owner}" LOGIN REPLICATION')
+    env.apply_sql("25_backfills.sql")
+    env.execute(f'ALTER TABLE accounts OWNER TO "{owner}"')
     env.execute("CREATE PUBLICATION cdc FOR TABLE public.other (id, a)")  # another member, its own list
+    env.execute(f'ALTER PUBLICATION cdc OWNER TO "{owner}"')
+    env.write_config(dsn=env.postgres.dsn_for(owner, dbname=env.dbname))
     first = env.cdc("init", check=True).stdout
     assert "set the columns of 1 mapped table(s), 1 of them added" in first, first
     assert published(env, "accounts") == ["id", "name", "score"]  # fields, key, filter
@@ -106,6 +113,7 @@ def test_init_sends_only_the_mapped_columns_and_updates_the_list_in_place(accoun
     assert "set the columns of 1 mapped table(s)" in env.cdc("init", check=True).stdout
     assert published(env, "accounts") == ["id", "name", "score", "secret"]
     assert published(env, "other") == ["id", "a"]
+    env.execute(f'DROP OWNED BY "{owner}" CASCADE; DROP ROLE "{owner}"')
 
 
 def test_a_publication_sending_less_stops_the_bridge_and_check_until_init(accounts):

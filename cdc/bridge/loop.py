@@ -41,6 +41,7 @@ from ..source.deadline import bounded
 from ..source.history import read_history
 from ..source.failover import FailoverReadiness, failover_readiness
 from ..source.lsn import Lsn
+from ..source.pubcolumns import ColumnsNotSent, columns_not_sent
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
 from ..source.values import TypeCatalog
 from .ack import Acknowledger
@@ -48,7 +49,6 @@ from .backfill import BackfillDriver
 from .backoff import Backoff
 from .batcher import Batcher
 from .changes import Target, bind
-from ..source.pubcolumns import ColumnsNotSent, columns_not_sent
 from .gate import TableGate
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)

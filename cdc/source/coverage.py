@@ -12,6 +12,10 @@ name (``pg_publication_tables``): a partitioned table only with
 ``publish_via_partition_root``, else its changes come as those of its partitions.
 Membership (``pg_publication_rel``) is a different thing: a partitioned table can be a
 member and still publish nothing under its name, and adding a member again fails.
+
+The same reading gives what `cdc.source.pubcolumns` judges the column lists by: the table's
+columns, the replica identity columns of it and its partitions (or that one is FULL), the
+publication's column list for it and whether a row filter applies (PostgreSQL 15 and later).
 """
 
 from __future__ import annotations

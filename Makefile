@@ -45,7 +45,8 @@ run: install
 PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tests/bridge/test_crash_recovery.py \
               tests/bridge/test_types_contract.py tests/source/test_values_live.py tests/source/test_pgoutput_live.py \
               tests/ops/test_least_privilege.py tests/ops/test_preflight.py tests/ops/test_failover_report.py \
-              tests/bridge/test_failover.py tests/bridge/test_diverged_history.py
+              tests/bridge/test_failover.py tests/bridge/test_diverged_history.py \
+              tests/ops/test_publication_columns.py
 
 # the tests whose code has no compiled twin and runs the same on both paths: the consumers, reconciliation and
 # Redis Sentinel failover (the bridge under them is covered on both paths by tests/bridge, tests/sink, tests/source)

@@ -39,10 +39,11 @@ import redis
 
 from .. import keys
 from ..errors import CdcError, MappingError, PrivilegeError, SlotError
-from ..mapping.model import Mapping
+from ..mapping.model import Mapping, mapped_columns
 from ..source.coverage import (Publication, TableCoverage, identity_problem, publication_problem, read_coverage,
                                read_publication, where_is)
 from ..source.lsn import Lsn
+from ..source.pubcolumns import FILTERS_IN_BRIDGE, plan, sends_less
 from ..source.replication import quote_ident
 
 __all__ = ["Bound", "TableGate", "load_bound", "record_bound", "record_current"]
@@ -101,6 +102,9 @@ class TableGate:
         self.slot = slot
         self.publication = publication
         self.tables = sorted({m.table for m in mappings if m.table is not None})
+        self.columns = mapped_columns(mappings)  # what the publication must send of each
+        self.filtered = [m.entity for m in mappings if m.filter]
+        self.told = False  # the start's log lines on what the bridge filters itself
         self.bound: dict[tuple[str, str], Bound] = {}
         self.by_oid: dict[int, tuple[str, str]] = {}
         self.client: redis.Redis | None = None
@@ -137,14 +141,30 @@ class TableGate:
         for t in self.tables:
             bound, now = self.bound.get(t), coverage[t]
             self._judge(conn, t, bound, now, publication)
+            problem = sends_less(now, self.columns.get(t, ()), self.publication, self.slot)
+            if problem is not None:
+                raise problem
             if t in adopt:
                 changed[t] = replace(bound, leaves=now.leaves)
             elif now.leaves != bound.leaves:
                 changed[t] = self._partitions(conn, t, bound, now)
+        if not self.told:
+            self._tell(publication, coverage)
         if changed:
             self.bound.update(changed)
             if self.client is not None:
                 record_bound(self.client, self.slot, {t: b for t, b in changed.items() if t not in adopt})
+
+    def _tell(self, publication: Publication, coverage: dict[tuple[str, str], TableCoverage]) -> None:
+        """Say once where the server cannot leave out what no mapping reads, so the bridge does it."""
+        self.told = True
+        for t in self.tables:
+            reason = plan(coverage[t], self.columns.get(t, ()), publication).reason
+            if reason is not None:
+                log.info("publication %s sends every column of %s (%s): the bridge drops the unmapped ones",
+                         self.publication, _field(t), reason)
+        if self.filtered:
+            log.info("entities %s: %s", ", ".join(self.filtered), FILTERS_IN_BRIDGE)
 
     def _judge(self, conn: psycopg.Connection, t: tuple[str, str], bound: Bound | None, now: TableCoverage,
                publication: Publication) -> None:

@@ -36,12 +36,13 @@ from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
-from ..source.catalog import load_types
+from ..source.catalog import load_types, table_shape
 from ..source.deadline import bounded
 from ..sink.claims import BridgeIdentity, claim, unmapped_owned
 from ..source.history import ServerHistory, read_history
 from ..source.failover import FailoverReadiness, failover_readiness
 from ..source.lsn import Lsn
+from ..source.pubcolumns import ColumnsNotSent, columns_not_sent
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
 from ..source.values import TypeCatalog
 from .ack import Acknowledger
@@ -520,14 +521,34 @@ class Bridge:
                 load_types(catalog_conn, self.catalog, [c.type_oid for c in relation.columns])
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
+        self._all_sent(relation, mappings, catalog_conn)
         targets = bind(relation, mappings, self.catalog, batcher, self.read_by_entity)
         log.info("bound %s to %s", relation.namespace + "." + relation.name, ", ".join(m.entity for m in mappings))
         return targets
 
+    def _all_sent(self, relation: pg.Relation, mappings: list[Mapping], catalog_conn: psycopg.Connection) -> None:
+        """A mapped column the Relation lacks while the table has it: the publication did not send it. Stops the
+        bridge (never entries without the field); one the table lacks too is the projector's error (dropped or
+        renamed)."""
+        sent = [c.name for c in relation.columns]
+        for m in mappings:
+            missing = [c for c in m.columns if c not in sent]
+            if not missing:
+                continue
+            try:
+                with self._bounded(catalog_conn, "reading a table's shape"):
+                    shape = table_shape(catalog_conn, relation.namespace, relation.name)
+            except psycopg.Error as exc:
+                raise classify_pg_error(exc) from exc
+            present = [c for c in missing if shape is not None and c in {col.name for col in shape.columns}]
+            if present:
+                raise columns_not_sent(relation.namespace, relation.name, m.entity, present, sent,
+                                       self.settings.postgres.publication)
+
     def _stream(self, session: Session) -> None:
         try:
             session.run()
-        except (MappingError, pg.DecodeError) as exc:
+        except (MappingError, ColumnsNotSent, pg.DecodeError) as exc:
             # Publish what came before the failure so a fixed restart resumes right there.
             try:
                 session.flush(wait=True)

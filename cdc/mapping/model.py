@@ -18,7 +18,7 @@ from .. import keys
 from ..errors import ConfigError, MappingError
 from ..yamlsrc import load_yaml_file, where, yaml_files
 
-__all__ = ["Condition", "FieldSpec", "Mapping", "load_mappings", "parse_mapping"]
+__all__ = ["Condition", "FieldSpec", "Mapping", "load_mappings", "mapped_columns", "parse_mapping"]
 
 ALL_OPS = ("c", "u", "d", "t", "r")
 CASTS = ("string", "float", "integer", "epoch_ms", "epoch_s", "date")
@@ -103,6 +103,15 @@ class Mapping:
 
     def stream_keys(self) -> list[str]:
         return [self.stream_key(p) for p in range(self.partitions)]
+
+
+def mapped_columns(mappings: Iterable[Mapping]) -> dict[tuple[str, str], tuple[str, ...]]:
+    """Per mapped table, the source columns its mappings read (fields, key, filters), in mapping order."""
+    seen: dict[tuple[str, str], dict[str, None]] = {}
+    for m in mappings:
+        if m.table is not None:
+            seen.setdefault(m.table, {}).update(dict.fromkeys(m.columns))
+    return {table: tuple(columns) for table, columns in seen.items()}
 
 
 def _fail(place: str, message: str, hint: str | None = None) -> MappingError:

@@ -18,7 +18,8 @@ from ..bridge.backfill import enqueue, ensure_table
 from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error,
                              record_data_loss, record_divergence, record_source)
 from ..source.catalog import load_types, table_shape
-from ..source.coverage import Publication, identity_problem, read_coverage, read_publication
+from ..source.coverage import Publication, TableCoverage, identity_problem, read_coverage, read_publication
+from ..source.pubcolumns import ColumnPlan, plan
 from ..source.history import Divergence, ServerHistory, read_history
 from ..source.failover import create_slot, make_failover_slot
 from ..config import Settings
@@ -28,7 +29,7 @@ from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..sink.claims import BridgeIdentity, claim
 from ..sink.redisconn import connect_redis
-from ..mapping.model import Mapping
+from ..mapping.model import Mapping, mapped_columns
 from ..mapping.projector import Projector
 from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident
 from ..source.values import TypeCatalog, json_schema_for
@@ -62,27 +63,76 @@ def _qualified(tables: Sequence[tuple[str, str]]) -> str:
     return ", ".join(f"{quote_ident(s)}.{quote_ident(t)}" for s, t in tables)
 
 
-def _publication(conn: psycopg.Connection, name: str, tables: list[tuple[str, str]], done: list[str]) -> None:
-    """Make the publication cover every mapped table under its own name; idempotent.
+def _entry(table: tuple[str, str], columns: Sequence[str] | None) -> str:
+    """One table of FOR TABLE / ADD TABLE: its name and column list (None: every column)."""
+    return _qualified([table]) + ("" if columns is None else f" ({', '.join(quote_ident(c) for c in columns)})")
+
+
+def _plans(coverage: dict[tuple[str, str], TableCoverage], mappings: Sequence[Mapping],
+           pub: Publication) -> dict[tuple[str, str], ColumnPlan]:
+    """Each mapped table's column list; refuses, before anything changes, a mapped column the table cannot send."""
+    read = mapped_columns(mappings)
+    plans = {}
+    for t, c in coverage.items():
+        absent = [col for col in read.get(t, ()) if col not in c.columns]
+        if absent:
+            m = next(m for m in mappings if m.table == t and absent[0] in m.columns)
+            raise MappingError(f"{m.where}: entity {m.entity!r}: column {absent[0]!r} is not in table {c.qualified} "
+                               f"(or is a generated column, which pgoutput never sends); nothing was changed",
+                               hint="map an existing column or remove the field")
+        plans[t] = plan(c, read.get(t, ()), pub)
+    return plans
+
+
+def _set_tables(conn: psycopg.Connection, name: str, plans: dict[tuple[str, str], ColumnPlan], done: list[str]) -> None:
+    """Give every mapped table its column list (and no row filter); nothing when each already has it.
+
+    A member whose list differs is dropped and added again with its list in one transaction, so no
+    change is ever decoded without it: ALTER PUBLICATION ... SET TABLE would need ownership of every
+    member, and the other members (other deployments' tables) are never touched. A member published
+    as its parent's partition is left for the check that follows.
+    """
+    stale = [(t, p) for t, p in sorted(plans.items())
+             if not p.table.member or (p.table.covered and (p.table.published != p.wanted or p.table.row_filter))]
+    if not stale:
+        done.append(f"publication {name} already covers the mapped tables with the columns they need")
+        return
+    quoted = quote_ident(name)
+    again = [t for t, p in stale if p.table.member]
+    with conn.transaction():
+        if again:
+            conn.execute(f"ALTER PUBLICATION {quoted} DROP TABLE {_qualified(again)}")
+        conn.execute(f"ALTER PUBLICATION {quoted} ADD TABLE {', '.join(_entry(t, p.wanted) for t, p in stale)}")
+    added = len(stale) - len(again)
+    done.append(f"publication {name}: set the columns of {len(stale)} mapped table(s)"
+                + (f", {added} of them added" if added else ""))
+
+
+def _publication(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping], done: list[str]) -> None:
+    """Make the publication cover every mapped table under its own name, sending the columns its mappings need;
+    idempotent.
 
     Refuses, before changing anything, a table the publication would make refuse the application's
     UPDATE and DELETE (no usable replica identity). Partitioned tables are published as themselves
-    (``publish_via_partition_root``), every partition present and future; a table already a member is
-    never added again (covered or not, ADD TABLE would fail).
+    (``publish_via_partition_root``), every partition present and future. Each mapped table gets a column
+    list (`cdc.source.pubcolumns`) where the server takes one; other members keep theirs. Where it
+    cannot, a table already a member is never added again (covered or not, ADD TABLE would fail).
     """
+    tables = _tables(mappings)
     pub = read_publication(conn, name)
     coverage = read_coverage(conn, name, tables)
     missing = [c.qualified for c in coverage.values() if c.oid is None]
     if missing:
         raise MappingError(f"mapped table {missing[0]} does not exist", hint="create it first, or fix the mapping's table")
-    would = pub if pub.exists else Publication(name, exists=True)  # a new one publishes updates and deletes
+    would = pub if pub.exists else Publication(name, exists=True, lists=pub.lists)  # a new one publishes updates and deletes
     for c in coverage.values():
         problem = identity_problem(c, would)
         if problem is not None:
             raise SourceError(f"{problem.message}; nothing was changed", hint=f"{problem.hint}, then cdc init again")
+    plans = _plans(coverage, mappings, would)
     quoted = quote_ident(name)
     if not pub.exists:
-        target = f" FOR TABLE {_qualified(tables)}" if tables else ""
+        target = f" FOR TABLE {', '.join(_entry(t, p.wanted) for t, p in sorted(plans.items()))}" if tables else ""
         conn.execute(f"CREATE PUBLICATION {quoted}{target} WITH (publish_via_partition_root = true)")
         done.append(f"created publication {name} for {len(tables)} table(s), partitioned ones under their own name")
     else:
@@ -92,13 +142,22 @@ def _publication(conn: psycopg.Connection, name: str, tables: list[tuple[str, st
         add = [t for t, c in coverage.items() if not c.covered and not c.member]
         if pub.all_tables:
             done.append(f"publication {name} already publishes all tables")
+        elif pub.lists and not pub.schemas:
+            _set_tables(conn, name, plans, done)
         elif add:
             conn.execute(f"ALTER PUBLICATION {quoted} ADD TABLE {_qualified(add)}")
             done.append(f"added {len(add)} table(s) to publication {name}")
         else:
             done.append(f"publication {name} already covers the mapped tables")
-    pub, coverage = read_publication(conn, name), read_coverage(conn, name, tables)
-    for c in coverage.values():
+    for p in plans.values():
+        if p.reason is not None:
+            done.append(f"publication {name} sends every column of {p.table.qualified} ({p.reason}): the bridge "
+                        "drops the unmapped ones")
+    _published_as_asked(conn, name, tables)
+
+
+def _published_as_asked(conn: psycopg.Connection, name: str, tables: list[tuple[str, str]]) -> None:
+    for c in read_coverage(conn, name, tables).values():
         if c.covered:
             continue
         if c.member:  # a member that publishes nothing under its name: a partition of a published parent
@@ -117,7 +176,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
         try:
             _wal_level(conn)
             _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
-            _publication(conn, pgs.publication, _tables(mappings), done)
+            _publication(conn, pgs.publication, mappings, done)
             ensure_table(conn)
             slot = conn.execute(
                 "SELECT plugin, confirmed_flush_lsn::text, wal_status FROM pg_replication_slots WHERE slot_name = %s",

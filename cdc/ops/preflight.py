@@ -36,13 +36,15 @@ from ..commands import written_streams
 from ..bridge.guards import check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error, redis_record, stream_problems
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
-from ..mapping.model import Mapping
+from ..mapping.model import Mapping, mapped_columns
 from ..sink.claims import BridgeIdentity, claim_problems, unmapped_owned
 from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
 from ..source.failover import failover_readiness, supports_failover
 from ..source.history import ServerHistory, read_history
 from ..source.lsn import Lsn
-from ..source.coverage import Publication, identity_problem, publication_problem, read_coverage, read_publication
+from ..source.coverage import (Publication, TableCoverage, identity_problem, publication_problem, read_coverage,
+                               read_publication)
+from ..source.pubcolumns import INIT_FIX, plan, sends_less, surplus
 from ..source.privileges import BACKFILL_GRANTS
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
@@ -225,6 +227,7 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
         elif pub.exists:
             report.ok.append(f"publication {pgs.publication} covers {c.qualified}"
                              + (" and every partition of it" if c.partitioned else ""))
+            _check_columns(c, mapped_columns(mappings).get((c.schema, c.name), ()), pub, report)
     slot = conn.execute("SELECT plugin, wal_status FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
     held = _redis_held(settings) if slot is None else None
     if slot is None and held is None:  # a new deployment
@@ -238,6 +241,26 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
                                          hint="drop it or choose another postgres.slot"))
     else:
         report.ok.append(f"slot {pgs.slot} (pgoutput) exists")
+
+
+def _check_columns(c: TableCoverage, mapped: Sequence[str], pub: Publication, report: CheckReport) -> None:
+    """Less than the mappings need stops cdc run; more is sent for nothing (the bridge drops it)."""
+    problem = sends_less(c, mapped, pub.name, fix=INIT_FIX.replace("run: cdc init", "run: cdc init --config <file>", 1))
+    if problem is not None:
+        report.problems.append(problem)
+        return
+    column_plan = plan(c, mapped, pub)
+    extra = surplus(column_plan)
+    if extra:
+        report.warnings.append(
+            f"publication {pub.name} sends column(s) {', '.join(extra)} of {c.qualified} that no mapping reads "
+            "(the bridge drops them): run cdc init --config <file> to send only the columns the mappings need")
+    elif column_plan.reason is not None:
+        report.ok.append(f"publication {pub.name} sends every column of {c.qualified} ({column_plan.reason}): the "
+                         "bridge drops the unmapped ones")
+    else:
+        report.ok.append(f"publication {pub.name} sends only the columns of {c.qualified} the mappings and its "
+                         f"replica identity need: {', '.join(column_plan.wanted)}")
 
 
 def _redis_held(settings: Settings) -> Lsn | None | bool:

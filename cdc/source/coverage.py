@@ -12,6 +12,10 @@ name (``pg_publication_tables``): a partitioned table only with
 ``publish_via_partition_root``, else its changes come as those of its partitions.
 Membership (``pg_publication_rel``) is a different thing: a partitioned table can be a
 member and still publish nothing under its name, and adding a member again fails.
+
+The same reading gives what `cdc.source.pubcolumns` judges the column lists by: the table's
+columns, the replica identity columns of it and its partitions (or that one is FULL), the
+publication's column list for it and whether a row filter applies (PostgreSQL 15 and later).
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ __all__ = ["Publication", "TableCoverage", "identity_problem", "publication_prob
            "read_publication", "where_is"]
 
 PUBLICATION_QUERY = """
-SELECT puballtables, pubviaroot, pubupdate OR pubdelete FROM pg_publication WHERE pubname = %s
+SELECT puballtables, pubviaroot, pubupdate OR pubdelete, {schemas} FROM pg_publication p WHERE pubname = %s
 """
+# PostgreSQL 15 and later: FOR TABLES IN SCHEMA (no column list may then be given)
+_SCHEMAS = "EXISTS (SELECT 1 FROM pg_publication_namespace s WHERE s.pnpubid = p.oid)"
+# PostgreSQL 15 and later: the member's column list (NULL: every column) and whether it has a row filter
+_LIST = """(SELECT array_agg(a.attname::text ORDER BY a.attnum) FROM pg_publication_rel r JOIN pub ON pub.oid = r.prpubid
+        JOIN pg_attribute a ON a.attrelid = r.prrelid AND a.attnum = ANY(r.prattrs::int2[])
+        WHERE r.prrelid = f.oid AND r.prattrs IS NOT NULL)"""
+_ROW_FILTER = "EXISTS (SELECT 1 FROM pg_publication_rel r JOIN pub ON pub.oid = r.prpubid WHERE r.prrelid = f.oid AND r.prqual IS NOT NULL)"
 
 # one row per (schema, name) asked; oid NULL when no such table. `leaves`: the tables that hold its
 # rows (itself, or its leaf partitions); `bad_identity`: the first of them whose replica identity
@@ -63,7 +74,17 @@ SELECT f.schema, f.name, f.oid::int8, f.relkind = 'p',
             lc.relreplident = 'f'
             OR (lc.relreplident = 'd' AND EXISTS (SELECT 1 FROM pg_index x WHERE x.indrelid = lc.oid AND x.indisprimary))
             OR (lc.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_index x WHERE x.indrelid = lc.oid AND x.indisreplident)))
-        ORDER BY 1 LIMIT 1)
+        ORDER BY 1 LIMIT 1),
+       ARRAY(SELECT a.attname::text FROM pg_attribute a WHERE a.attrelid = f.oid AND a.attnum > 0 AND NOT a.attisdropped
+             AND a.attgenerated = '' ORDER BY a.attnum),
+       -- the replica identity of every table holding its rows: any FULL one needs every column
+       EXISTS (SELECT 1 FROM leaves l JOIN pg_class lc ON lc.oid = l.leaf WHERE l.root = f.oid AND lc.relreplident = 'f'),
+       ARRAY(SELECT DISTINCT a.attname::text FROM leaves l JOIN pg_class lc ON lc.oid = l.leaf
+             JOIN pg_index x ON x.indrelid = lc.oid
+                  AND ((lc.relreplident = 'd' AND x.indisprimary) OR (lc.relreplident = 'i' AND x.indisreplident))
+             JOIN pg_attribute a ON a.attrelid = lc.oid AND a.attnum = ANY(x.indkey::int2[])
+             WHERE l.root = f.oid),
+       {column_list}, {row_filter}
 FROM found f
 """
 
@@ -75,6 +96,8 @@ class Publication:
     all_tables: bool = False
     via_root: bool = False
     updates: bool = True  # publishes updates or deletes: then every covered table needs a usable replica identity
+    schemas: bool = False  # FOR TABLES IN SCHEMA: then no table of it may have a column list
+    lists: bool = True  # the server takes column lists (PostgreSQL 15 and later)
 
 
 @dataclass(frozen=True)
@@ -87,17 +110,28 @@ class TableCoverage:
     covered: bool  # pgoutput publishes its changes under this name
     member: bool  # listed in pg_publication_rel (adding it again fails)
     bad_identity: str | None  # "<table> <relreplident>" of the first table of it whose identity cannot carry updates
+    columns: tuple[str, ...] = ()  # its columns pgoutput can send (not generated ones), in table order
+    full_identity: bool = False  # it, or a partition of it, has REPLICA IDENTITY FULL: updates need every column
+    identity: tuple[str, ...] = ()  # the replica identity columns of it and its partitions (by name)
+    published: tuple[str, ...] | None = None  # the publication's column list for it; None: every column
+    row_filter: bool = False  # the publication filters its rows (WHERE)
 
     @property
     def qualified(self) -> str:
         return f"{self.schema}.{self.name}"
 
 
+def _lists(conn: psycopg.Connection) -> bool:
+    """Whether the server takes publication column lists and row filters (PostgreSQL 15 and later)."""
+    return conn.info.server_version >= 150000
+
+
 def read_publication(conn: psycopg.Connection, publication: str) -> Publication:
-    row = conn.execute(PUBLICATION_QUERY, (publication,)).fetchone()
+    lists = _lists(conn)
+    row = conn.execute(PUBLICATION_QUERY.format(schemas=_SCHEMAS if lists else "false"), (publication,)).fetchone()
     if row is None:
-        return Publication(publication, exists=False)
-    return Publication(publication, True, bool(row[0]), bool(row[1]), bool(row[2]))
+        return Publication(publication, exists=False, lists=lists)
+    return Publication(publication, True, bool(row[0]), bool(row[1]), bool(row[2]), bool(row[3]), lists)
 
 
 def read_coverage(conn: psycopg.Connection, publication: str,
@@ -106,12 +140,16 @@ def read_coverage(conn: psycopg.Connection, publication: str,
     tables = sorted(set(tables))
     if not tables:
         return {}
-    rows = conn.execute(COVERAGE_QUERY, {"schemas": [s for s, _ in tables], "names": [t for _, t in tables],
+    lists = _lists(conn)
+    query = COVERAGE_QUERY.format(column_list=_LIST if lists else "NULL::text[]", row_filter=_ROW_FILTER if lists else "false")
+    rows = conn.execute(query, {"schemas": [s for s, _ in tables], "names": [t for _, t in tables],
                                          "pub": publication}).fetchall()
     return {
         (schema, name): TableCoverage(schema, name, oid, bool(partitioned), tuple(leaves or ()), bool(covered),
-                                      bool(member), bad)
-        for schema, name, oid, partitioned, leaves, covered, member, bad in rows
+                                      bool(member), bad, tuple(columns or ()), bool(full), tuple(sorted(identity or ())),
+                                      None if published is None else tuple(published), bool(row_filter))
+        for schema, name, oid, partitioned, leaves, covered, member, bad, columns, full, identity, published, row_filter
+        in rows
     }
 
 

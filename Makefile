@@ -61,6 +61,7 @@ test: install test-deps reconcile-deps
 
 bench: install reconcile-deps
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/publication_columns.py
 	$(BIN)/python bench/streaming.py
 	$(BIN)/python bench/streamed_bridge.py
 	$(BIN)/python bench/consume.py

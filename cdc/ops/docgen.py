@@ -51,9 +51,15 @@ _BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z-]+) \(python -m cdc\.ops\.d
                     r"(<!-- end of generated: (?P=name) -->)", re.S)
 
 
+def _text(text: str) -> str:
+    """`text` as Markdown: ``<`` and ``>`` outside code spans escaped (``<group>`` is no HTML tag)."""
+    parts = str(text).split("`")
+    return "`".join(part if i % 2 else part.replace("<", "&lt;").replace(">", "&gt;") for i, part in enumerate(parts))
+
+
 def _cell(text: str) -> str:
     """`text` fit for one cell of a Markdown table."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    return _text(" ".join(str(text).split()).replace("|", "\\|"))
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -184,11 +190,11 @@ def cli_block() -> str:
     from ..cli import build_parser
 
     parser = build_parser()
-    out = ["### `cdc`", "", parser.description or "", "", "```", _usage(parser), "```", "",
+    out = ["### `cdc`", "", _text(parser.description or ""), "", "```", _usage(parser), "```", "",
            "| option | default | what it does |", "|---|---|---|", *_option_rows(parser), ""]
     for path, sub in _commands(parser):
         name = " ".join(path)
-        out += [f"### `cdc {name}`", "", sub.description or "", "", "```", _usage(sub), "```", ""]
+        out += [f"### `cdc {name}`", "", _text(sub.description or ""), "", "```", _usage(sub), "```", ""]
         rows = _option_rows(sub)
         if rows:
             out += ["| option | default | what it does |", "|---|---|---|", *rows, ""]

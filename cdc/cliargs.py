@@ -20,7 +20,7 @@ ABOUT: dict[str, tuple[str, str]] = {
              "cdc init --config cdc.yaml"),
     "check": ("The complete preflight: the server (wal_level, publication, slot), the role's privileges, every "
               "mapping against the live schema, Redis (reachable, ACL, persistence, eviction). Reports every "
-              "problem at once; the exit code is that of the first kind of problem (see the README's exit codes).",
+              "problem at once; the exit code is that of the first kind of problem (see docs/reference/exit-codes.md).",
               "cdc check --config cdc.yaml"),
     "run": ("Stream committed changes into Redis until SIGTERM/SIGINT, then finish the batch in flight and exit 0.",
             "cdc run --config cdc.yaml"),

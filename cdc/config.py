@@ -39,8 +39,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PostgresSettings:
+    #: the source database, a libpq URI or key=value string; its keyword values (`sslmode`, `port`, ...) and its
+    #: password are checked at load
     dsn: str = "postgresql://localhost/postgres"
+    #: the logical replication slot
     slot: str = "cdc"
+    #: the publication of the mapped tables
     publication: str = "cdc"
     #: seconds without any message from the server before the connection is deemed dead
     receive_timeout_s: float = 30.0
@@ -50,6 +54,7 @@ class PostgresSettings:
     slot_check_interval_s: float = 10.0
     #: retained-WAL alarm levels in bytes (0: half and four fifths of max_slot_wal_keep_size, else 1 GiB and 10 GiB)
     retained_wal_warn_bytes: int = 0
+    #: see `retained_wal_warn_bytes`; when both are set, warn must be below critical
     retained_wal_critical_bytes: int = 0
     #: ask the server to stream large transactions while they run (pgoutput streaming, PostgreSQL 14+):
     #: the bridge holds their changes until the commit, spilling to its own disk instead of the server's
@@ -61,28 +66,33 @@ class PostgresSettings:
 
 @dataclass(frozen=True)
 class RedisSettings:
+    #: `redis://`, `rediss://` (TLS), `unix://`, or `redis+sentinel://` / `rediss+sentinel://`; checked at load,
+    #: with its query options
     url: str = "redis://localhost:6379/0"
     #: a Redis Cluster: each stream's batch goes to the node owning its hash slot
     cluster: bool = False
     #: pause reading when used memory reaches this fraction of maxmemory (0: never)
     pause_at_memory_fraction: float = 0.9
-    #: resume below this fraction
+    #: resume below this fraction (below `pause_at_memory_fraction` when that is not 0)
     resume_at_memory_fraction: float = 0.8
     #: acknowledge the slot only once this many replicas have the batch (Redis WAIT; 0: don't wait)
     wait_replicas: int = 0
+    #: how long Redis WAIT waits for `wait_replicas` (never 0, which would wait forever)
     wait_timeout_ms: int = 1000
     #: how a batch is appended atomically with its marks: "transaction" (MULTI/EXEC under WATCH)
     #: or "script" (the Lua append script, more Redis CPU per entry)
     append: str = "transaction"
-    #: with a redis+sentinel:// url: the sentinels' own login (the url's user and password are the data nodes')
+    #: with a redis+sentinel:// url: the sentinels' own user (the url's user and password are the data nodes')
     sentinel_username: str = ""
+    #: the sentinels' own password (`CDC_REDIS_SENTINEL_PASSWORD_FILE` for the secret); never shown
     sentinel_password: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
 class HttpSettings:
-    #: where /metrics, /healthz and /readyz are served by `cdc run` (port 0: not served)
+    #: where /metrics, /healthz and /readyz are served by `cdc run`
     host: str = "0.0.0.0"
+    #: the port of /metrics, /healthz and /readyz (0: not served)
     port: int = 9187
 
 
@@ -126,9 +136,11 @@ class ReconcileSettings:
     master: str = "local[*]"
     #: the PostgreSQL JDBC driver (Debian: libpostgresql-jdbc-java)
     jdbc_jar: str = "/usr/share/java/postgresql.jar"
+    #: the Spark driver's memory (spark.driver.memory)
     driver_memory: str = "2g"
-    #: on a cluster: each executor's memory (spark.executor.memory) and cores (spark.executor.cores); empty/0: Spark's own
+    #: on a cluster: each executor's memory (spark.executor.memory); empty: Spark's own
     executor_memory: str = ""
+    #: on a cluster: each executor's cores (spark.executor.cores); 0: Spark's own
     executor_cores: int = 0
     #: where the consumers' state and checkpoints live (empty: postgres.dsn; a spec's state.dsn wins)
     state_dsn: str = ""
@@ -147,6 +159,8 @@ class Settings:
     http: HttpSettings = field(default_factory=HttpSettings)
     reconcile: ReconcileSettings = field(default_factory=ReconcileSettings)
     transactions: TransactionsSettings = field(default_factory=TransactionsSettings)
+    #: a folder of *.yaml mappings (one mapping per file, a list, or several documents), or one file; relative to
+    #: the config file
     mappings: Path = Path("mappings")
     #: the file holding the secret that keys hmac-sha256 fields (relative to the config file; CDC_HASH_KEY_FILE)
     hash_key_file: str = ""
@@ -328,7 +342,7 @@ def _origin(env: Mapping[str, str], section: str, key: str, raw: Any) -> str:
 
 
 def _range_hint(default: Any) -> str:
-    return f"the default is {default!r}; see the README, section \"Configuration\""
+    return f"the default is {default!r}; see docs/reference/configuration.md"
 
 
 def _pause_above_resume(values: dict[str, Any], origin) -> None:
@@ -495,7 +509,7 @@ def _number(value: float) -> str:
 
 
 _FOREVER_BYTES = 2**63 - 1
-#: every numeric setting's range, by (section, key); the README's "Configuration" table shows them
+#: every numeric setting's range, by (section, key); docs/reference/configuration.md shows them (python -m cdc.ops.docgen)
 RANGES: dict[tuple[str, str], Range] = {
     ("postgres", "receive_timeout_s"): Range(1, 3600),
     ("postgres", "heartbeat_interval_s"): Range(0.1, 86400, off=0),

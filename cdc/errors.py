@@ -1,7 +1,7 @@
 """One exception tree, grouped by what the operator must do.
 
 The CLI turns any `CdcError` into one line on stderr and the error's `exit_code`
-(the table is in the README, "Exit codes"); anything else is a bug, reported as
+(the table is in docs/reference/exit-codes.md); anything else is a bug, reported as
 one line with exit code 1 (``CDC_TRACEBACK=1`` shows its traceback).
 """
 

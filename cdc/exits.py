@@ -1,21 +1,6 @@
 """How a `cdc` command ends: one line on stderr and an exit code, never a traceback.
 
-The exit codes (the README's "Exit codes" table):
-
-====  ==========================================================================
-0     success (also when the reader of the output went away, as in ``| head``)
-1     a failure of no listed kind: an internal error (a bug) or a failed Spark job
-2     the command line or the config is wrong (a setting out of range, an unknown CDC_ variable,
-      a malformed DSN or URL, a TLS mismatch)
-3     a mapping is wrong (its YAML too), or `cdc check` found a mapping problem
-4     PostgreSQL is not set up: wal_level, slot, publication, a missing privilege, a refused login
-5     Redis refused a command (ACL, login, wrong key type where a stream or its mark belongs)
-6     Redis lost entries the slot was told it holds, or a mapped stream's history vanished
-7     `cdc reconcile` left drift (a dry run, or a refused reset)
-75    a server is unreachable or restarting (transient: run again)
-130   interrupted (Ctrl-C)
-====  ==========================================================================
-
+The exit codes are `EXIT_CODES` (docs/reference/exit-codes.md is generated from it).
 Every message passes through `cdc.redact` first.
 """
 
@@ -31,17 +16,28 @@ from .redact import redact
 
 __all__ = ["EXIT_CODES", "RedactingFilter", "as_cdc_error", "report", "silence_stdout"]
 
+#: every exit code and what ends with it (the documentation's table is generated from this)
 EXIT_CODES = {
-    0: "success",
-    1: "a failure of no listed kind (an internal error, a failed Spark job)",
-    2: "bad command line or config",
-    3: "bad mapping",
-    4: "PostgreSQL not set up (wal_level, slot, publication, privilege)",
-    5: "Redis refused a command",
-    6: "Redis data loss",
-    7: "cdc reconcile left drift",
-    75: "transient: a server unreachable or restarting",
-    130: "interrupted",
+    0: "success; also when the reader of the output goes away (`cdc dlq list | head`)",
+    1: "a failure of no other kind: an internal error (set `CDC_TRACEBACK=1` to see where) or a failed Spark job",
+    2: "bad command line or config: an unknown option, a bad value, an unknown entity, a setting out of its range, an "
+       "unknown `CDC_` variable, a malformed DSN or Redis URL (a keyword value such as `sslmode` or `port` too), a TLS "
+       "mismatch (`rediss://` against a plain-text port or `redis://` against a TLS one; `sslmode=require` against a "
+       "server without SSL); a consumer's handler that cannot work (its module missing or raising at import, not "
+       "callable, the wrong signature); a stream, slot name or publication another bridge on the same Redis holds",
+    3: "bad mapping, including its YAML syntax",
+    4: "PostgreSQL not set up: `wal_level`, a missing slot or publication, a missing privilege; a mapped table changed "
+       "under the bridge (dropped and re-created, renamed, out of the publication, a partition detached) or without a "
+       "usable replica identity; for a consumer, a missing state table or grant, or its handler's SQL refused for a "
+       "reason no entry caused; a refused login (password, `pg_hba.conf`)",
+    5: "Redis refused a command (ACL, login), or a key of another type sits where a mapped stream or its high-water "
+       "mark belongs",
+    6: "Redis lost entries the slot was told it holds, or a mapped stream's history vanished (deleted, replaced by "
+       "another type, or trimmed below what a consumer group had not consumed)",
+    7: "`cdc reconcile` left drift (a dry run, or a refused reset)",
+    75: "transient: a server unreachable or restarting, or another bridge holds the slot (`cdc run`; see `--standby`); "
+        "running again may succeed",
+    130: "interrupted (Ctrl-C)",
 }
 
 

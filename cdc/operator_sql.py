@@ -133,7 +133,7 @@ def tokenize(text: str, what: str, hint: str, any_operator: bool = False) -> lis
 # -- --where: a boolean expression on one table's columns ------------------------------------------
 
 WHERE_HINT = ("write one condition on the table's columns: comparisons, AND/OR/NOT, IS [NOT] NULL, IN (...), "
-              "BETWEEN, LIKE/ILIKE, casts and a few functions (README \"Snapshots and backfills\" lists them)")
+              "BETWEEN, LIKE/ILIKE, casts and a few functions (docs/how-to/snapshots-and-backfills.md lists them)")
 
 
 @dataclass(frozen=True)

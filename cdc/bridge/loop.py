@@ -203,9 +203,9 @@ class Bridge:
                     self.commit_lag_seconds)
         r.gauge("cdc_confirmed_flush_lsn", "position acknowledged to the slot (bytes): Redis holds it and the ack gate vouched for it",
                 lambda: int(self.ack.acked))
-        r.gauge("cdc_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed one",
+        r.gauge("cdc_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed one (current WAL - confirmed)",
                 lambda: self.slot_watch.health.lag_bytes)
-        r.gauge("cdc_retained_wal_bytes", "WAL the slot keeps on the server's disk",
+        r.gauge("cdc_retained_wal_bytes", "WAL the slot keeps on the server's disk (current WAL - restart LSN)",
                 lambda: self.slot_watch.health.retained_bytes)
         r.gauge("cdc_retained_wal_alarm", "retained WAL alarm level: 0 ok, 1 warning, 2 critical",
                 lambda: ("ok", "warning", "critical").index(self.slot_watch.health.level))
@@ -216,7 +216,7 @@ class Bridge:
         r.gauge("cdc_slot_failover_ready", "1 when the slot would survive a failover to a standby (failover slot, "
                 "synchronized_standby_slots naming an active standby slot; PostgreSQL 17+), else 0",
                 lambda: None if self.failover is None else int(self.failover.ready))
-        r.counter("cdc_transient_failures_total", "failures retried, by side", lambda: {(("side", k),): v for k, v in self.failures.items()})
+        r.counter("cdc_transient_failures_total", "failures retried, by side (redis or postgres)", lambda: {(("side", k),): v for k, v in self.failures.items()})
         r.counter("cdc_sessions_total", "replication sessions started (1 + reconnections)", lambda: self.sessions)
         r.counter("cdc_entries_trimmed_total", "stream entries trimmed after every group consumed them", lambda: self.entries_trimmed)
         r.counter("cdc_entries_force_trimmed_total", "unconsumed entries dropped by the trim hard cap",

@@ -312,7 +312,7 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None, hash_key: b
 
     for required in ("table", "key", "fields"):
         if required not in raw:
-            raise _fail(place, f"mapping {entity!r} has no {required!r}", "see the mapping reference in the README")
+            raise _fail(place, f"mapping {entity!r} has no {required!r}", "see docs/reference/mappings.md")
     table = _parse_table(raw["table"], where(raw, "table"))
     fields_raw = raw["fields"]
     if not isinstance(fields_raw, dict) or not fields_raw:

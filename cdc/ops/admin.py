@@ -291,7 +291,7 @@ def _json_text(schema: dict) -> dict:
     return {"type": "string", "contentMediaType": "application/json", "contentSchema": schema}
 
 
-#: what a consumer can and cannot do with a hashed field (README "Mappings")
+#: what a consumer can and cannot do with a hashed field (docs/reference/mappings.md)
 _HASH_DESCRIPTIONS = {
     "hmac-sha256": "HMAC-SHA256 of the source value under the deployment's secret hash key, as hex: equal values give "
                    "equal hashes, so it can be compared and joined on (with other fields hashed under the same key); "

@@ -1,4 +1,4 @@
-"""`cdc consume`'s options: each one's default in --help and in the README, bad values refused in one line."""
+"""`cdc consume`'s options: each one's default in --help and in docs/reference/cli.md, bad values refused in one line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from cdc.cli import build_parser
 from cdc.consume import consumer
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+COMMANDS = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md"
 
 
 def consume_parser() -> argparse.ArgumentParser:
@@ -28,11 +28,11 @@ def test_help_names_every_default():
     assert (consumer.LEASE_TTL_MS, consumer.CLAIM_IDLE_MS, consumer.COUNT) == (2000, 5000, 100)
 
 
-def test_the_readme_lists_every_option_with_the_same_default():
+def test_the_docs_list_every_option_with_the_same_default():
     options = {a.option_strings[0] for a in consume_parser()._actions if a.option_strings and a.dest not in ("help", "config")}
-    section = README.read_text().split("Every option of `cdc consume`", 1)[1].split("\n\n", 2)[1]
-    rows = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `(--[a-z-]+)[^|]*\| ([^|]*)\|", section, re.M)}
-    assert set(rows) == options
+    section = COMMANDS.read_text().split("### `cdc consume`", 1)[1].split("\n### ", 1)[0]
+    rows = {m.group(1): m.group(2).strip().strip("`") for m in re.finditer(r"^\| `(--[a-z-]+)[^|]*\| ([^|]*)\|", section, re.M)}
+    assert set(rows) - {"--config"} == options
     defaults = {a.option_strings[0]: a.default for a in consume_parser()._actions if a.option_strings}
     for option in ("--count", "--lease-ttl-ms", "--claim-idle-ms", "--max-deliveries"):
         assert rows[option] == str(defaults[option]), option

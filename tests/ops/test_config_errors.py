@@ -151,7 +151,7 @@ def test_the_metrics_port_out_of_range_is_exit_2_naming_the_variable(tmp_path, c
     assert cli.main(["--log-format", "text", "run", "--config", str(cfg)]) == 2
     assert capsys.readouterr().err == (
         "cdc: error: CDC_HTTP_PORT: http.port must be from 0 to 65535, got '99999'; the default is 9187; "
-        "see the README, section \"Configuration\"\n")
+        "see docs/reference/configuration.md\n")
 
 
 # -- the environment ----------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def test_the_project_s_own_variables_are_accepted():
 
 def test_every_cdc_variable_the_project_names_is_a_setting_or_listed_in_one_place():
     """A new CDC_ variable read anywhere must be added to config.OTHER_VARIABLES (or be a setting)."""
-    found = subprocess.run(["grep", "-rhoE", r"CDC_[A-Z0-9_]*[A-Z0-9]", "cdc", "tests", "Makefile", "deploy", "README.md"],
+    found = subprocess.run(["grep", "-rhoE", r"CDC_[A-Z0-9_]*[A-Z0-9]", "cdc", "tests", "Makefile", "deploy", "README.md", "docs"],
                            cwd=ROOT, capture_output=True, text=True).stdout.split()
     settings = setting_variables()
     unknown = set()
@@ -252,10 +252,9 @@ def test_a_malformed_redis_url_is_refused_at_load(url, says):
     assert message.startswith("CDC_REDIS_URL: redis.url") and says in message and error.exit_code == 2, message
 
 
-def test_the_readme_configuration_table_is_the_code():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Configuration", 1)[1].split("\n### ", 1)[0]
-    rows = {m[1]: (m[2], m[3], m[4]) for m in re.finditer(r"^\| `([a-z_.]+)` \| (\w+) \| `([^`]*)` \| ([^|]*?) \|", section, re.M)}
+def test_the_configuration_table_is_the_code():
+    page = (ROOT / "docs" / "reference" / "configuration.md").read_text()
+    rows = {m[1]: (m[2], m[3], m[4]) for m in re.finditer(r"^\| `([a-z_]+\.[a-z_]+)` \| (\w+) \| `([^`]*)` \| ([^|]*?) \|", page, re.M)}
     expected = {}
     for name, cls in config._SECTIONS.items():
         for f in dataclasses.fields(cls):
@@ -279,7 +278,7 @@ def test_an_error_is_reported_as_one_line_with_exit_2(capsys):
     _, error = _error({"trim": {"max_len": -1}})
     assert report(error) == 2
     assert capsys.readouterr().err == ("cdc: error: <unknown>: trim.max_len must be from 0 to 9223372036854775807, "
-                                       "got -1; the default is 0; see the README, section \"Configuration\"\n")
+                                       "got -1; the default is 0; see docs/reference/configuration.md\n")
 
 
 def test_a_transactions_stream_that_is_no_plain_key_is_refused_with_its_line(tmp_path):

@@ -104,8 +104,8 @@ def test_the_sentinel_login_comes_from_its_own_keys_and_is_never_shown(tmp_path)
 
 # -- against real sentinels ------------------------------------------------------------------
 
-#: the sentinels' user the README documents, with its password replaced
-README_SENTINEL_USER = next(line.strip() for line in (ROOT / "README.md").read_text().splitlines()
+#: the sentinels' user the documentation gives (docs/how-to/redis-sentinel.md), with its password replaced
+README_SENTINEL_USER = next(line.strip() for line in (ROOT / "docs" / "how-to" / "redis-sentinel.md").read_text().splitlines()
                             if line.strip().startswith("user cdc-sentinel "))
 
 

@@ -60,7 +60,9 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
     """`cdc consume`'s options; each help names its default (cdc.consume.consumer holds them)."""
     from .consume import consumer as c
 
-    consume.add_argument("--entity", required=True, help="the mapping whose streams to read (all its partitions)")
+    consume.add_argument("--entity", required=True, action="append",
+                         help="the mapping whose streams to read (all its partitions); with --transactions, "
+                              "give it once per entity whose transactions the consumer sees whole")
     consume.add_argument("--group", required=True, help="consumer group (also names the state and checkpoints it keeps)")
     consume.add_argument("--name", help="consumer name in the group (default: host-pid); a consumer restarted under "
                                         "the same name takes its streams back at once, and a consumer on this host "
@@ -82,6 +84,12 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
     consume.add_argument("--max-deliveries", type=int, default=c.MAX_DELIVERIES,
                          help="an entry that failed this many deliveries goes to the dead-letter stream "
                               f"cdc:dlq:<group> (default {c.MAX_DELIVERIES})")
+    consume.add_argument("--transactions", metavar="STREAM",
+                         help="transaction mode: hand the handler one source transaction at a time, whole, in commit "
+                              "order, using the END records the bridge writes to STREAM (its transactions.stream)")
+    consume.add_argument("--transaction-wait-ms", type=int, default=c.TRANSACTION_WAIT_MS,
+                         help="--transactions: how long a transaction may stay incomplete before the consumer stops "
+                              f"rather than hand over part of it (default {c.TRANSACTION_WAIT_MS})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     from ..consume.consumer import Consumer
 
     check_position(args.start, "--start")
-    for option in ("count", "lease_ttl_ms", "claim_idle_ms", "max_deliveries"):
+    for option in ("count", "lease_ttl_ms", "claim_idle_ms", "max_deliveries", "transaction_wait_ms"):
         if getattr(args, option) < 1:
             raise UsageError(f"--{option.replace('_', '-')} {getattr(args, option)}: must be at least 1",
                              hint="see cdc consume --help for the defaults")
@@ -41,7 +41,17 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
         check_dsn(args.state_dsn, "--state-dsn")
     settings, mappings = load_config(args)
-    mapping = entity_named(mappings, args.entity)
+    if len(args.entity) > 1 and not args.transactions:
+        raise UsageError("--entity is given more than once: only with --transactions does one consumer read several entities",
+                         hint="give one --entity, or add --transactions STREAM")
+    if args.transactions and args.shared:
+        raise UsageError("--shared with --transactions: one consumer must see every entry of a transaction",
+                         hint="leave out --shared; standby consumers take over through the lease")
+    chosen = [entity_named(mappings, name) for name in dict.fromkeys(args.entity)]
+    streams = [key for mapping in chosen for key in mapping.stream_keys()]
+    if args.transactions in streams:
+        raise UsageError(f"--transactions {args.transactions} is a mapped entity's stream",
+                         hint="give the bridge's transactions.stream (cdc:transactions by default in its docs)")
     if bool(args.handler) == bool(args.sink):
         raise UsageError("give exactly one of --handler module:function or --sink schema.table")
     if args.shared and args.handler:
@@ -56,8 +66,9 @@ def cmd_consume(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with redis_for(settings) as client:
         consumer = Consumer(
-            client, mapping.stream_keys(), args.group, args.name, exclusive=not args.shared, count=args.count,
+            client, streams, args.group, args.name, exclusive=not args.shared, count=args.count,
             claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries, lease_ttl_ms=args.lease_ttl_ms,
+            transactions=args.transactions, transaction_wait_ms=args.transaction_wait_ms,
         )
         if apply is not None:
             from ..consume.checkpoint import TransactionalHandler
@@ -71,7 +82,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
             handler = TableSink(state_dsn, args.sink)
         try:
-            _consume(consumer, handler, settings, mapping, args.start, stop, log)
+            _consume(consumer, handler, settings, chosen, args.start, stop, log)
         except redis.RedisError as exc:
             raise redis_refusal(exc) if whose(exc) == SETUP and not isinstance(exc, redis.AuthenticationError) else exc
         finally:
@@ -80,7 +91,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     return 0
 
 
-def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> None:
+def _consume(consumer, handler, settings, mappings, start: str, stop, log) -> None:
     """Check the setup (Redis ACL, the state database and its grants), then consume until `stop`.
 
     What is worth retrying (see `cdc.consume.failures`) is retried with the bridge's backoff, the
@@ -97,7 +108,7 @@ def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> Non
         backoff.streaming(time.monotonic())
         try:
             if not checked:
-                check_redis_acl(consumer.client, settings, mapping, log)
+                check_redis_acl(consumer.client, settings, mappings, log)
                 handler.check_setup()
                 checked = True
             consumer.create_group(start)
@@ -116,7 +127,7 @@ def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> Non
             stop.wait(delay)
 
 
-def check_redis_acl(client, settings, mapping, log) -> None:
+def check_redis_acl(client, settings, mappings, log) -> None:
     """Every command the consumer sends, asked of the ACL with ACL DRYRUN (as `cdc check` does):
     a refused one stops it now (exit 5) rather than at its first entry."""
     from ..ops.preflight import CheckReport, _check_acl, _where, acl_probes
@@ -124,7 +135,7 @@ def check_redis_acl(client, settings, mapping, log) -> None:
     if settings.redis.cluster:  # the nodes' ACLs are cdc check's to compare
         return
     report = CheckReport()
-    probes = [("cdc consume", command) for who, command in acl_probes(settings, [mapping]) if who == "consumers"]
+    probes = [("cdc consume", command) for who, command in acl_probes(settings, mappings) if who == "consumers"]
     _check_acl(client, _where(settings.redis.url), probes, report)
     for warning in report.warnings:
         log.info("%s", warning)

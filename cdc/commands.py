@@ -9,7 +9,7 @@ from . import redact
 from .errors import PublishError, TransientError, UsageError
 from .sink.redisconn import connect_redis
 
-__all__ = ["load_config", "entity_named", "redis_for"]
+__all__ = ["check_transactions_stream", "load_config", "entity_named", "redis_for"]
 
 
 def load_config(args: argparse.Namespace):
@@ -23,7 +23,23 @@ def load_config(args: argparse.Namespace):
         redact.register_secret(settings.hash_key.decode())
     if settings.redis.sentinel_password:
         redact.register_secret(settings.redis.sentinel_password)
-    return settings, load_mappings(settings.mappings, hash_key=settings.hash_key or None)
+    mappings = load_mappings(settings.mappings, hash_key=settings.hash_key or None)
+    check_transactions_stream(settings, mappings)
+    return settings, mappings
+
+
+def check_transactions_stream(settings, mappings) -> None:
+    """Refuse a transactions stream whose key another stream or a key the bridge owns already uses."""
+    from .errors import ConfigError
+    from .keys import owned_key_clash
+
+    stream = settings.transactions.stream
+    if not stream:
+        return
+    reason = owned_key_clash(stream, {s: m.entity for m in mappings for s in m.stream_keys()})
+    if reason is not None:
+        raise ConfigError(f"{settings.transactions_origin}: transactions.stream {stream!r} cannot be used: {reason}",
+                          hint="give the transactions stream a key of its own, such as cdc:transactions")
 
 
 def entity_named(mappings, name: str):

@@ -33,7 +33,7 @@ from .yamlsrc import LocatedDict, load_yaml_file, where
 
 __all__ = [
     "BatchSettings", "HttpSettings", "OTHER_VARIABLES", "PostgresSettings", "RANGES", "Range", "ReconcileSettings",
-    "RedisSettings", "Settings", "TrimSettings", "check_dsn", "check_environment", "setting_variables",
+    "RedisSettings", "Settings", "TransactionsSettings", "TrimSettings", "check_dsn", "check_environment", "setting_variables",
 ]
 
 
@@ -113,6 +113,12 @@ class TrimSettings:
 
 
 @dataclass(frozen=True)
+class TransactionsSettings:
+    #: the stream taking one END record per source transaction that produced entries (empty: none written)
+    stream: str = ""
+
+
+@dataclass(frozen=True)
 class ReconcileSettings:
     #: a folder of reconciliation specs (*.yaml), or one file; relative to the config file
     specs: str = "reconcile"
@@ -140,12 +146,15 @@ class Settings:
     trim: TrimSettings = field(default_factory=TrimSettings)
     http: HttpSettings = field(default_factory=HttpSettings)
     reconcile: ReconcileSettings = field(default_factory=ReconcileSettings)
+    transactions: TransactionsSettings = field(default_factory=TransactionsSettings)
     mappings: Path = Path("mappings")
     #: the file holding the secret that keys hmac-sha256 fields (relative to the config file; CDC_HASH_KEY_FILE)
     hash_key_file: str = ""
     #: that secret (or CDC_HASH_KEY's value); empty when none is set; never shown
     hash_key: bytes = field(default=b"", repr=False)
     source: str = "<defaults>"
+    #: where transactions.stream was set (file:line or its variable), named when it clashes with a mapping's key
+    transactions_origin: str = ""
 
     @classmethod
     def from_file(cls, path: str | Path, env: Mapping[str, str] | None = None) -> "Settings":
@@ -172,7 +181,7 @@ class Settings:
         env = {} if env is None else env
         check_environment(env)
         sections: dict[str, Any] = {}
-        known = {f.name for f in dataclasses.fields(cls)} - {"source", "hash_key"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"source", "hash_key", "transactions_origin"}
         for key in raw:
             if key not in known:
                 raise ConfigError(
@@ -180,7 +189,7 @@ class Settings:
                     hint=f"expected one of: {', '.join(sorted(known))}",
                 )
         for f in dataclasses.fields(cls):
-            if f.name in ("source", "mappings", "hash_key_file", "hash_key"):
+            if f.name in ("source", "mappings", "hash_key_file", "hash_key", "transactions_origin"):
                 continue
             section_cls = f.type if isinstance(f.type, type) else globals()[f.type]
             sections[f.name] = _section(section_cls, f.name, raw.get(f.name) or {}, raw, env)
@@ -198,7 +207,9 @@ class Settings:
             raise ConfigError(f"{where(raw.get('redis') or {}, 'cluster')}: redis.cluster cannot be used with a "
                               "redis+sentinel:// url", hint="a cluster fails over by itself: give one node's redis:// url")
         key_file, key = _hash_key(raw, base_dir, env)
-        return cls(**sections, mappings=mappings_path, hash_key_file=key_file, hash_key=key, source=source)
+        tx_origin = _origin(env, "transactions", "stream", raw.get("transactions") or {})
+        return cls(**sections, mappings=mappings_path, hash_key_file=key_file, hash_key=key, source=source,
+                   transactions_origin=tx_origin)
 
 
 #: shortest hash key accepted, in bytes: a short secret can be found by trying keys against one known value
@@ -235,7 +246,7 @@ def _hash_key(raw: Mapping[str, Any], base_dir: Path, env: Mapping[str, str]) ->
 #: each section's name and settings class
 _SECTIONS: dict[str, type] = {
     "postgres": PostgresSettings, "redis": RedisSettings, "batch": BatchSettings, "trim": TrimSettings,
-    "http": HttpSettings, "reconcile": ReconcileSettings,
+    "http": HttpSettings, "reconcile": ReconcileSettings, "transactions": TransactionsSettings,
 }
 
 
@@ -576,6 +587,7 @@ _FORMS: dict[tuple[str, str], tuple[str, str]] = {
     ("postgres", "publication"): (r"(?s).{1,63}", "a name of 1 to 63 characters"),
     ("reconcile", "driver_memory"): (r"[0-9]+[kmgtp]?", "a size such as 512m or 2g"),
     ("reconcile", "executor_memory"): (r"([0-9]+[kmgtp]?)?", "empty, or a size such as 512m or 2g"),
+    ("transactions", "stream"): (r"([!-~]{1,512})?", "empty, or a Redis key of printable ASCII without spaces"),
 }
 
 

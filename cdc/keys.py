@@ -9,7 +9,7 @@ exactly like the plain stream key.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "stream_key"]
+__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "owned_key_clash", "stream_key"]
 
 DEFAULT_STREAM_TEMPLATE = "cdc:{entity}"
 PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
@@ -110,3 +110,28 @@ def holds_key(stream: str) -> str:
     every entry after the lowest unexpired hold, so a reconciliation can re-read what consumers already
     acknowledged. Same cluster slot as the stream."""
     return mark_key(stream)[: -len(MARK_SUFFIX)] + ":holds"
+
+
+#: prefixes of keys the bridge and the consumers own beside the streams (state, records, statistics, dead letters)
+OWNED_PREFIXES = ("cdc:bridge:", "cdc:stats:", "cdc:dlq:")
+
+
+def _companions(stream: str) -> str:
+    """The start every key kept beside `stream` shares (its mark, holds, leases, failures)."""
+    return mark_key(stream)[: -len(MARK_SUFFIX)] + ":"
+
+
+def owned_key_clash(key: str, streams: dict[str, str]) -> str | None:
+    """Why `key` (a stream the bridge writes beside the mapped ones) would collide with a key the bridge
+    or a consumer owns, or None: `streams` maps each mapped stream key to its entity."""
+    if key in streams:
+        return f"it is the stream of entity {streams[key]}"
+    for prefix in OWNED_PREFIXES:
+        if key.startswith(prefix):
+            return f"keys starting {prefix} belong to the bridge and its consumers"
+    for stream, entity in streams.items():
+        if key.startswith(_companions(stream)):
+            return f"it is named like a key kept beside the stream {stream} of entity {entity} (its mark, holds, leases)"
+        if stream.startswith(_companions(key)):
+            return f"the stream {stream} of entity {entity} is named like a key kept beside it (its mark, holds, leases)"
+    return None

@@ -19,11 +19,12 @@ __all__ = ["Batcher"]
 class Batcher:
     """One batch per stream, the count of entries pending across them, and the size and age rules."""
 
-    __slots__ = ("batches", "pending", "first_at", "max_entries", "max_delay", "clock")
+    __slots__ = ("batches", "pending", "sent", "first_at", "max_entries", "max_delay", "clock")
 
     def __init__(self, max_entries: int, max_delay_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.batches: dict[str, StreamBatch] = {}
         self.pending = 0  # entries added since the last `clear`
+        self.sent = 0  # entries cleared away over the batcher's lifetime (`sent + pending`: ever added)
         self.first_at = 0.0  # when the oldest of them was added
         self.max_entries = max_entries
         self.max_delay = max_delay_s
@@ -57,4 +58,5 @@ class Batcher:
     def clear(self) -> None:
         for b in self.batches.values():
             b.clear()
+        self.sent += self.pending
         self.pending = 0

@@ -279,6 +279,7 @@ class Bridge:
             rs.url, cluster=rs.cluster, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
             wait_timeout_ms=rs.wait_timeout_ms, double_send=float(os.environ.get("CDC_FAULT_DOUBLE_SEND", 0)),
             append=rs.append, socket_timeout=self.redis_timeout, entities=self.stream_entities, settings=rs,
+            after_others=self.settings.transactions.stream or None,
         )
         client = connect_redis(rs, socket_timeout=self.redis_timeout)
         self._streams_client = client

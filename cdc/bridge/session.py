@@ -37,6 +37,7 @@ from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change
 from .inflight import InFlight
 from .snapshot import queue_chunk
 from .transaction import Transaction
+from .txends import TransactionEnds
 
 if TYPE_CHECKING:
     from .loop import Bridge
@@ -91,6 +92,9 @@ class Session:
         self.batcher.clear()
         self.messages = [(m.message_prefix, m.version, self.batcher.batch(m.stream_key())) for m in bridge.message_mappings]
         self.tx = Transaction()
+        tx_stream = bridge.settings.transactions.stream
+        #: the END records of source transactions, when a transactions stream is set
+        self.ends = TransactionEnds(self.batcher, tx_stream) if tx_stream else None
         self.inflight = InFlight(publisher)
         self.ack = bridge.ack
         self.ack.resume(held, confirmed)  # what Redis records now, not what an earlier session remembered
@@ -247,8 +251,10 @@ class Session:
         t.heard = now()  # the connection was not read meanwhile: its silence starts now
 
     def committed(self, end: Lsn) -> None:
-        """A transaction ended at `end` (its Commit's end LSN)."""
+        """A transaction ended at `end` (its Commit's end LSN): its END record queued after its entries."""
         self.bridge.transactions += 1
+        if self.ends is not None:
+            self.ends.commit(self.tx)
         # while a window is open, a replay must start before its low watermark
         self.ack.committed(end, bool(self.windows.open), not self.batcher.pending and not self.inflight.busy)
 
@@ -263,8 +269,11 @@ class Session:
                 self.backfill.request(backfill_id)
                 self.drive_backfill()
                 self.next_backfill_look(time.monotonic())
-        else:
+        elif msg.transactional or self.ends is None:
             route_message(msg, self.messages, self.tx, self.batcher)
+        else:
+            with self.ends.uncounted():  # a message of no transaction: no END counts it
+                route_message(msg, self.messages, self.tx, self.batcher)
 
     def keepalive(self, raw: bytes) -> None:
         keepalive = parse_copy_data(raw)
@@ -423,7 +432,7 @@ class Session:
             if projector is None:
                 log.error("backfill chunk %s: entity %s is not mapped to an existing table; skipped", chunk, info["entity"])
             else:
-                queued, skipped = queue_chunk(info, projector, changed, self.batcher, self.tx)
+                queued, skipped = self.queue_chunk(info, projector, changed)
                 if queued:
                     self.bridge.backfill_rows[info["entity"]] += queued
                 self.bridge.backfill_skipped += skipped
@@ -433,6 +442,13 @@ class Session:
             log.error("backfill chunk %s failed: %s; its window is closed and streaming goes on", chunk, info.get("error"))
         self.backfill.seen(chunk)
         self.drive_backfill()
+
+    def queue_chunk(self, info: dict, projector: Projector, changed: set) -> tuple[int, int]:
+        """A chunk's ``r`` rows: they belong to no source transaction, no END record counts them."""
+        if self.ends is None:
+            return queue_chunk(info, projector, changed, self.batcher, self.tx)
+        with self.ends.uncounted():
+            return queue_chunk(info, projector, changed, self.batcher, self.tx)
 
     def abandoned_high(self, chunk: str, entity: str) -> None:
         """Drop a late chunk's rows and mark its backfill failed, so that its gap is visible."""

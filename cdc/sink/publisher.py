@@ -54,14 +54,22 @@ def split_position(pos: str | bytes) -> tuple[int, int]:
 
 
 class StreamBatch:
-    """Entries waiting for one stream: each its field/value list with its position appended."""
+    """Entries waiting for one stream: each its field/value list with its position appended.
 
-    __slots__ = ("stream", "mark", "entries")
+    ``sent`` counts the entries cleared away over the batch's lifetime and ``last`` is the
+    position of the last of them, so ``sent + count`` is how many entries were ever queued:
+    what the transaction END records (`cdc.bridge.txends`) count from, at no cost per entry.
+    """
+
+    __slots__ = ("stream", "mark", "entries", "sent", "last", "base")
 
     def __init__(self, stream: str) -> None:
         self.stream = stream
         self.mark = keys.mark_key(stream)
         self.entries: list[list] = []
+        self.sent = 0
+        self.last = ""
+        self.base = 0  # entries queued before the transaction being read (`cdc.bridge.txends`)
 
     @property
     def count(self) -> int:
@@ -73,7 +81,11 @@ class StreamBatch:
         self.entries.append(fields)
 
     def clear(self) -> None:
-        self.entries = []
+        entries = self.entries
+        if entries:
+            self.sent += len(entries)
+            self.last = entries[-1][-1]
+            self.entries = []
 
 
 class _Sent:
@@ -105,6 +117,7 @@ class Publisher:
         append: str = "transaction",
         entities: Mapping[str, str] | None = None,
         settings: RedisSettings | None = None,
+        after_others: str | None = None,
     ) -> None:
         if append not in APPEND_MODES:
             raise ValueError(f"append must be one of {', '.join(APPEND_MODES)}, got {append!r}")
@@ -112,6 +125,9 @@ class Publisher:
         self.append = append
         #: stream key -> the entity it belongs to, named in errors about the key
         self.entities = dict(entities or {})
+        #: a stream whose entries may be appended only after every other stream's of the same send (the
+        #: transaction END records): on a cluster, where each stream has its own lane, it waits for the others
+        self.after_others = after_others
         self._lane_kind = APPEND_MODES[append]
         self._lanes: dict[str, ScriptLane | TransactionLane] = {}
         self.flushed_key = flushed_key
@@ -230,8 +246,11 @@ class Publisher:
         if self._inflight is not None:
             raise RuntimeError("confirm() the previous send first")
         by_lane: dict[int, tuple[object, list[tuple[str, str, list]]]] = {}
+        later: list[tuple[str, str, list]] = []
         for b in batches:
-            if b.count:
+            if b.count and b.stream == self.after_others and self._cluster is not None:
+                later.append((b.stream, b.mark, b.entries))
+            elif b.count:
                 lane = self._lane(b.stream)
                 by_lane.setdefault(id(lane), (lane, []))[1].append((b.stream, b.mark, b.entries))
         double = self.double_send and random.random() < self.double_send
@@ -252,7 +271,18 @@ class Publisher:
                 self._drain(sent)
                 raise
             sent.append(_Sent(lane, [len(entries) for _, _, entries in group]))
-        self._inflight = (sent, flushed if self._cluster is not None else None)
+        self._inflight = (sent, flushed if self._cluster is not None else None, later)
+
+    def _append_after_others(self, group: list[tuple[str, str, list]]) -> int:
+        """Append the held-back stream's entries, now that every other lane confirmed its own; the entries
+        appended."""
+        lane = self._lane(group[0][0])
+        lane.send(group, None, self._wait())
+        appended, after = lane.confirm()
+        self._check_tail(after[: 1 if self.wait_replicas else 0])
+        added = sum(appended)
+        self.entries_skipped += sum(len(entries) for _, _, entries in group) - added
+        return added
 
     @staticmethod
     def _drain(sent: list[_Sent]) -> None:
@@ -268,9 +298,9 @@ class Publisher:
         """Wait until Redis applied the outstanding send; return the entries appended."""
         if self._inflight is None:
             return 0
-        sent, deferred_flushed = self._inflight
+        sent, deferred_flushed, later = self._inflight
         self._inflight = None
-        if not sent:
+        if not sent and not later:
             return 0
         added = 0
         for i, s in enumerate(sent):
@@ -283,6 +313,8 @@ class Publisher:
                 added += n
                 self.entries_skipped += count - n
             self._check_tail(after[: 1 if self.wait_replicas else 0])
+        if later:
+            added += self._append_after_others(later)
         if deferred_flushed is not None:
             self.record_flushed(deferred_flushed)
         self.entries_written += added

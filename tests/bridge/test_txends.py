@@ -1,0 +1,188 @@
+"""Transaction END records in the loop of one session, without servers: both hot paths, the same bytes."""
+
+from __future__ import annotations
+
+import struct
+
+import orjson
+import pytest
+
+from cdc.bridge import changes, session as session_module
+from cdc.bridge.loop import Bridge
+from cdc.bridge.session import Session
+from cdc.config import Settings
+from cdc.mapping.model import parse_mapping
+from cdc.source import pgoutput as po
+from cdc.source.lsn import Lsn
+from cdc.yamlsrc import load_yaml_documents
+from pgoutput_encoder import encode
+
+RIDE = "entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id}\n"
+NOTE = "entity: note\ntable: public.notes\nkey: [id]\nfields: {id: id}\npartitions: {count: 2}\nstream: 'cdc:note:{partition}'\n"
+MESSAGE = "entity: msg\nmessage_prefix: 'app:'\n"
+RIDES = po.Relation(16400, "public", "rides", "d", (po.Column(True, "id", 20, -1),))
+NOTES = po.Relation(16401, "public", "notes", "d", (po.Column(True, "id", 20, -1),))
+OTHER = po.Relation(16402, "public", "other", "d", (po.Column(True, "id", 20, -1),))
+TX_STREAM = "cdc:transactions"
+
+
+def xlog(message: po.PgOutputMessage) -> bytes:
+    return b"w" + struct.pack(">QQq", 0, 0, 0) + encode(message)
+
+
+def transaction(final: int, xid: int, changes_: list[tuple[int, int]]) -> list[bytes]:
+    """A committed transaction of inserts, each (relid, id)."""
+    return ([xlog(po.Begin(Lsn(final), 800_000_000_000_000 + final, xid))]
+            + [xlog(po.Insert(relid, (str(i),))) for relid, i in changes_]
+            + [xlog(po.Commit(0, Lsn(final), Lsn(final + 8), 800_000_000_000_000 + final))])
+
+
+class Stream:
+    backend_pid = 0
+
+    def __init__(self, bridge: Bridge, messages: list[bytes]) -> None:
+        self.bridge, self.messages = bridge, list(messages)
+
+    def read(self, timeout: float) -> bytes | None:
+        if self.messages:
+            return self.messages.pop(0)
+        self.bridge.stopping = True
+        return None
+
+    def get_copy_data(self, async_: int) -> tuple[int, bytes]:
+        if self.messages and self.messages[0] is not None:
+            raw = self.messages.pop(0)
+            return len(raw), raw
+        return 0, b""
+
+    def send_status(self, *args) -> None:
+        pass
+
+
+class Publisher:
+    """Records every entry sent, per batch, as (stream, fields)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[str, list]]] = []
+
+    def send(self, batches, flushed=None) -> None:
+        self.batches.append([(b.stream, list(e)) for b in batches for e in b.entries])
+
+    def confirm(self) -> int:
+        return 0
+
+    def record_flushed(self, lsn: int) -> None:
+        pass
+
+
+class Catalog:
+    def execute(self, *args):
+        return self
+
+    def fetchone(self):
+        return (False,)
+
+    def fetchall(self):
+        return []
+
+
+class Gate:
+    def verify(self, conn) -> None:
+        pass
+
+    def relation(self, *args) -> None:
+        pass
+
+
+class VouchedSession(Session):
+    def verify(self) -> None:
+        self.ack.vouched(Lsn(2**62))
+
+
+def run(messages: list[bytes], max_entries: int, stream: str = TX_STREAM) -> Publisher:
+    settings = Settings.from_dict({"http": {"port": 0}, "batch": {"max_entries": max_entries},
+                                   "transactions": {"stream": stream}})
+    mappings = [parse_mapping(load_yaml_documents(text, "m.yaml")[0], {}) for text in (RIDE, NOTE, MESSAGE)]
+    bridge = Bridge(settings, mappings)
+    bridge.gate = Gate()
+    publisher = Publisher()
+    bridge._stream(VouchedSession(bridge, Stream(bridge, messages), publisher, Catalog(), Lsn(0)))
+    return publisher
+
+
+def as_dict(fields: list) -> dict:
+    *pairs, pos = fields
+    it = iter(pairs)
+    return {k.decode(): v for k, v in zip(it, it)} | {"pos": pos}
+
+
+def workload() -> list[bytes]:
+    lone = po.Message(False, Lsn(1500), "app:lone", b"hello")
+    streamed = ([xlog(po.StreamStart(77, True)), xlog(po.Insert(16400, ("900",), xid=77)),
+                 xlog(po.Insert(16401, ("901",), xid=77)), xlog(po.StreamStop())])
+    return (
+        [xlog(RIDES), xlog(NOTES), xlog(OTHER)]
+        + transaction(1000, 501, [(16400, 1), (16401, 2), (16401, 3), (16402, 4)])  # two tables, then an unmapped one
+        + transaction(2000, 502, [(16402, 5), (16402, 6)])  # touches no mapped table: no END
+        + [xlog(lone)]  # a message of no transaction: counted by no END
+        + streamed
+        + transaction(3000, 503, [(16400, i) for i in range(10, 17)])  # spans several batches
+        + [xlog(po.StreamCommit(77, 0, Lsn(4000), Lsn(4008), 800_000_000_000_004))]
+    )
+
+
+def ends(publisher: Publisher) -> list[dict]:
+    return [as_dict(f) for batch in publisher.batches for s, f in batch if s == TX_STREAM]
+
+
+@pytest.fixture(params=["compiled", "pure"])
+def path(request, monkeypatch):
+    if request.param == "compiled" and changes.burst_changes is None:
+        pytest.skip("the compiled hot path is not built")
+    if request.param == "pure":
+        monkeypatch.setattr(session_module, "burst_changes", None)
+        monkeypatch.setattr(session_module, "route_change", changes.route_raw)
+    return request.param
+
+
+def test_each_transaction_with_entries_gets_one_end_after_them(path):
+    publisher = run(workload(), max_entries=3)
+    got = ends(publisher)
+    assert [(e["lsn"], e["xid"], e["seq"]) for e in got] == [("1000", "501", 3), ("3000", "503", 7), ("4000", "77", 2)]
+    data = [orjson.loads(e["data"]) for e in got]
+    notes = {s for s, _ in (p for b in publisher.batches for p in b) if s.startswith("cdc:note:")}
+    assert data[0]["count"] == 3 and data[0]["streams"]["cdc:ride"] == 1
+    assert sum(n for s, n in data[0]["streams"].items() if s in notes) == 2
+    assert data[1] == {"count": 7, "streams": {"cdc:ride": 7}}, "counted across the batches it spans"
+    assert data[2]["count"] == 2
+    assert all(e["op"] == b"e" and e["key"] == b"{}" and e["v"] == 1 for e in got)
+    assert got[0]["ts_ms"] == str((800_000_000_000_000 + 1000) // 1000 + 946_684_800_000)
+    assert got[0]["pos"] == f"{1000:020d}{3:010d}"
+    # every END comes after every entry it counts
+    order = [(s, as_dict(f)) for b in publisher.batches for s, f in b]
+    for i, (s, e) in enumerate(order):
+        if s == TX_STREAM:
+            counted = [x for t, x in order if t != TX_STREAM and x["lsn"] == e["lsn"] and x["xid"] == e["xid"]]
+            before = [x for t, x in order[:i] if t != TX_STREAM and x["lsn"] == e["lsn"] and x["xid"] == e["xid"]]
+            assert len(counted) == len(before) == orjson.loads(e["data"])["count"]
+
+
+def test_both_paths_write_the_same_bytes(monkeypatch):
+    if changes.burst_changes is None:
+        pytest.skip("the compiled hot path is not built")
+    compiled = run(workload(), max_entries=3).batches
+    monkeypatch.setattr(session_module, "burst_changes", None)
+    monkeypatch.setattr(session_module, "route_change", changes.route_raw)
+    pure = run(workload(), max_entries=3).batches
+
+    def flat(batches):  # a lone message is stamped when read: its ts_ms is left out
+        return [(s, f if f[f.index(b"xid") + 1] != "0" else f[:-4]) for b in batches for s, f in b]
+
+    assert flat(compiled) == flat(pure)
+    assert [type(v) for _, f in flat(compiled) for v in f] == [type(v) for _, f in flat(pure) for v in f]
+    assert any(s == TX_STREAM for s, _ in flat(compiled))
+
+
+def test_without_a_transactions_stream_nothing_else_changes(path):
+    publisher = run(workload(), max_entries=3, stream="")
+    assert not ends(publisher) and all(s != TX_STREAM for b in publisher.batches for s, _ in b)

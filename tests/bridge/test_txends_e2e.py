@@ -1,0 +1,119 @@
+"""Transaction END records against real PostgreSQL and Redis: one per transaction with entries, counts that
+match the streams, exactly once across kill -9."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+
+import pytest
+
+from conftest import read_stream
+from test_crash_recovery import RIDER_MAPPING, assert_streams_exact, kill_bridge_at_random
+from workload import MixedWorkload
+
+pytestmark = pytest.mark.integration
+
+TX_STREAM = "cdc:transactions"
+NOTE_MAPPING = """
+entity: note
+table: public.notes
+key: [id]
+fields: {id: id, body: body}
+stream: "cdc:note:{partition}"
+partitions: {count: 2}
+"""
+NOTES_SQL = """
+CREATE TABLE public.notes (id bigint PRIMARY KEY, body text);
+CREATE TABLE public.audit (id bigint PRIMARY KEY);
+"""
+
+
+def assert_ends_match(client, streams: list[str]) -> list[dict]:
+    """Every transaction with entries in `streams` has exactly one END, after them, whose counts are what the
+    streams hold for it; every END names such a transaction. Returns the ENDs."""
+    held: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    last: dict[tuple[str, str], int] = defaultdict(int)
+    for stream in streams:
+        for e in read_stream(client, stream):
+            if e["op"] in ("r", "x") or e["xid"] == "0":
+                continue
+            held[e["lsn"], e["xid"]][stream] += 1
+            last[e["lsn"], e["xid"]] = max(last[e["lsn"], e["xid"]], int(e["seq"]))
+    ends = read_stream(client, TX_STREAM)
+    by_tx = Counter((e["lsn"], e["xid"]) for e in ends)
+    assert not [tx for tx, n in by_tx.items() if n > 1], "an END written twice"
+    assert set(by_tx) == set(held), "a transaction without its END, or an END of no transaction"
+    for e in ends:
+        tx = (e["lsn"], e["xid"])
+        assert e["op"] == "e" and e["key"] == {} and e["v"] == "1"
+        assert e["data"] == {"count": sum(held[tx].values()), "streams": dict(held[tx])}, tx
+        assert int(e["seq"]) == last[tx] + 1
+    lsns = [int(e["lsn"]) for e in ends]
+    assert lsns == sorted(lsns), "ENDs in commit order"
+    return ends
+
+
+def test_transactions_get_one_end_each_with_their_counts(env):
+    env.apply_sql("10_rocket_rides.sql")
+    env.execute(NOTES_SQL)
+    env.copy_mappings("ride.yaml")
+    env.write_mapping("rider.yaml", RIDER_MAPPING)
+    env.write_mapping("note.yaml", NOTE_MAPPING)
+    env.write_config(f"batch: {{max_entries: 40}}\ntransactions: {{stream: '{TX_STREAM}'}}\n")
+    env.cdc("init", check=True)
+    with env.connect() as conn:
+        with conn.transaction():  # two mapped tables
+            conn.execute("INSERT INTO riders (id, name, email) VALUES (1, 'Ann', 'a@x')")
+            conn.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (100000, 1, 10)")
+        with conn.transaction():  # three, one of them partitioned
+            conn.execute("INSERT INTO riders (id, name, email) VALUES (2, 'Bo', 'b@x')")
+            conn.execute("UPDATE rides SET distance_m = 11 WHERE id = 100000")
+            conn.execute("INSERT INTO notes SELECT g, 'n' || g FROM generate_series(1, 5) g")
+        conn.execute("INSERT INTO audit VALUES (1)")  # no mapped table: no END
+        conn.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 130) g")  # 4 batches
+    env.cdc("run", "--until-caught-up", check=True)
+    streams = ["cdc:ride", "cdc:rider", "cdc:note:0", "cdc:note:1"]
+    ends = assert_ends_match(env.redis, streams)
+    assert [e["data"]["count"] for e in ends] == [2, 7, 130]
+    assert set(ends[1]["data"]["streams"]) == {"cdc:rider", "cdc:ride", "cdc:note:0", "cdc:note:1"}
+    rides = read_stream(env.redis, "cdc:ride")
+    assert ends[0]["ts_ms"] == rides[0]["ts_ms"] and ends[0]["xid"] == rides[0]["xid"]
+    env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": "1"})
+    assert env.redis.xlen(TX_STREAM) == 3, "a replay appends no END twice"
+
+
+def test_a_clashing_transactions_stream_is_a_config_error(env):
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml")
+    for key, why in (("cdc:ride", "it is the stream of entity ride"), ("{cdc:ride}:x", "named like a key kept beside"),
+                     ("cdc:bridge:x", "keys starting cdc:bridge:")):
+        env.write_config(f"transactions:\n  stream: '{key}'\n")
+        result = env.cdc("check")
+        assert result.returncode == 2, result.stderr
+        line = result.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"cdc: error: {env.config_path}:5: transactions.stream") and why in line, line
+
+
+@pytest.mark.slow
+def test_kill_9_mid_stream_leaves_every_end_once_with_its_counts(env):
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml")
+    env.write_mapping("rider.yaml", RIDER_MAPPING)
+    env.write_config(f"batch: {{max_entries: 40, max_delay_ms: 5}}\ntransactions: {{stream: '{TX_STREAM}'}}\n")
+    env.cdc("init", check=True)
+    workload = MixedWorkload(env.dsn, transactions=600, seed=7, big_every=40, big_size=300, rate=120)
+    workload.start()
+    rng = random.Random(99)
+    written = []
+    for _ in range(8):
+        before = env.redis.xlen(TX_STREAM)
+        kill_bridge_at_random(env, rng, 0.05, 0.6)
+        written.append(env.redis.xlen(TX_STREAM) - before)
+    workload.done.wait(300)
+    assert workload.error is None, workload.error
+    assert sum(1 for n in written if n > 0) >= 3, written
+    env.cdc("run", "--until-caught-up", check=True, timeout=300)
+    assert_streams_exact(env, workload)
+    ends = assert_ends_match(env.redis, ["cdc:ride", "cdc:rider"])
+    assert any(e["data"]["count"] > 40 for e in ends), "a transaction spanning batches was counted whole"

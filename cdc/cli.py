@@ -84,9 +84,10 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
     consume.add_argument("--max-deliveries", type=int, default=c.MAX_DELIVERIES,
                          help="an entry that failed this many deliveries goes to the dead-letter stream "
                               f"cdc:dlq:<group> (default {c.MAX_DELIVERIES})")
-    consume.add_argument("--transactions", metavar="STREAM",
+    consume.add_argument("--transactions", metavar="STREAM", nargs="?", const="",
                          help="transaction mode: hand the handler one source transaction at a time, whole, in commit "
-                              "order, using the END records the bridge writes to STREAM (its transactions.stream)")
+                              "order, using the END records the bridge writes to STREAM (default: the config's "
+                              "transactions.stream)")
     consume.add_argument("--transaction-wait-ms", type=int, default=c.TRANSACTION_WAIT_MS,
                          help="--transactions: how long a transaction may stay incomplete before the consumer stops "
                               f"rather than hand over part of it (default {c.TRANSACTION_WAIT_MS})")

@@ -41,6 +41,11 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
         check_dsn(args.state_dsn, "--state-dsn")
     settings, mappings = load_config(args)
+    if args.transactions == "":
+        if not settings.transactions.stream:
+            raise UsageError("--transactions without a stream, and the config sets no transactions.stream",
+                             hint="set transactions: {stream: cdc:transactions} for the bridge, or give --transactions STREAM")
+        args.transactions = settings.transactions.stream
     if len(args.entity) > 1 and not args.transactions:
         raise UsageError("--entity is given more than once: only with --transactions does one consumer read several entities",
                          hint="give one --entity, or add --transactions STREAM")
@@ -52,6 +57,9 @@ def cmd_consume(args: argparse.Namespace) -> int:
     if args.transactions in streams:
         raise UsageError(f"--transactions {args.transactions} is a mapped entity's stream",
                          hint="give the bridge's transactions.stream (cdc:transactions by default in its docs)")
+    if args.sink is not None and len(chosen) > 1:
+        raise UsageError("--sink mirrors one entity into one table: give one --entity with it",
+                         hint="use --handler to keep several entities' state in step")
     if bool(args.handler) == bool(args.sink):
         raise UsageError("give exactly one of --handler module:function or --sink schema.table")
     if args.shared and args.handler:

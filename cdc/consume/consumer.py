@@ -293,8 +293,9 @@ class Consumer:
             time.sleep(min(block, 100) / 1000)  # nothing anywhere: a short pause instead of a blocking read
         return reply
 
-    def read(self) -> list[Entry]:
-        """The next batch: own pending entries first (after a restart or a failure), then new ones."""
+    def read(self, only: Sequence[str] | None = None) -> list[Entry]:
+        """The next batch: own pending entries first (after a restart or a failure), then new ones
+        (of the streams in `only`, when given)."""
         now = time.monotonic()
         if self.exclusive and now >= self._next_lease_check:
             self._refresh_leases()
@@ -337,7 +338,7 @@ class Consumer:
         block = self.block_ms
         if self.exclusive:  # wake up in time to renew the leases
             block = max(1, min(block, int(max(0.0, self._next_lease_check - time.monotonic()) * 1000)))
-        reply = self._xreadgroup({s: ">" for s in active}, self.count, block)
+        reply = self._xreadgroup({s: ">" for s in active if only is None or s in only}, self.count, block)
         self._read_pending = False
         entries = self._parse(reply)
         self.delivered += len(entries)
@@ -470,8 +471,13 @@ class Consumer:
         if self._assembly is None:
             self._assembly = TransactionAssembler(self.streams, self.transactions, self.transaction_wait_ms / 1000)
         assembly = self._assembly
+        if assembly.ready and time.monotonic() >= self._next_lease_check:  # busy: renew the lease between batches
+            self._refresh_leases()
+            self._next_lease_check = time.monotonic() + self._lease_check_every
+            if self._assembly is not assembly:
+                return
         if not assembly.ready:
-            entries = self.read()
+            entries = self.read(assembly.wanted(self.count))
             if self._assembly is not assembly:  # the lease was lost while reading
                 return
             assembly.add(entries, redelivered=self._read_pending)
@@ -534,6 +540,8 @@ class Consumer:
         for u, (failures, error) in zip(again, pipe.execute()):
             if failures is not None and int(failures) >= self.max_deliveries:
                 spent[id(u)] = (int(failures), error.decode() if isinstance(error, bytes) else str(error or ""))
+        if not spent:
+            return batch
         if id(batch[0]) not in spent:
             return batch[:next(i for i, u in enumerate(batch) if id(u) in spent)]
         for u in batch:

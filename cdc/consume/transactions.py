@@ -76,6 +76,7 @@ class TransactionAssembler:
         self.last_end = (0, 0)  # the position of the last END handed over
         self.redelivered: set[str] = set()  # IDs read again from the pending list (their failures are cleared when done)
         self.waiting = ""  # what the assembler waits for, for the error
+        self.short = ""  # the stream the first END waits for entries of
         self._since: float | None = None
         self._ids: set[str] = set()  # (stream, ID) of what is buffered: a re-read entry is not taken twice
         self.ready: deque[Unit] = deque()  # units taken, not yet handled: the consumer's queue
@@ -96,6 +97,15 @@ class TransactionAssembler:
             self._ids.add(token)
             if redelivered:
                 self.redelivered.add(e.id)
+
+    def wanted(self, limit: int) -> list[str]:
+        """The streams worth reading next, so that no stream's buffer runs far ahead of the others:
+        a stream with nothing buffered, one the first END still waits for, and the transactions
+        stream while fewer than `limit` END records are buffered."""
+        streams = [s for s, buf in self.buffers.items() if not buf or s == self.short]
+        if len(self.ends) < limit:
+            streams.append(self.transactions)
+        return streams
 
     def pending(self) -> bool:
         """True while anything read is not yet handed over."""
@@ -174,11 +184,13 @@ class TransactionAssembler:
                 (twice if e.position in seen else entries).append(e)
                 seen.add(e.position)
             if len(entries) < int(count):
+                self.short = stream
                 self.waiting = (f"transaction {end.xid} (commit LSN {end.lsn}) is incomplete: its END record "
                                 f"{self.transactions} {end.id} counts {count} entries in {stream}, {len(entries)} arrived")
                 return None
             taken[stream] = (entries, twice)
         self.ends.popleft()
+        self.short = ""
         entries, extra = [], []
         for stream, (mine, twice) in taken.items():
             for _ in range(len(mine) + len(twice)):

@@ -125,7 +125,7 @@ def test_killed_bridge_and_consumer_never_show_part_of_a_transaction(env):
     env.write_config(f"batch: {{max_entries: 7, max_delay_ms: 5}}\ntransactions: {{stream: '{TX}'}}\n")
     env.cdc("init", check=True)
     extra = {"PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])),
-             "CDC_FAULT_CRASH_BEFORE_COMMIT": "0.01", "CDC_TRACEBACK": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+             "CDC_FAULT_CRASH_BEFORE_COMMIT": "0.01", "PYTHONUNBUFFERED": "1"}
     consume = ("consume", "--entity", "order", "--entity", "order_line", "--group", "rm", "--start", "0",
                "--transactions", "--handler", "tx_readmodel:apply", "--count", "50", "--lease-ttl-ms", "1000")
     writers = [Writer(env.dsn, seed, range(1 + seed * 10**6, (seed + 1) * 10**6)) for seed in (1, 2)]
@@ -169,13 +169,8 @@ def test_killed_bridge_and_consumer_never_show_part_of_a_transaction(env):
         try:
             wait_for(caught_up, 120, "the read model to equal the tables", interval=0.2)
         except TimeoutError:
-            procs["consumer"].send_signal(signal.SIGABRT)
-            procs["consumer"].wait(10)
-            print(procs["consumer"].log_path.read_text()[-8000:])
-            for st in ("cdc:order", "cdc:order_line", TX):
-                print(st, env.redis.xlen(st), env.redis.xinfo_groups(st))
-            print(env.execute("select (select count(*) from orders), (select count(*) from rm_orders), (select count(*) from order_lines), (select count(*) from rm_lines)"))
-            print(env.execute("select * from cdc_checkpoints"))
+            print(procs["consumer"].log_path.read_text()[-5000:])
+            print({s: env.redis.xinfo_groups(s) for s in ("cdc:order", "cdc:order_line", TX)})
             raise
     finally:
         checker.stopped.set()

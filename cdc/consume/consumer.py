@@ -155,7 +155,8 @@ class Consumer:
     def __repr__(self) -> str:
         return (
             f"<Consumer {self.group}/{self.name} delivered={self.delivered} acked={self.acked} "
-            f"failed={self.failed} dead_lettered={self.dead_lettered} claimed={self.claimed}>"
+            f"failed={self.failed} dead_lettered={self.dead_lettered} claimed={self.claimed}"
+            + (f" transactions={self.transactions_handled}>" if self.transactions else ">")
         )
 
     # -- groups -----------------------------------------------------------------------
@@ -338,7 +339,8 @@ class Consumer:
         block = self.block_ms
         if self.exclusive:  # wake up in time to renew the leases
             block = max(1, min(block, int(max(0.0, self._next_lease_check - time.monotonic()) * 1000)))
-        reply = self._xreadgroup({s: ">" for s in active if only is None or s in only}, self.count, block)
+        ids = {s: ">" for s in active if only is None or s in only}
+        reply = self._xreadgroup(ids or {s: ">" for s in active}, self.count, block)
         self._read_pending = False
         entries = self._parse(reply)
         self.delivered += len(entries)

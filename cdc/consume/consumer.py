@@ -483,7 +483,11 @@ class Consumer:
             if self._assembly is not assembly:  # the lease was lost while reading
                 return
             assembly.add(entries, redelivered=self._read_pending)
+            superseded = assembly.superseded
             assembly.ready.extend(assembly.take(time.monotonic()))
+            if assembly.superseded > superseded:
+                log.warning("%d incomplete transaction(s) before a cdc recover marker in %s acknowledged: the "
+                            "rebuild replaced entries they counted", assembly.superseded - superseded, self.transactions)
             return
         batch, size = [], 0
         for unit in assembly.ready:

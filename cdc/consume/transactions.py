@@ -11,7 +11,10 @@ consumer read, from its streams and from the transactions stream, and gives back
   non-transactional message ``xid 0``), alone;
 - an entry whose END is already behind (its transaction was handed over, or ended before the
   group started on the transactions stream), alone: it is a redelivery the checkpoint skips;
-- a duplicate (a double send of an entry or an END), to acknowledge, never to hand over.
+- a duplicate (a double send of an entry or an END), to acknowledge, never to hand over;
+- the marker `cdc recover` appends to the transactions stream (``op x``), to acknowledge: an END
+  before it that stays incomplete counts entries the rebuild replaced, and is acknowledged too
+  (the handler gets each rebuilt stream's own marker and resets there).
 
 Units come out in commit order (the transactions stream's order), and every stream's
 entries in that stream's order. A transaction that stays incomplete, or entries whose END
@@ -77,6 +80,7 @@ class TransactionAssembler:
         self.redelivered: set[str] = set()  # IDs read again from the pending list (their failures are cleared when done)
         self.waiting = ""  # what the assembler waits for, for the error
         self.short = ""  # the stream the first END waits for entries of
+        self.superseded = 0  # incomplete END records acknowledged because cdc recover rebuilt the streams after them
         self._since: float | None = None
         self._ids: set[str] = set()  # (stream, ID) of what is buffered: a re-read entry is not taken twice
         self.ready: deque[Unit] = deque()  # units taken, not yet handled: the consumer's queue
@@ -88,7 +92,7 @@ class TransactionAssembler:
             if token in self._ids:
                 continue
             if e.stream == self.transactions:
-                if e.op != END_OP:
+                if e.op not in (END_OP, "x"):
                     raise ConfigError(f"entry {e.id} of the transactions stream {e.stream} is no END record (op {e.op!r})",
                                       hint="give --transactions the bridge's transactions.stream, not an entity's stream")
                 self.ends.append(e)
@@ -169,7 +173,7 @@ class TransactionAssembler:
         return Unit(entries)
 
     def _transaction(self, end: Entry) -> Unit | None:
-        if end.position <= self.last_end:  # the END sent twice
+        if end.op == "x" or end.position <= self.last_end:  # cdc recover's marker, or the END sent twice
             self.ends.popleft()
             return Unit([], extra=[end])
         counts = (end.data or {}).get("streams", {})
@@ -183,6 +187,8 @@ class TransactionAssembler:
                     break
                 (twice if e.position in seen else entries).append(e)
                 seen.add(e.position)
+            if len(entries) < int(count) and any(later.op == "x" for later in self.ends):
+                return self._superseded(end)
             if len(entries) < int(count):
                 self.short = stream
                 self.waiting = (f"transaction {end.xid} (commit LSN {end.lsn}) is incomplete: its END record "
@@ -201,6 +207,16 @@ class TransactionAssembler:
         self.last_end = end.position
         entries.sort(key=lambda e: e.position)
         return Unit(entries, end, extra)
+
+    def _superseded(self, end: Entry) -> Unit:
+        """An incomplete END before a `cdc recover` marker: the rebuild replaced entries it counts (the
+        consumer resets at each rebuilt stream's own marker). Acknowledged; its entries that are left
+        are handed over alone, before the marker that supersedes them."""
+        self.ends.popleft()
+        self.last_end = end.position
+        self.short = ""
+        self.superseded += 1
+        return Unit([], extra=[end])
 
     def _handed(self, entries: Sequence[Entry]) -> None:
         for e in entries:

@@ -111,3 +111,15 @@ def test_progress_restarts_the_wait():
         assert a.take(t * 0.9) == []
         a.add([end(100 + t, 1, 7 + t, cdc_ride=1)])
         assert len(a.take(t * 0.9 + 0.5)) == 1
+
+
+def test_an_end_the_rebuild_of_cdc_recover_left_incomplete_is_acknowledged_at_its_marker():
+    a = TransactionAssembler(["cdc:ride", "cdc:rider"], TX, wait_s=1)
+    a.add([entry("cdc:ride", 100, 0, 7), end(100, 2, 7, cdc_ride=1, cdc_rider=1)])  # the rider entry was lost
+    assert a.take(0.0) == []
+    a.add([entry(TX, 150, 0, 0, "x"), entry("cdc:ride", 150, 0, 0, "x"), entry("cdc:rider", 150, 0, 0, "x")])
+    units = a.take(0.5)
+    handed = [p for unit in positions(units) for p in unit]
+    assert [p for p in handed if p[0] == "cdc:ride"] == [("cdc:ride", 100, 0), ("cdc:ride", 150, 0)], "each stream in order"
+    assert ("cdc:rider", 150, 0) in handed and len(units) == 5  # and the END and the marker, acknowledged
+    assert a.superseded == 1 and not a.pending()

@@ -19,7 +19,7 @@ while decoding it, the bridge holds it until the commit; `off`: the server decod
 its own slot into an emptied Redis, alternating, `--rounds` times; the best of each is shown.
 Rates are changes over WHOLE-PROCESS WALL TIME (process start to exit) of each; every drain's
 entry count in Redis is checked against the changes committed. Redis' CPU per entry comes from
-INFO cpu (main thread) and INFO commandstats around each drain; the bridge's peak RSS is sampled
+INFO cpu (main thread) and INFO commandstats around each drain, the bridge's CPU from its rusage; its peak RSS is sampled
 every 50 ms.
 
 Latency: a bridge (compiled path, transaction append) runs continuously while writers commit a
@@ -29,13 +29,18 @@ steady 10,000 and then 50,000 changes/s (multi-row INSERTs in transactions of
 
 Usage: python bench/throughput.py [--changes 1000000] [--workloads small,large,rss]
        [--paths compiled,pure] [--modes script,transaction] [--streaming off] [--rounds 2]
-       [--latency-rates 10000,50000] [--latency-seconds 10]
+       [--boundaries off,on] [--latency-rates 10000,50000] [--latency-seconds 10]
+
+`--boundaries off,on` drains each workload with and without transaction END records
+(`transactions.stream`) side by side; with them on, the END records' counts are checked to add up
+to the changes committed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -51,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from servers import bench_servers, cdc_command, peak_rss  # noqa: E402
 from items import ITEM_MAPPING, ITEM_ROWS, ITEMS_TABLE  # noqa: E402
-from cdc.demo.local import PG_BIN, wait_for  # noqa: E402
+from cdc.demo.local import pg_bin, wait_for  # noqa: E402
 
 SCHEMA = ITEMS_TABLE + """
 CREATE TABLE riders (id bigint PRIMARY KEY, name text NOT NULL, email text NOT NULL);
@@ -104,6 +109,8 @@ MAPPINGS = {
     "item.yaml": ITEM_MAPPING,
 }
 STREAMS = {"small": ("cdc:ride", "cdc:rider"), "large": ("cdc:item",), "rss": ("cdc:item",)}
+#: the transactions stream of the drains with transaction boundaries on (`transactions.stream`)
+TX_STREAM = "cdc:transactions"
 WORKLOADS = ("small", "large", "rss")
 #: the command that appends a batch, whose INFO commandstats time includes the XADDs it runs
 APPEND_COMMAND = {"script": "cmdstat_evalsha", "transaction": "cmdstat_exec"}
@@ -159,6 +166,12 @@ def redis_cpu_us(client: redis.Redis) -> float:
             + cpu.get("used_cpu_user_main_thread", cpu["used_cpu_user"])) * 1e6
 
 
+def children_cpu_s() -> float:
+    """CPU (user + system) of every child process reaped so far, in seconds."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def bridge_env(path: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("CDC_PURE_PYTHON", None)
@@ -172,31 +185,54 @@ def run_bridge(config: Path, args: list[str], path: str) -> tuple[subprocess.Pop
     return proc, peak_rss(proc)
 
 
+def end_records(client: redis.Redis) -> tuple[int, int]:
+    """(END records, the entries they count) in the transactions stream."""
+    import orjson
+
+    ends = counted = 0
+    start = "-"
+    while True:
+        page = client.xrange(TX_STREAM, start, "+", count=10_000)
+        for entry_id, fields in page:
+            ends += 1
+            counted += orjson.loads(fields[b"data"])["count"]
+        if len(page) < 10_000:
+            return ends, counted
+        start = "(" + page[-1][0].decode()
+
+
 def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[str, ...], mode: str, path: str,
-                 streaming: str) -> dict:
+                 streaming: str, boundaries: str = "off") -> dict:
     """`cdc run --until-caught-up` into an empty Redis: whole-process wall time, peak RSS, Redis CPU per entry."""
     client.flushall()
     register(config)
     client.config_resetstat()
     cpu0 = redis_cpu_us(client)
+    own0 = children_cpu_s()
     t0 = time.monotonic()
     proc, peak = run_bridge(config, ["--until-caught-up"], path)
     if proc.wait() != 0:
         raise SystemExit(f"bridge failed ({config.name})")
     wall_s = time.monotonic() - t0
+    bridge_cpu_s = children_cpu_s() - own0  # the bridge is the only child reaped meanwhile
     cpu1 = redis_cpu_us(client)
     command_us = client.info("commandstats").get(APPEND_COMMAND[mode], {}).get("usec", 0)
     got = stream_total(client, streams)
     if got != total:
         raise SystemExit(f"bridge ({path}, {mode}, streaming {streaming}) published {got:,} entries, expected {total:,}")
+    ends = 0
+    if boundaries == "on":
+        ends, counted = end_records(client)
+        if not ends or counted != total:
+            raise SystemExit(f"bridge ({path}, {mode}): {ends:,} END records counting {counted:,} entries, expected {total:,}")
     return {"rate": total / wall_s, "wall": wall_s, "rss": peak[0], "cpu_per_entry": (cpu1 - cpu0) / total,
-            "command_per_entry": command_us / total}
+            "command_per_entry": command_us / total, "ends": ends, "bridge_cpu_per_change": bridge_cpu_s * 1e6 / total}
 
 
 def drain_recvlogical(dsn: str, slot: str, end_lsn: str, total: int) -> dict:
     t0 = time.monotonic()
     subprocess.run(
-        [str(PG_BIN / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--endpos", end_lsn,
+        [str(pg_bin() / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--endpos", end_lsn,
          "-o", "proto_version=1", "-o", "publication_names=cdc", "-o", "messages=true", "-f", "/dev/null",
          "--no-loop"],
         check=True,
@@ -205,11 +241,13 @@ def drain_recvlogical(dsn: str, slot: str, end_lsn: str, total: int) -> dict:
     return {"rate": total / wall_s, "wall": wall_s}
 
 
-def write_config(root: Path, name: str, pg_dsn: str, redis_url: str, slot: str, append: str, streaming: str) -> Path:
+def write_config(root: Path, name: str, pg_dsn: str, redis_url: str, slot: str, append: str, streaming: str,
+                 boundaries: str = "off") -> Path:
     config = root / name
     config.write_text(f"postgres: {{dsn: '{pg_dsn}', slot: {slot}, publication: cdc, "
                       f"streaming: {'true' if streaming == 'on' else 'false'}}}\n"
-                      f"redis: {{url: '{redis_url}', append: {append}}}\nmappings: mappings/\nhttp: {{port: 0}}\n")
+                      f"redis: {{url: '{redis_url}', append: {append}}}\nmappings: mappings/\nhttp: {{port: 0}}\n"
+                      + (f"transactions: {{stream: '{TX_STREAM}'}}\n" if boundaries == "on" else ""))
     return config
 
 
@@ -219,13 +257,14 @@ class WorkloadResult:
     total: int
     shape: str
     recv: dict = field(default_factory=dict)
-    bridge: dict = field(default_factory=dict)  # (path, mode, streaming) -> the best drain
+    bridge: dict = field(default_factory=dict)  # (path, mode, streaming, boundaries) -> the best drain
 
 
 def run_workload(name: str, args, root: Path, pg, rd, client: redis.Redis) -> WorkloadResult:
     rounds = 1 if name == "rss" else args.rounds
-    variants = [(path, mode, streaming) for path in args.paths for mode in args.modes for streaming in args.streaming]
-    slots = {(i, v): f"b_{name}_{v[0]}_{v[1]}_{v[2]}_{i}" for i in range(rounds) for v in variants}
+    variants = [(path, mode, streaming, tx) for path in args.paths for mode in args.modes for streaming in args.streaming
+                for tx in args.boundaries]
+    slots = {(i, v): f"b_{name}_{v[0]}_{v[1]}_{v[2]}_{v[3]}_{i}" for i in range(rounds) for v in variants}
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         for i in range(rounds):
             conn.execute(f"SELECT pg_create_logical_replication_slot('recv_{name}_{i}', 'pgoutput')")
@@ -255,13 +294,18 @@ def run_workload(name: str, args, root: Path, pg, rd, client: redis.Redis) -> Wo
         if not result.recv or r["rate"] > result.recv["rate"]:
             result.recv = r
         for v in variants:
-            path, mode, streaming = v
-            config = write_config(root, f"cdc-{slots[i, v]}.yaml", pg.dsn, rd.url, slots[i, v], mode, streaming)
-            b = drain_bridge(config, client, total, STREAMS[name], mode, path, streaming)
-            print(f"[{name}]   round {i + 1}: bridge {path}/{mode}/streaming {streaming} {b['rate']:,.0f} changes/s ({b['wall']:.1f}s, "
-                  f"peak RSS {b['rss'] / 2**20:.0f} MiB)", flush=True)
+            path, mode, streaming, tx = v
+            config = write_config(root, f"cdc-{slots[i, v]}.yaml", pg.dsn, rd.url, slots[i, v], mode, streaming, tx)
+            b = drain_bridge(config, client, total, STREAMS[name], mode, path, streaming, tx)
+            ends = f", {b['ends']:,} END records" if tx == "on" else ""
+            print(f"[{name}]   round {i + 1}: bridge {path}/{mode}/streaming {streaming}/tx ends {tx} {b['rate']:,.0f} "
+                  f"changes/s ({b['wall']:.1f}s, bridge CPU {b['bridge_cpu_per_change']:.2f} µs/change, "
+                  f"peak RSS {b['rss'] / 2**20:.0f} MiB{ends})", flush=True)
             if v not in result.bridge or b["rate"] > result.bridge[v]["rate"]:
-                result.bridge[v] = b
+                result.bridge[v] = b | {"bridge_cpu_per_change": min(b["bridge_cpu_per_change"], result.bridge.get(
+                    v, b)["bridge_cpu_per_change"])}
+            elif b["bridge_cpu_per_change"] < result.bridge[v]["bridge_cpu_per_change"]:
+                result.bridge[v]["bridge_cpu_per_change"] = b["bridge_cpu_per_change"]
     client.flushall()
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         # free the WAL and spill files the slots held
@@ -362,6 +406,8 @@ def main() -> int:
                         help="the bridge's implementation: compiled (default), pure (CDC_PURE_PYTHON=1)")
     parser.add_argument("--modes", type=csv(str), default=["script", "transaction"], help="redis.append modes")
     parser.add_argument("--streaming", type=csv(str), default=["off"], help="postgres.streaming: on, off (default: off)")
+    parser.add_argument("--boundaries", type=csv(str), default=["off"],
+                        help="transaction END records (transactions.stream): on, off (default: off)")
     parser.add_argument("--rounds", type=int, default=2, help="drains of each reader, alternating; the best is shown")
     parser.add_argument("--seed", type=float, default=0.42, help="setseed() of the small transactions' sizes")
     parser.add_argument("--latency-rates", type=csv(int), default=[10_000, 50_000], help="changes/s; empty: no latency run")
@@ -381,6 +427,9 @@ def main() -> int:
     for m in args.streaming:
         if m not in ("on", "off"):
             parser.error(f"--streaming takes on and off, not {m!r}")
+    for m in args.boundaries:
+        if m not in ("on", "off"):
+            parser.error(f"--boundaries takes on and off, not {m!r}")
 
     started = time.monotonic()
     settings = {"synchronous_commit": "off", "max_wal_size": "8GB", "max_replication_slots": "40", "max_wal_senders": "40"}
@@ -398,18 +447,19 @@ def main() -> int:
     print("rates: changes / whole-process wall time (start to exit), each reader from its own slot on the same WAL;")
     print("ratio: to pg_recvlogical (pgoutput proto 1, to /dev/null) in the same run; best of the rounds")
     print()
-    header = (f"{'workload':<8} {'reader':<36} {'changes':>10} {'changes/s':>10} {'wall s':>7} {'ratio':>6} "
-              f"{'redis CPU µs/entry':>18} {'append cmd µs/entry':>19} {'peak RSS MiB':>12}")
+    header = (f"{'workload':<8} {'reader':<44} {'changes':>10} {'changes/s':>10} {'wall s':>7} {'ratio':>6} "
+              f"{'redis CPU µs/entry':>18} {'append cmd µs/entry':>19} {'bridge CPU µs/change':>20} {'peak RSS MiB':>12}")
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r.name:<8} {'pg_recvlogical':<36} {r.total:>10,} {r.recv['rate']:>10,.0f} {r.recv['wall']:>7.1f} "
-              f"{1:>6.2f} {'':>18} {'':>19} {'':>12}")
-        for (path, mode, streaming), b in r.bridge.items():
+        print(f"{r.name:<8} {'pg_recvlogical':<44} {r.total:>10,} {r.recv['rate']:>10,.0f} {r.recv['wall']:>7.1f} "
+              f"{1:>6.2f} {'':>18} {'':>19} {'':>20} {'':>12}")
+        for (path, mode, streaming, tx), b in r.bridge.items():
             cmd = f"{APPEND_COMMAND[mode][8:].upper()} {b['command_per_entry']:.2f}"
-            reader = f"bridge {path}/{mode}/streaming {streaming}"
-            print(f"{'':<8} {reader:<36} {r.total:>10,} {b['rate']:>10,.0f} {b['wall']:>7.1f} "
-                  f"{b['rate'] / r.recv['rate']:>6.2f} {b['cpu_per_entry']:>18.2f} {cmd:>19} {b['rss'] / 2**20:>12.1f}")
+            reader = f"bridge {path}/{mode}/streaming {streaming}/tx ends {tx}"
+            print(f"{'':<8} {reader:<44} {r.total:>10,} {b['rate']:>10,.0f} {b['wall']:>7.1f} "
+                  f"{b['rate'] / r.recv['rate']:>6.2f} {b['cpu_per_entry']:>18.2f} {cmd:>19} "
+                  f"{b['bridge_cpu_per_change']:>20.2f} {b['rss'] / 2**20:>12.1f}")
     for r in results:
         print(f"{r.name}: {r.shape}")
     if latencies:

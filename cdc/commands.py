@@ -7,9 +7,10 @@ import contextlib
 
 from . import redact
 from .errors import PublishError, TransientError, UsageError
+from .keys import TRANSACTIONS_OWNER
 from .sink.redisconn import connect_redis
 
-__all__ = ["check_transactions_stream", "load_config", "entity_named", "redis_for"]
+__all__ = ["check_transactions_stream", "load_config", "entity_named", "redis_for", "written_streams"]
 
 
 def load_config(args: argparse.Namespace):
@@ -40,6 +41,14 @@ def check_transactions_stream(settings, mappings) -> None:
     if reason is not None:
         raise ConfigError(f"{settings.transactions_origin}: transactions.stream {stream!r} cannot be used: {reason}",
                           hint="give the transactions stream a key of its own, such as cdc:transactions")
+
+
+def written_streams(settings, mappings) -> dict[str, str]:
+    """Every stream `cdc run` writes -> its entity (the transactions stream's owner: `cdc.keys.TRANSACTIONS_OWNER`)."""
+    streams = {s: m.entity for m in mappings for s in m.stream_keys()}
+    if settings.transactions.stream:
+        streams[settings.transactions.stream] = TRANSACTIONS_OWNER
+    return streams
 
 
 def entity_named(mappings, name: str):

@@ -112,6 +112,9 @@ def holds_key(stream: str) -> str:
     return mark_key(stream)[: -len(MARK_SUFFIX)] + ":holds"
 
 
+#: what errors and `cdc status` name as the owner of the transactions stream (where a stream's entity goes)
+TRANSACTIONS_OWNER = "transactions (END records)"
+
 #: prefixes of keys the bridge and the consumers own beside the streams (state, records, statistics, dead letters)
 OWNED_PREFIXES = ("cdc:bridge:", "cdc:stats:", "cdc:dlq:")
 

@@ -335,8 +335,11 @@ class Bridge:
 
     @property
     def stream_entities(self) -> dict[str, str]:
-        """Every mapped stream key -> its entity."""
-        return {s: m.entity for m in self.mappings for s in m.stream_keys()}
+        """Every stream key the bridge writes -> its entity (the transactions stream's: `keys.TRANSACTIONS_OWNER`)."""
+        streams = {s: m.entity for m in self.mappings for s in m.stream_keys()}
+        if self.settings.transactions.stream:
+            streams[self.settings.transactions.stream] = keys.TRANSACTIONS_OWNER
+        return streams
 
     @property
     def redis_timeout(self) -> float:
@@ -449,7 +452,7 @@ class Bridge:
         policy = TrimPolicy(max_len=self.settings.trim.max_len, max_age_s=self.settings.trim.max_age_s)
         client = connect_redis(self.settings.redis, socket_timeout=self.redis_timeout)
         try:
-            for result in trim_mapped(client, self.mappings, policy):
+            for result in trim_mapped(client, self.mappings, policy, also=[self.settings.transactions.stream]):
                 self.entries_trimmed += result.trimmed
                 self.entries_force_trimmed += result.forced
         except redis.RedisError as exc:

@@ -295,4 +295,33 @@ def json_schemas(settings: Settings, mappings: Sequence[Mapping]) -> dict[str, d
                 result[m.entity] = _entity_schema(m, bind_live(conn, m, catalog), catalog)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
+    if settings.transactions.stream:
+        result[keys.TRANSACTIONS_OWNER] = end_record_schema(settings.transactions.stream)
     return result
+
+
+def end_record_schema(stream: str) -> dict:
+    """The JSON Schema of an entry of the transactions stream: an END record, or the marker of cdc recover."""
+    digits = {"type": "string", "pattern": "^[0-9]+$"}
+    counts = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "transaction END record",
+        "description": f"one entry of the transactions stream {stream}: the end of a source transaction that produced "
+                       "entries (op e), or the marker of cdc recover (op x); every field is a string",
+        "type": "object",
+        "properties": {
+            "op": {"enum": ["e", "x"]},
+            "key": _json_text({"type": "object", "additionalProperties": False}),
+            "data": _json_text({"type": "object", "properties": {
+                "count": {"type": "integer", "minimum": 1, "description": "the transaction's entries, in all streams"},
+                "streams": {**counts, "description": "its entries per stream key (partition streams separately)"},
+            }, "description": "of op e; op x carries the marker of cdc recover"}),
+            "lsn": {**digits, "description": "commit LSN of the source transaction (as its entries)"},
+            "seq": {**digits, "description": "one past the largest seq of the transaction's entries"},
+            "xid": {**digits, "description": "transaction id (as its entries)"},
+            "ts_ms": {**digits, "description": "commit time, Unix milliseconds (as its entries)"},
+            "v": {"const": "1", "description": "the END record's format version"},
+        },
+        "required": ["op", "key", "lsn", "seq", "xid", "ts_ms", "v"],
+    }

@@ -90,7 +90,7 @@ def cmd_trim(args: argparse.Namespace) -> int:
         max_age_s=settings.trim.max_age_s if args.max_age_s is None else args.max_age_s,
     )
     with redis_for(settings) as client:
-        for r in trim_mapped(client, mappings, policy, args.entity):
+        for r in trim_mapped(client, mappings, policy, args.entity, also=[settings.transactions.stream]):
             note = f", {r.forced} UNCONSUMED entries dropped by the hard cap" if r.forced else ""
             where = f"kept from {r.safe_point}" if r.safe_point else "no consumer group: kept"
             print(f"{r.stream}: trimmed {r.trimmed} ({where}){note}")

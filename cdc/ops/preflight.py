@@ -32,6 +32,7 @@ from psycopg.conninfo import conninfo_to_dict
 from .. import keys
 from ..config import Settings
 from ..bridge.gate import TableGate
+from ..commands import written_streams
 from ..bridge.guards import check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error, redis_record, stream_problems
 from ..bridge.streamed import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
@@ -70,6 +71,8 @@ def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
     _check_bound_tables(settings, mappings, report)
     _check_http(settings, report)
     _check_spill(settings, report)
+    if settings.transactions.stream:
+        report.ok.append(f"transactions: an END record per source transaction to {settings.transactions.stream}")
     return report
 
 
@@ -348,31 +351,30 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         probes.append(("cdc run", ("WAIT", "1", "0")))
     if is_sentinel_url(settings.redis.url):  # every connection checks it reached the master
         probes.append(("cdc run", ("ROLE",)))
-    for m in mappings:
-        for s in m.stream_keys():
-            mark, lease, epoch = keys.mark_key(s), keys.lease_key(s, group), keys.lease_epoch_key(s, group)
-            probes += [
-                ("cdc run", ("TYPE", s)), ("cdc run", ("XINFO", "STREAM", s)), ("cdc run", ("XINFO", "GROUPS", s)),
-                ("cdc run", ("XPENDING", s, group)), ("cdc run", ("XRANGE", s, "-", "+", "COUNT", "1")),
-                *((("cdc run", ("XADD", s, "*", "f", "v")), ("cdc run", ("SET", mark, "0")),
-                   ("cdc run", ("WATCH", mark, s)), ("cdc run", ("MGET", mark)))
-                  if settings.redis.append == "transaction" else
-                  (("cdc run", ("EVALSHA", _ANY_SHA, "2", s, mark)), ("cdc run", ("EVAL", "return 1", "2", s, mark)))),
-                ("cdc status", ("XINFO", "STREAM", s)), ("cdc status", ("XINFO", "GROUPS", s)),
-                ("cdc status", ("XLEN", s)), ("cdc status", ("XREVRANGE", s, "+", "-", "COUNT", "1")),
-                ("cdc status", ("GET", mark)), ("cdc trim", ("XPENDING", s, group)),
-                ("cdc trim", ("XTRIM", s, "MINID", "0")), ("cdc trim", ("HGETALL", keys.holds_key(s))),
-                ("consumers", ("XGROUP", "CREATE", s, group, "$", "MKSTREAM")),
-                ("consumers", ("XREADGROUP", "GROUP", group, consumer, "COUNT", "1", "STREAMS", s, ">")),
-                ("consumers", ("XACK", s, group, "0-1")), ("consumers", ("XAUTOCLAIM", s, group, consumer, "1", "0-0")),
-                ("consumers", ("XCLAIM", s, group, consumer, "1", "0-1")), ("consumers", ("XRANGE", s, "-", "+")),
-                ("consumers", ("EVALSHA", _ANY_SHA, "2", lease, epoch)), ("consumers", ("SET", lease, "x", "PX", "1")),
-                ("consumers", ("PEXPIRE", lease, "1")), ("consumers", ("DEL", lease)), ("consumers", ("INCR", epoch)),
-                ("consumers", ("HINCRBY", keys.failures_key(s, group), "0-1", "1")),
-                ("consumers", ("HSET", keys.failures_key(s, group), "0-1:error", "e")),
-                ("consumers", ("HMGET", keys.failures_key(s, group), "0-1", "0-1:error")),
-                ("consumers", ("HDEL", keys.failures_key(s, group), "0-1")),
-            ]
+    for s in written_streams(settings, mappings):
+        mark, lease, epoch = keys.mark_key(s), keys.lease_key(s, group), keys.lease_epoch_key(s, group)
+        probes += [
+            ("cdc run", ("TYPE", s)), ("cdc run", ("XINFO", "STREAM", s)), ("cdc run", ("XINFO", "GROUPS", s)),
+            ("cdc run", ("XPENDING", s, group)), ("cdc run", ("XRANGE", s, "-", "+", "COUNT", "1")),
+            *((("cdc run", ("XADD", s, "*", "f", "v")), ("cdc run", ("SET", mark, "0")),
+               ("cdc run", ("WATCH", mark, s)), ("cdc run", ("MGET", mark)))
+              if settings.redis.append == "transaction" else
+              (("cdc run", ("EVALSHA", _ANY_SHA, "2", s, mark)), ("cdc run", ("EVAL", "return 1", "2", s, mark)))),
+            ("cdc status", ("XINFO", "STREAM", s)), ("cdc status", ("XINFO", "GROUPS", s)),
+            ("cdc status", ("XLEN", s)), ("cdc status", ("XREVRANGE", s, "+", "-", "COUNT", "1")),
+            ("cdc status", ("GET", mark)), ("cdc trim", ("XPENDING", s, group)),
+            ("cdc trim", ("XTRIM", s, "MINID", "0")), ("cdc trim", ("HGETALL", keys.holds_key(s))),
+            ("consumers", ("XGROUP", "CREATE", s, group, "$", "MKSTREAM")),
+            ("consumers", ("XREADGROUP", "GROUP", group, consumer, "COUNT", "1", "STREAMS", s, ">")),
+            ("consumers", ("XACK", s, group, "0-1")), ("consumers", ("XAUTOCLAIM", s, group, consumer, "1", "0-0")),
+            ("consumers", ("XCLAIM", s, group, consumer, "1", "0-1")), ("consumers", ("XRANGE", s, "-", "+")),
+            ("consumers", ("EVALSHA", _ANY_SHA, "2", lease, epoch)), ("consumers", ("SET", lease, "x", "PX", "1")),
+            ("consumers", ("PEXPIRE", lease, "1")), ("consumers", ("DEL", lease)), ("consumers", ("INCR", epoch)),
+            ("consumers", ("HINCRBY", keys.failures_key(s, group), "0-1", "1")),
+            ("consumers", ("HSET", keys.failures_key(s, group), "0-1:error", "e")),
+            ("consumers", ("HMGET", keys.failures_key(s, group), "0-1", "0-1:error")),
+            ("consumers", ("HDEL", keys.failures_key(s, group), "0-1")),
+        ]
     return probes
 
 
@@ -421,7 +423,7 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         report.ok.append(f"{where} answers")
         _check_durability(node, where, settings.redis.wait_replicas, report)
         _check_acl(node, where, acl_probes(settings, mappings), report)
-        streams = {s: m.entity for m in mappings for s in m.stream_keys()}
+        streams = written_streams(settings, mappings)
         diverged = _check_history(client, settings, report)
         if confirmed is not None and not diverged:  # what cdc run checks first on every connection
             try:

@@ -44,7 +44,7 @@ from .. import keys
 from ..bridge.backfill import supersede
 from ..bridge.gate import record_current
 from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_source
-from ..commands import redis_for
+from ..commands import redis_for, written_streams
 from ..config import Settings
 from ..errors import CdcError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
@@ -188,6 +188,19 @@ def _rebuild(conn, client, publisher: Publisher, projector: Projector, base: int
         f" in {time.monotonic() - started:.1f}s{note}")
 
 
+def _mark_transactions(publisher: Publisher, stream: str, base: int, marker: list, say: Callable[[str], None]) -> None:
+    """The transactions stream gets the marker too: its END records before it may count entries the rebuild
+    replaced (a transaction-mode consumer resets there, as at the marker of each rebuilt stream)."""
+    mark = publisher.marks([stream])[stream]
+    if mark is not None and mark[0] >= base:
+        raise CdcError(f"stream {stream} already holds entries at or after the snapshot ({Lsn(mark[0])})",
+                       hint="a bridge wrote meanwhile: stop it, then run cdc recover again")
+    out = _Appender(publisher, base, 1)
+    out.add(stream, list(marker), 0)
+    out.flush()
+    say(f"{stream}: the marker (x); END records after it count only entries after the rebuild")
+
+
 def _entries(conn: psycopg.Connection, projector: Projector):
     """The snapshot's rows the mapping publishes, as op r entries (rows its filter leaves out are skipped)."""
     for values in _rows(conn, projector):
@@ -211,28 +224,27 @@ def _fence(client, settings: Settings, say: Callable[[str], None]) -> tuple[str 
     return lost_from, lost_to
 
 
-def _vanished_streams(client, mappings: Sequence[Mapping]) -> dict[str, Lsn]:
-    """Mapped streams gone while their marks say they held entries (-> the mark's LSN); refuses, changing
-    nothing, when a key holds another type where a stream belongs."""
+def _vanished_streams(client, written: dict[str, str]) -> dict[str, Lsn]:
+    """Streams gone while their marks say they held entries (-> the mark's LSN); refuses, changing
+    nothing, when a key holds another type where a stream belongs. `written`: stream -> its entity."""
     vanished = {}
-    for m in mappings:
-        for stream in m.stream_keys():
-            key_type, name = client.type(stream).decode(), keys.mark_key(stream)
-            if client.type(name) not in (b"string", b"none"):
-                raise PublishError(
-                    f"redis key {name} holds a {client.type(name).decode()}, not the high-water mark of stream {stream} "
-                    f"(entity {m.entity}); cdc recover changed nothing",
-                    hint=f"rename that key away (redis-cli RENAME {name} <new name>; cdc recover never deletes it), "
-                    "then run cdc recover again")
-            mark = client.get(name)
-            if key_type not in ("stream", "none"):
-                raise PublishError(
-                    f"redis key {stream} holds a {key_type}, not a stream, stream of entity {m.entity}; "
-                    "cdc recover changed nothing",
-                    hint=f"rename that key away (redis-cli RENAME {stream} <new name>; cdc recover never deletes it), "
-                    "then run cdc recover again")
-            if key_type == "none" and mark:
-                vanished[stream] = Lsn(int(mark[:20]))
+    for stream, entity in written.items():
+        key_type, name = client.type(stream).decode(), keys.mark_key(stream)
+        if client.type(name) not in (b"string", b"none"):
+            raise PublishError(
+                f"redis key {name} holds a {client.type(name).decode()}, not the high-water mark of stream {stream} "
+                f"(entity {entity}); cdc recover changed nothing",
+                hint=f"rename that key away (redis-cli RENAME {name} <new name>; cdc recover never deletes it), "
+                "then run cdc recover again")
+        mark = client.get(name)
+        if key_type not in ("stream", "none"):
+            raise PublishError(
+                f"redis key {stream} holds a {key_type}, not a stream, stream of entity {entity}; "
+                "cdc recover changed nothing",
+                hint=f"rename that key away (redis-cli RENAME {stream} <new name>; cdc recover never deletes it), "
+                "then run cdc recover again")
+        if key_type == "none" and mark:
+            vanished[stream] = Lsn(int(mark[:20]))
     return vanished
 
 
@@ -255,7 +267,7 @@ def _still_fenced(client, slot: str) -> None:
                        hint="stop every bridge on this slot, then run cdc recover again")
 
 
-def _past_redis(conn: psycopg.Connection, client, settings: Settings, mappings: Sequence[Mapping]) -> Lsn:
+def _past_redis(conn: psycopg.Connection, client, settings: Settings, written: dict[str, str]) -> Lsn:
     """Refuse (exit 75, nothing changed) while the server's WAL has not reached every position Redis holds.
 
     The rebuilt entries take position (P - 1, seq) for a snapshot at P, and the marks drop every entry at
@@ -266,11 +278,10 @@ def _past_redis(conn: psycopg.Connection, client, settings: Settings, mappings: 
     slot = settings.postgres.slot
     raw = client.get(keys.flushed_key(slot))
     held = Lsn(int(raw)) if raw else Lsn(0)
-    for m in mappings:
-        for stream in m.stream_keys():
-            mark = client.get(keys.mark_key(stream))
-            if mark:  # entries at (P - 1, seq) go after a mark whose LSN is below P - 1
-                held = max(held, Lsn(int(mark[:20]) + 1))
+    for stream in written:
+        mark = client.get(keys.mark_key(stream))
+        if mark:  # entries at (P - 1, seq) go after a mark whose LSN is below P - 1
+            held = max(held, Lsn(int(mark[:20]) + 1))
     row = conn.execute("SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_lsn()::text END").fetchone()
     # creating the snapshot's slot writes WAL first, so P > the WAL position read here: P - 1 >= every mark
     if row[0] is not None and Lsn.parse(row[0]) < held:
@@ -290,8 +301,9 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
     with connect(settings) as conn, redis_for(settings) as client:
         try:
             confirmed = _idle_slot(conn, slot)
-            vanished = _vanished_streams(client, mappings)  # keys of another type first: their marks cannot be read
-            _past_redis(conn, client, settings, mappings)
+            written = written_streams(settings, mappings)
+            vanished = _vanished_streams(client, written)  # keys of another type first: their marks cannot be read
+            _past_redis(conn, client, settings, written)
             lost_from, lost_to = _fence(client, settings, say)
             _forget_vanished(client, mappings, vanished, say)
             _idle_slot(conn, slot)
@@ -302,7 +314,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                 import_snapshot(conn, snap.name)
                 publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster,
                                       flushed_key=keys.flushed_key(slot), settings=settings.redis,
-                                      entities={s: m.entity for m in mappings for s in m.stream_keys()})
+                                      entities=written)
                 try:
                     catalog = TypeCatalog()
                     marker = rebuild.marker(str(snap.position), lost_from, lost_to)
@@ -314,16 +326,17 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                             continue
                         _rebuild(conn, client, publisher, bind_live(conn, m, catalog), base, marker, say)
                         rebuilt.append(m.entity)
+                    if settings.transactions.stream:
+                        _mark_transactions(publisher, settings.transactions.stream, base, marker, say)
                     conn.execute("COMMIT")
                     _idle_slot(conn, slot)
                     _still_fenced(client, slot)
                     # the rebuild holds every row: a snapshot or backfill published after it would repeat them
                     for backfill_id, entity in supersede(conn, slot, rebuilt, f"superseded by cdc recover at {snap.position}"):
                         say(f"backfill {backfill_id} of {entity}: superseded (the rebuild holds every row)")
-                    for m in mappings:  # entries removed before the rebuild are accounted for by its marker
-                        for stream in m.stream_keys():
-                            if client.exists(stream):
-                                account_removed(client, stream)
+                    for stream in written:  # entries removed before the rebuild are accounted for by its marker
+                        if client.exists(stream):
+                            account_removed(client, stream)
                     publisher.record_flushed(confirmed)
                     # the streams replay to the tables as they are now: bind them from the snapshot on
                     record_current(conn, client, slot, [m.table for m in mappings if m.table], snap.position)

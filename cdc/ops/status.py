@@ -96,6 +96,8 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
     client = connect_redis(settings.redis)
     try:
         streams = [(m.entity, s) for m in mappings for s in m.stream_keys()]
+        if settings.transactions.stream:
+            streams.append((keys.TRANSACTIONS_OWNER, settings.transactions.stream))
         marks = publisher.marks(s for _, s in streams)
         trim_stats = {k.decode(): int(v) for k, v in client.hgetall(keys.TRIM_STATS).items()}
         bridge_state = {k.decode(): v.decode() for k, v in client.hgetall(keys.bridge_state_key(settings.postgres.slot)).items()}

@@ -159,8 +159,13 @@ def removed_unconsumed(client: redis.Redis, stream: str) -> list[UnconsumedRemov
 
 
 def trim_mapped(client: redis.Redis, mappings: Iterable[Mapping], policy: TrimPolicy, entity: str | None = None,
-                ) -> Iterator[TrimResult]:
-    """Trim every existing stream of the mapped entities (or of `entity` only)."""
+                also: Iterable[str] = ()) -> Iterator[TrimResult]:
+    """Trim every existing stream of the mapped entities (or of `entity` only), and the streams in `also`
+    (the transactions stream) unless one entity is named."""
+    if not entity:
+        for stream in also:
+            if stream and client.exists(stream):
+                yield trim_stream(client, stream, policy)
     for m in mappings:
         if entity and m.entity != entity:
             continue

@@ -40,27 +40,30 @@ def assert_ends_match(client, streams: list[str]) -> list[dict]:
                 continue
             held[e["lsn"], e["xid"]][stream] += 1
             last[e["lsn"], e["xid"]] = max(last[e["lsn"], e["xid"]], int(e["seq"]))
-    ends = read_stream(client, TX_STREAM)
+    everything = read_stream(client, TX_STREAM)
+    ends = [e for e in everything if e["op"] == "e"]
+    assert all(e["op"] == "x" for e in everything if e["op"] != "e"), "only ENDs and rebuild markers"
     by_tx = Counter((e["lsn"], e["xid"]) for e in ends)
     assert not [tx for tx, n in by_tx.items() if n > 1], "an END written twice"
     assert set(by_tx) == set(held), "a transaction without its END, or an END of no transaction"
     for e in ends:
         tx = (e["lsn"], e["xid"])
-        assert e["op"] == "e" and e["key"] == {} and e["v"] == "1"
+        assert e["key"] == {} and e["v"] == "1"
         assert e["data"] == {"count": sum(held[tx].values()), "streams": dict(held[tx])}, tx
         assert int(e["seq"]) == last[tx] + 1
-    lsns = [int(e["lsn"]) for e in ends]
+    lsns = [int(e["lsn"]) for e in everything]
     assert lsns == sorted(lsns), "ENDs in commit order"
-    return ends
+    return everything
 
 
-def test_transactions_get_one_end_each_with_their_counts(env):
+@pytest.mark.parametrize("append, pure", [("transaction", ""), ("script", "1")])
+def test_transactions_get_one_end_each_with_their_counts(env, append, pure):
     env.apply_sql("10_rocket_rides.sql")
     env.execute(NOTES_SQL)
     env.copy_mappings("ride.yaml")
     env.write_mapping("rider.yaml", RIDER_MAPPING)
     env.write_mapping("note.yaml", NOTE_MAPPING)
-    env.write_config(f"batch: {{max_entries: 40}}\ntransactions: {{stream: '{TX_STREAM}'}}\n")
+    env.write_config(f"batch: {{max_entries: 40}}\ntransactions: {{stream: '{TX_STREAM}'}}\n", redis=f", append: {append}")
     env.cdc("init", check=True)
     with env.connect() as conn:
         with conn.transaction():  # two mapped tables
@@ -72,15 +75,17 @@ def test_transactions_get_one_end_each_with_their_counts(env):
             conn.execute("INSERT INTO notes SELECT g, 'n' || g FROM generate_series(1, 5) g")
         conn.execute("INSERT INTO audit VALUES (1)")  # no mapped table: no END
         conn.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 130) g")  # 4 batches
-    env.cdc("run", "--until-caught-up", check=True)
+    env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": pure})
     streams = ["cdc:ride", "cdc:rider", "cdc:note:0", "cdc:note:1"]
     ends = assert_ends_match(env.redis, streams)
     assert [e["data"]["count"] for e in ends] == [2, 7, 130]
     assert set(ends[1]["data"]["streams"]) == {"cdc:rider", "cdc:ride", "cdc:note:0", "cdc:note:1"}
     rides = read_stream(env.redis, "cdc:ride")
     assert ends[0]["ts_ms"] == rides[0]["ts_ms"] and ends[0]["xid"] == rides[0]["xid"]
-    env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": "1"})
-    assert env.redis.xlen(TX_STREAM) == 3, "a replay appends no END twice"
+    env.execute("INSERT INTO notes VALUES (6, 'n6')")
+    env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": "" if pure else "1"})
+    ends = assert_ends_match(env.redis, streams)
+    assert len(ends) == 4 and ends[3]["data"]["count"] == 1, "the other path goes on after it, nothing twice"
 
 
 def test_a_clashing_transactions_stream_is_a_config_error(env):
@@ -117,3 +122,28 @@ def test_kill_9_mid_stream_leaves_every_end_once_with_its_counts(env):
     assert_streams_exact(env, workload)
     ends = assert_ends_match(env.redis, ["cdc:ride", "cdc:rider"])
     assert any(e["data"]["count"] > 40 for e in ends), "a transaction spanning batches was counted whole"
+
+
+def test_status_trim_and_recover_treat_the_transactions_stream_like_the_others(env):
+    import orjson
+
+    env.apply_sql("10_rocket_rides.sql")
+    env.copy_mappings("ride.yaml")
+    env.write_mapping("rider.yaml", RIDER_MAPPING)
+    env.write_config(f"transactions: {{stream: '{TX_STREAM}'}}\n")
+    env.cdc("init", check=True)
+    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'Ann', 'a@x')")
+    env.cdc("run", "--until-caught-up", check=True)
+    status = orjson.loads(env.cdc("status", "--json", check=True).stdout)
+    shown = {s["stream"]: s for s in status["streams"]}
+    assert shown[TX_STREAM]["length"] == 1 and shown[TX_STREAM]["entity"] == "transactions (END records)"
+    assert shown[TX_STREAM]["last_lsn"] is not None
+    assert f"{TX_STREAM}: trimmed 0" in env.cdc("trim", check=True).stdout
+    out = env.cdc("recover", check=True, timeout=120).stdout
+    assert f"{TX_STREAM}: the marker (x)" in out, out
+    ends = read_stream(env.redis, TX_STREAM)
+    assert [e["op"] for e in ends] == ["e", "x"] and ends[1]["xid"] == "0"
+    env.execute("INSERT INTO riders (id, name, email) VALUES (2, 'Bo', 'b@x')")
+    env.cdc("run", "--until-caught-up", check=True)
+    ends = assert_ends_match(env.redis, ["cdc:ride", "cdc:rider"])
+    assert [e["op"] for e in ends] == ["e", "x", "e"] and ends[2]["data"] == {"count": 1, "streams": {"cdc:rider": 1}}

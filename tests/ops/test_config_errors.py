@@ -280,3 +280,15 @@ def test_an_error_is_reported_as_one_line_with_exit_2(capsys):
     assert report(error) == 2
     assert capsys.readouterr().err == ("cdc: error: <unknown>: trim.max_len must be from 0 to 9223372036854775807, "
                                        "got -1; the default is 0; see the README, section \"Configuration\"\n")
+
+
+def test_a_transactions_stream_that_is_no_plain_key_is_refused_with_its_line(tmp_path):
+    cfg = tmp_path / "cdc.yaml"
+    for value, says in (("'cdc: tx'", "transactions.stream must be empty, or a Redis key"), ("[a]", "must be a string")):
+        cfg.write_text(f"postgres: {{dsn: 'postgresql://x@h/db'}}\nredis: {{url: 'redis://h:6379/0'}}\n"
+                       f"transactions:\n  stream: {value}\n")
+        with pytest.raises(ConfigError) as caught:
+            Settings.from_file(cfg)
+        assert str(caught.value).startswith(f"{cfg}:4: transactions.stream") and says in str(caught.value), caught.value
+    cfg.write_text("transactions: {stream: 'cdc:transactions'}\n")
+    assert Settings.from_file(cfg).transactions.stream == "cdc:transactions"

@@ -148,3 +148,41 @@ def test_a_failed_stream_moves_neither_its_mark_nor_the_flushed_record_on_a_clus
     finally:
         pub.close()
         client.close()
+
+
+@pytest.mark.parametrize("mode", ["transaction", "script"])
+def test_the_transactions_stream_is_appended_only_after_every_other_lane_on_a_cluster(cluster, mode):
+    """A transaction's END record (in a stream of its own lane) goes to Redis only once every other stream of the
+    send confirmed its entries: a refused stream leaves no END naming its entries."""
+    from cdc.errors import PublishError
+    from cdc.sink.publisher import Publisher, StreamBatch, position
+
+    def batch(stream, positions):
+        b = StreamBatch(stream)
+        for lsn, seq in positions:
+            b.add(position(lsn, seq), [b"op", b"c", b"lsn", str(lsn), b"seq", seq])
+        return b
+
+    client = RedisCluster(host="127.0.0.1", port=cluster[0].port)
+    owners: dict[str, str] = {}
+    for i in range(50):
+        stream = f"cdc:s{i}"
+        owners.setdefault(client.get_node_from_key(stream).name, stream)
+    a, c, t = sorted(owners.values())[:3]  # an entity stream, one that will be refused, the transactions stream
+    pub = Publisher(f"redis://127.0.0.1:{cluster[0].port}/0", cluster=True, append=mode,
+                    flushed_key="cdc:bridge:slot:flushed", after_others=t)
+    try:
+        assert pub.publish([batch(t, [(100, 2)]), batch(a, [(100, 0)]), batch(c, [(100, 1)])]) == 3
+        client.delete(c)
+        client.delete(keys.mark_key(c))
+        client.set(c, "not a stream")
+        with pytest.raises(PublishError):  # the END first in the send, as a lane of its own could go first
+            pub.send([batch(t, [(200, 2)]), batch(a, [(200, 0)]), batch(c, [(200, 1)])], flushed=250)
+            pub.confirm()
+        assert [int(f[b"lsn"]) for _, f in client.xrange(t)] == [100], "no END before its entries are all in"
+        client.delete(c)
+        assert pub.publish([batch(t, [(200, 2)]), batch(a, [(200, 0)]), batch(c, [(200, 1)])]) == 2  # a's is there
+        assert [int(f[b"lsn"]) for _, f in client.xrange(t)] == [100, 200]
+    finally:
+        pub.close()
+        client.close()

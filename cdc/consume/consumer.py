@@ -563,8 +563,11 @@ class Consumer:
         records = [e for u in units for e in u.records]
         redelivered = self._assembly.redelivered
         cleared = [e for e in records if e.id in redelivered]
+        ends = [e.id for e in records if e.stream == self.transactions]
+        if self._cluster and ends:  # on its own node: acknowledged before the entries
+            self.client.xack(self.transactions, self.group, *ends)
         pipe = self.client.pipeline(transaction=not self._cluster)
-        for stream in sorted({e.stream for e in records}, key=lambda s: s != self.transactions):
+        for stream in {e.stream for e in records} - ({self.transactions} if self._cluster else set()):
             pipe.xack(stream, self.group, *(e.id for e in records if e.stream == stream))
         for stream in {e.stream for e in cleared}:
             ids = [e.id for e in cleared if e.stream == stream]

@@ -157,3 +157,77 @@ def test_a_killed_consumer_and_a_group_started_at_dollar_cut_no_transaction(setu
     assert len(set(rows)) == len(rows) == 62, "nothing applied twice"
     xids = [x for _, x, _ in rows]
     assert xids == sorted(xids), "commit order"
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def cluster(servers_root):
+    """Three Redis Cluster nodes (as tests/sink/test_cluster.py starts them)."""
+    import subprocess
+    import time
+
+    import redis
+
+    from cdc.demo.local import LocalRedis, free_port
+
+    def cluster_port() -> int:  # its bus port (+10000) must be free too
+        return next(p for p in iter(free_port, None) if p < 55000 and _free(p + 10000))
+
+    nodes = []
+    for i in range(3):
+        root = servers_root / f"txcluster-{i}-{time.monotonic_ns()}"
+        nodes.append(LocalRedis(root, cluster_port(), extra=["--cluster-enabled", "yes", "--cluster-config-file",
+                                                             str(root / "nodes.conf"), "--cluster-node-timeout", "5000"]).start())
+    try:
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        for n in nodes:
+            wait_for(lambda n=n: redis.Redis(port=n.port).cluster("info")["cluster_state"] == "ok", 30, "the cluster")
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_on_a_cluster_an_end_seen_before_an_entry_on_another_node_waits_for_it(env, cluster):
+    from redis.cluster import RedisCluster
+
+    client = RedisCluster(host="127.0.0.1", port=cluster[0].port)
+    assert len({client.get_node_from_key(s).name for s in (A, B, TX)}) > 1, "the streams on different nodes"
+    env.apply_sql("20_consumer_state.sql")
+    env.execute("CREATE TABLE applied (n bigserial, stream text, xid bigint, id bigint)")
+    src = Source(client)
+    first = src.transaction((A, {"id": 1}), (B, {"id": 2}))
+    consumer = Consumer(client, [A, B], "g", "c1", transactions=TX, lease_ttl_ms=1000, block_ms=100)
+    consumer.create_group("0")
+    handler = TransactionalHandler(env.dsn, "g", apply, epoch_of=consumer.epoch)
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(handler, stop), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: len(applied(env)) == 2, 30, "the first transaction")
+        # the next one's END and first entry are visible, its entry on the other node not yet
+        src.lsn, src.xid = src.lsn + 100, src.xid + 1
+        client.xadd(A, src.fields("c", {"id": 3}, 0))
+        client.xadd(TX, src.fields("e", {"count": 2, "streams": {A: 1, B: 1}}, 2, key={}))
+        wait_for(lambda: consumer.delivered >= 5, 30, "the END to be read")
+        assert len(applied(env)) == 2, "nothing of an incomplete transaction"
+        client.xadd(B, src.fields("c", {"id": 4}, 1))
+        wait_for(lambda: len(applied(env)) == 4, 30, "the straggler, then the whole transaction")
+        wait_for(lambda: sum(g["pending"] for s in (A, B, TX) for g in client.xinfo_groups(s)) == 0, 30, "the acks")
+    finally:
+        stop.set()
+        thread.join(10)
+        handler.close()
+        client.close()
+    assert applied(env) == [(A, first, 1), (B, first, 2), (A, src.xid, 3), (B, src.xid, 4)]

@@ -35,6 +35,7 @@ from redis.exceptions import ResponseError
 
 from .. import keys
 from ..sink.entry import Entry, parse_entry, reply_text
+from ..sink.publisher import split_position
 from ..errors import CdcError
 from ..loader import check_signature
 from .failures import ENTRY, whose
@@ -479,10 +480,15 @@ class Consumer:
             if self._assembly is not assembly:
                 return
         if not assembly.ready:
+            mark = None
+            if self.transactions not in self._pending_phase and assembly.waiting_for_end(time.monotonic(), 0.5):
+                mark = self.client.get(keys.mark_key(self.transactions))  # before the read: the END up to it are read then
             entries = self.read(assembly.wanted(self.count))
             if self._assembly is not assembly:  # the lease was lost while reading
                 return
             assembly.add(entries, redelivered=self._read_pending)
+            if mark is not None and not self._read_pending and not assembly.ends:
+                assembly.ends_written = split_position(mark)[0]
             superseded = assembly.superseded
             assembly.ready.extend(assembly.take(time.monotonic()))
             if assembly.superseded > superseded:

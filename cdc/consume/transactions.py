@@ -11,6 +11,8 @@ consumer read, from its streams and from the transactions stream, and gives back
   non-transactional message ``xid 0``), alone;
 - an entry whose END is already behind (its transaction was handed over, or ended before the
   group started on the transactions stream), alone: it is a redelivery the checkpoint skips;
+- an entry older than every END read while the transactions stream's high-water mark says no
+  END is missing (`ends_written`: entries written before transactions were turned on), alone;
 - a duplicate (a double send of an entry or an END), to acknowledge, never to hand over;
 - the marker `cdc recover` appends to the transactions stream (``op x``), to acknowledge: an END
   before it that stays incomplete counts entries the rebuild replaced, and is acknowledged too
@@ -80,6 +82,7 @@ class TransactionAssembler:
         self.redelivered: set[str] = set()  # IDs read again from the pending list (their failures are cleared when done)
         self.waiting = ""  # what the assembler waits for, for the error
         self.short = ""  # the stream the first END waits for entries of
+        self.ends_written = 0  # every END up to this commit LSN was read (none buffered): older entries have none
         self.superseded = 0  # incomplete END records acknowledged because cdc recover rebuilt the streams after them
         self._since: float | None = None
         self._ids: set[str] = set()  # (stream, ID) of what is buffered: a re-read entry is not taken twice
@@ -110,6 +113,11 @@ class TransactionAssembler:
         if len(self.ends) < limit:
             streams.append(self.transactions)
         return streams
+
+    def waiting_for_end(self, now: float, after_s: float) -> bool:
+        """True when entries have waited more than `after_s` for an END and none is buffered."""
+        return (not self.ends and self._since is not None and now - self._since > after_s
+                and any(buf and covered(buf[0]) for buf in self.buffers.values()))
 
     def pending(self) -> bool:
         """True while anything read is not yet handed over."""
@@ -164,7 +172,8 @@ class TransactionAssembler:
         if e.position <= self.handed.get(stream, (-1, -1)):
             buf.popleft()
             return Unit([], extra=[e])
-        if not (e.lsn <= self.last_end[0] or (self.ends and e.lsn < self.ends[0].lsn)):
+        if not (e.lsn <= self.last_end[0] or (self.ends and e.lsn < self.ends[0].lsn)
+                or (not self.ends and e.lsn <= self.ends_written)):
             return None  # its END is still to come
         entries = []
         while buf and covered(buf[0]) and (buf[0].lsn, buf[0].xid) == (e.lsn, e.xid):

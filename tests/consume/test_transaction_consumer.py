@@ -159,6 +159,24 @@ def test_a_killed_consumer_and_a_group_started_at_dollar_cut_no_transaction(setu
     assert xids == sorted(xids), "commit order"
 
 
+def test_entries_whose_end_was_acknowledged_are_handed_over_on_a_quiet_stream(setup):
+    """A consumer killed between acknowledging an END and its entries (a cluster's acknowledgement is two
+    calls): the transactions stream's high-water mark shows no END is missing, so they go alone."""
+    env, src = setup
+    xid = src.transaction((A, {"id": 1}), (B, {"id": 2}))
+    Consumer(env.redis, [A, B], "g", "c0", transactions=TX).create_group("0")
+    [[_, [(end_id, _)]]] = env.redis.xreadgroup("g", "c0", {TX: ">"})
+    env.redis.xack(TX, "g", end_id)
+    env.redis.set("{%s}:hwm" % TX, f"{src.lsn:020d}2")  # as the bridge keeps it
+    consumer, stop, thread, failure = running(env, wait_ms=3000)
+    try:
+        wait_for(lambda: len(applied(env)) == 2 or failure, 30, "the entries to be handed over")
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not failure and applied(env) == [(A, xid, 1), (B, xid, 2)] and pending(env) == 0
+
+
 def _free(port: int) -> bool:
     import socket
 

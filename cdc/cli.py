@@ -60,7 +60,9 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
     """`cdc consume`'s options; each help names its default (cdc.consume.consumer holds them)."""
     from .consume import consumer as c
 
-    consume.add_argument("--entity", required=True, help="the mapping whose streams to read (all its partitions)")
+    consume.add_argument("--entity", required=True, action="append",
+                         help="the mapping whose streams to read (all its partitions); with --transactions, "
+                              "give it once per entity whose transactions the consumer sees whole")
     consume.add_argument("--group", required=True, help="consumer group (also names the state and checkpoints it keeps)")
     consume.add_argument("--name", help="consumer name in the group (default: host-pid); a consumer restarted under "
                                         "the same name takes its streams back at once, and a consumer on this host "
@@ -86,6 +88,13 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
                          help="serve /metrics, /healthz and /readyz on this port (default 0: not served)")
     consume.add_argument("--metrics-host", default="0.0.0.0",
                          help="the address --metrics-port listens on (default 0.0.0.0)")
+    consume.add_argument("--transactions", metavar="STREAM", nargs="?", const="",
+                         help="transaction mode: hand the handler one source transaction at a time, whole, in commit "
+                              "order, using the END records the bridge writes to STREAM (default: the config's "
+                              "transactions.stream)")
+    consume.add_argument("--transaction-wait-ms", type=int, default=c.TRANSACTION_WAIT_MS,
+                         help="--transactions: how long a transaction may stay incomplete before the consumer stops "
+                              f"rather than hand over part of it (default {c.TRANSACTION_WAIT_MS})")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,8 @@ ABOUT: dict[str, tuple[str, str]] = {
     "run": ("Stream committed changes into Redis until SIGTERM/SIGINT, then finish the batch in flight and exit 0.",
             "cdc run --config cdc.yaml"),
     "consume": ("Run a consumer of one entity's streams, exactly once: a transactional handler with checkpoints "
-                "(--handler) or an idempotent table mirror (--sink).",
+                "(--handler) or an idempotent table mirror (--sink). With --transactions, of several entities' "
+                "streams, one whole source transaction at a time, in commit order.",
                 "cdc consume --config cdc.yaml --entity ride --group totals-a --start 0 "
                 "--handler cdc.demo.rocketrides:ride_totals"),
     "trim": ("Trim each stream up to the oldest entry any consumer group still needs; optional hard caps "

@@ -33,7 +33,8 @@ EXIT_CODES = {
     5: "Redis refused a command (ACL, login), or a key of another type sits where a mapped stream or its high-water "
        "mark belongs",
     6: "Redis lost entries the slot was told it holds, or a mapped stream's history vanished (deleted, replaced by "
-       "another type, or trimmed below what a consumer group had not consumed)",
+       "another type, or trimmed below what a consumer group had not consumed); for a transaction-mode consumer, a "
+       "source transaction whose entries did not all arrive in time (`IncompleteTransaction`)",
     7: "`cdc reconcile` left drift (a dry run, or a refused reset)",
     75: "transient: a server unreachable or restarting, or another bridge holds the slot (`cdc run`; see `--standby`); "
         "running again may succeed",

@@ -34,7 +34,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
     check_positive(args, "metrics_port", allow_zero=True)
     if args.metrics_port > 65535:
         raise UsageError(f"--metrics-port {args.metrics_port}: not a port", hint="give a port up to 65535, or 0")
-    for option in ("count", "lease_ttl_ms", "claim_idle_ms", "max_deliveries"):
+    for option in ("count", "lease_ttl_ms", "claim_idle_ms", "max_deliveries", "transaction_wait_ms"):
         if getattr(args, option) < 1:
             raise UsageError(f"--{option.replace('_', '-')} {getattr(args, option)}: must be at least 1",
                              hint="see cdc consume --help for the defaults")
@@ -44,7 +44,25 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
         check_dsn(args.state_dsn, "--state-dsn")
     settings, mappings = load_config(args)
-    mapping = entity_named(mappings, args.entity)
+    if args.transactions == "":
+        if not settings.transactions.stream:
+            raise UsageError("--transactions without a stream, and the config sets no transactions.stream",
+                             hint="set transactions: {stream: cdc:transactions} for the bridge, or give --transactions STREAM")
+        args.transactions = settings.transactions.stream
+    if len(args.entity) > 1 and not args.transactions:
+        raise UsageError("--entity is given more than once: only with --transactions does one consumer read several entities",
+                         hint="give one --entity, or add --transactions STREAM")
+    if args.transactions and args.shared:
+        raise UsageError("--shared with --transactions: one consumer must see every entry of a transaction",
+                         hint="leave out --shared; standby consumers take over through the lease")
+    chosen = [entity_named(mappings, name) for name in dict.fromkeys(args.entity)]
+    streams = [key for mapping in chosen for key in mapping.stream_keys()]
+    if args.transactions in streams:
+        raise UsageError(f"--transactions {args.transactions} is a mapped entity's stream",
+                         hint="give the bridge's transactions.stream (cdc:transactions by default in its docs)")
+    if args.sink is not None and len(chosen) > 1:
+        raise UsageError("--sink mirrors one entity into one table: give one --entity with it",
+                         hint="use --handler to keep several entities' state in step")
     if bool(args.handler) == bool(args.sink):
         raise UsageError("give exactly one of --handler module:function or --sink schema.table")
     if args.shared and args.handler:
@@ -59,8 +77,9 @@ def cmd_consume(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with redis_for(settings) as client:
         consumer = Consumer(
-            client, mapping.stream_keys(), args.group, args.name, exclusive=not args.shared, count=args.count,
+            client, streams, args.group, args.name, exclusive=not args.shared, count=args.count,
             claim_idle_ms=args.claim_idle_ms, max_deliveries=args.max_deliveries, lease_ttl_ms=args.lease_ttl_ms,
+            transactions=args.transactions, transaction_wait_ms=args.transaction_wait_ms,
         )
         if apply is not None:
             from ..consume.checkpoint import TransactionalHandler
@@ -75,7 +94,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
             handler = TableSink(state_dsn, args.sink)
         server = _serve_metrics(consumer, args, settings.postgres.slot, state_dsn if apply is not None else None)
         try:
-            _consume(consumer, handler, settings, mapping, args.start, stop, log)
+            _consume(consumer, handler, settings, chosen, args.start, stop, log)
         except redis.RedisError as exc:
             raise redis_refusal(exc) if whose(exc) == SETUP and not isinstance(exc, redis.AuthenticationError) else exc
         finally:
@@ -101,7 +120,7 @@ def _serve_metrics(consumer, args: argparse.Namespace, slot: str, state_dsn: str
                           hint="give --metrics-port a free port, or 0") from None
 
 
-def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> None:
+def _consume(consumer, handler, settings, mappings, start: str, stop, log) -> None:
     """Check the setup (Redis ACL, the state database and its grants), then consume until `stop`.
 
     What is worth retrying (see `cdc.consume.failures`) is retried with the bridge's backoff, the
@@ -119,7 +138,7 @@ def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> Non
         backoff.streaming(time.monotonic())
         try:
             if not checked:
-                check_redis_acl(consumer.client, settings, mapping, log)
+                check_redis_acl(consumer.client, settings, mappings, log)
                 handler.check_setup()
                 checked = True
             consumer.create_group(start)
@@ -139,7 +158,7 @@ def _consume(consumer, handler, settings, mapping, start: str, stop, log) -> Non
             stop.wait(delay)
 
 
-def check_redis_acl(client, settings, mapping, log) -> None:
+def check_redis_acl(client, settings, mappings, log) -> None:
     """Every command the consumer sends, asked of the ACL with ACL DRYRUN (as `cdc check` does):
     a refused one stops it now (exit 5) rather than at its first entry."""
     from ..ops.preflight import CheckReport, _check_acl, _where, acl_probes
@@ -147,7 +166,7 @@ def check_redis_acl(client, settings, mapping, log) -> None:
     if settings.redis.cluster:  # the nodes' ACLs are cdc check's to compare
         return
     report = CheckReport()
-    probes = [("cdc consume", command) for who, command in acl_probes(settings, [mapping]) if who == "consumers"]
+    probes = [("cdc consume", command) for who, command in acl_probes(settings, mappings) if who == "consumers"]
     _check_acl(client, _where(settings.redis.url), probes, report)
     for warning in report.warnings:
         log.info("%s", warning)

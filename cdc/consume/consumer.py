@@ -35,11 +35,13 @@ from redis.exceptions import ResponseError
 
 from .. import keys
 from ..sink.entry import Entry, parse_entry, reply_text
+from ..sink.publisher import split_position
 from ..errors import CdcError
 from ..loader import check_signature
 from .failures import ENTRY, whose
 from .lease import Lease
 from .metrics import ConsumerMetrics, MetricsServer, serve_metrics
+from .transactions import IncompleteTransaction, TransactionAssembler, Unit, covered
 
 __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
 
@@ -51,6 +53,8 @@ BLOCK_MS = 1000
 CLAIM_IDLE_MS = 5_000
 MAX_DELIVERIES = 5
 LEASE_TTL_MS = 2_000
+#: transaction mode: how long a transaction may stay incomplete (entries on their way) before the consumer stops
+TRANSACTION_WAIT_MS = 10_000
 #: how often, at most, leases are renewed and free ones sought (and shared mode reaps)
 LEASE_POLL_S = 0.25
 
@@ -108,7 +112,13 @@ class Consumer:
         claim_idle_ms: int = CLAIM_IDLE_MS,
         max_deliveries: int = MAX_DELIVERIES,
         lease_ttl_ms: int = LEASE_TTL_MS,
+        transactions: str | None = None,
+        transaction_wait_ms: int = TRANSACTION_WAIT_MS,
     ) -> None:
+        if transactions is not None and not exclusive:
+            raise ValueError("transaction mode needs exclusive=True: one consumer assembles each transaction")
+        if transactions is not None and transactions in streams:
+            raise ValueError(f"the transactions stream {transactions} is also among the streams to read")
         self.client = client
         self._cluster = not hasattr(client, "connection_pool")  # a RedisCluster has one pool per node
         self._raw_clients: dict[str, redis.Redis] = {}
@@ -121,12 +131,18 @@ class Consumer:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self.dead_letter_stream = keys.dead_letter_key(group)
+        self.transactions = transactions
+        self.transaction_wait_ms = transaction_wait_ms
+        #: what is read: the streams, and in transaction mode the transactions stream too
+        self.read_streams = self.streams + ([transactions] if transactions else [])
         instance = uuid.uuid4().hex[:12]  # this process: a restart under the same name takes the leases back
-        self.leases = {s: Lease(client, s, group, self.name, lease_ttl_ms, instance) for s in self.streams} if exclusive else {}
+        # in transaction mode one lease, on the transactions stream, gives every stream: a transaction spans them
+        leased = [transactions] if transactions else self.streams
+        self.leases = {s: Lease(client, s, group, self.name, lease_ttl_ms, instance) for s in leased} if exclusive else {}
         self._lease_check_every = min(lease_ttl_ms / 3000, LEASE_POLL_S)
         self._next_lease_check = 0.0
         self._next_reap = 0.0
-        self._pending_phase: set[str] = set(self.streams)  # re-read own pending entries first
+        self._pending_phase: set[str] = set(self.read_streams)  # re-read own pending entries first
         self._redelivered: set[str] = set()  # IDs read again from the pending list: they may have failures recorded
         self._retry_one: set[str] = set()  # streams whose first pending entry failed: retry it alone
         self.delivered = 0
@@ -136,11 +152,15 @@ class Consumer:
         self.claimed = 0
         #: counters for /metrics (served only when asked: `serve_metrics`)
         self.metrics = ConsumerMetrics(group)
+        self.transactions_handled = 0
+        self._read_pending = False  # the last read() returned entries read again from the pending list
+        self._assembly: TransactionAssembler | None = None  # transaction mode: what was read and not yet handled
 
     def __repr__(self) -> str:
         return (
             f"<Consumer {self.group}/{self.name} delivered={self.delivered} acked={self.acked} "
-            f"failed={self.failed} dead_lettered={self.dead_lettered} claimed={self.claimed}>"
+            f"failed={self.failed} dead_lettered={self.dead_lettered} claimed={self.claimed}"
+            + (f" transactions={self.transactions_handled}>" if self.transactions else ">")
         )
 
     def serve_metrics(self, port: int, host: str = "0.0.0.0", **options) -> MetricsServer:
@@ -152,30 +172,39 @@ class Consumer:
     def create_group(self, start: str | datetime | int = "$") -> None:
         """Create the group on every stream (idempotent; the stream is created if missing)."""
         sid = stream_id_for(start)
-        for stream in self.streams:
+        if self.transactions and sid not in ("0", "0-0"):
+            for stream, at in group_starts(self.client, self.streams, self.transactions, sid).items():
+                ensure_group(self.client, stream, self.group, at)
+            return
+        for stream in self.read_streams:
             ensure_group(self.client, stream, self.group, sid)
 
     def epoch(self, stream: str) -> int:
         """The lease epoch this consumer holds on `stream` (0 when not exclusive)."""
-        lease = self.leases.get(stream)
+        lease = self.leases.get(self.transactions or stream)
         return lease.epoch if lease is not None else 0
 
     @property
     def active_streams(self) -> list[str]:
         if not self.exclusive:
             return self.streams
+        if self.transactions:
+            return self.read_streams if self.leases[self.transactions].held else []
         return [s for s in self.streams if self.leases[s].held]
 
     # -- leases and reaping ----------------------------------------------------------------
 
     def _refresh_leases(self) -> None:
         for stream, lease in self.leases.items():
+            covers = self.read_streams if self.transactions else [stream]
             if lease.epoch:
                 if not lease.renew():
-                    self._pending_phase.discard(stream)
+                    self._pending_phase.difference_update(covers)
+                    self._assembly = None  # a new holder reads it all again
             elif lease.try_acquire():
-                self.claimed += self._claim(stream, 0)
-                self._pending_phase.add(stream)
+                for s in covers:
+                    self.claimed += self._claim(s, 0)
+                self._pending_phase.update(covers)
 
     def _raw(self, stream: str) -> redis.Redis:
         """A client on the same connections as `client` (the node's, on a cluster) that keeps
@@ -274,8 +303,9 @@ class Consumer:
             time.sleep(min(block, 100) / 1000)  # nothing anywhere: a short pause instead of a blocking read
         return reply
 
-    def read(self) -> list[Entry]:
-        """The next batch: own pending entries first (after a restart or a failure), then new ones."""
+    def read(self, only: Sequence[str] | None = None) -> list[Entry]:
+        """The next batch: own pending entries first (after a restart or a failure), then new ones
+        (of the streams in `only`, when given)."""
         now = time.monotonic()
         self.metrics.loop_at = now
         if self.exclusive and now >= self._next_lease_check:
@@ -296,22 +326,32 @@ class Consumer:
             if single:
                 entries += self._parse(self._xreadgroup({s: "0" for s in single}, 1), gone)
             if several:
-                entries += self._parse(self._xreadgroup({s: "0" for s in several}, self.count), gone)
+                start = {s: self._assembly.cursor.get(s, "0") if self._assembly else "0" for s in several}
+                entries += self._parse(self._xreadgroup(start, self.count), gone)
+            if gone and self.transactions:
+                raise_gone(gone)
             for stream, entry_id in gone:  # nothing left to hand over: never blocks the stream
                 self.dead_letter(stream, entry_id, None, 0, "deleted from the stream (trimmed) while pending")
             got = {e.stream for e in entries} | {stream for stream, _ in gone}
-            entries = self._finish_dead_letters(entries)
+            if self._assembly is not None:
+                for e in entries:
+                    self._assembly.cursor[e.stream] = e.id
+            else:
+                entries = self._finish_dead_letters(entries)
             self._redelivered.update(e.id for e in entries)
             for stream in pending:
                 if stream not in got:
                     self._pending_phase.discard(stream)
             if got:  # even if all were dead-lettered: more may be pending behind them
                 self.delivered += len(entries)
+                self._read_pending = True
                 return entries
         block = self.block_ms
         if self.exclusive:  # wake up in time to renew the leases
             block = max(1, min(block, int(max(0.0, self._next_lease_check - time.monotonic()) * 1000)))
-        reply = self._xreadgroup({s: ">" for s in active}, self.count, block)
+        ids = {s: ">" for s in active if only is None or s in only}
+        reply = self._xreadgroup(ids or {s: ">" for s in active}, self.count, block)
+        self._read_pending = False
         entries = self._parse(reply)
         self.delivered += len(entries)
         return entries
@@ -366,15 +406,21 @@ class Consumer:
         """
         check_signature(handle, ("entries",), f"the handler of consumer {self.name}")
         stop = stop or threading.Event()
-        log.info("consumer %s of group %s on %s", self.name, self.group, ", ".join(self.streams))
+        log.info("consumer %s of group %s on %s%s", self.name, self.group, ", ".join(self.streams),
+                 f", transactions from {self.transactions}" if self.transactions else "")
         self.metrics.state = "reading"
         try:
             while not stop.is_set():
+                if self.transactions:
+                    self._step_transactions(handle)
+                    continue
                 entries = self.read()
                 if entries:
                     self.process(entries, handle)
         finally:
             self.metrics.state = "stopped"
+            self._assembly = None  # a run again (after a transient error) reads its pending entries again
+            self._pending_phase.update(self.read_streams)
             for lease in self.leases.values():
                 lease.release()
 
@@ -433,7 +479,216 @@ class Consumer:
 
     def _fenced(self, entries: Sequence[Entry], exc: Fenced) -> None:
         log.warning("fenced off: %s", exc)
+        if self.transactions:
+            self.leases[self.transactions].epoch = 0
+            self._assembly = None
+            return
         for e in entries:
             lease = self.leases.get(e.stream)
             if lease is not None:
                 lease.epoch = 0
+
+    # -- transaction mode ----------------------------------------------------------------
+
+    def _step_transactions(self, handle: Callable[[list[Entry]], None]) -> None:
+        """Hand over the units ready (at most about `count` entries at once), else read more."""
+        self.metrics.loop_at = time.monotonic()  # the loop comes round while it works through ready units too
+        if self._assembly is None:
+            self._assembly = TransactionAssembler(self.streams, self.transactions, self.transaction_wait_ms / 1000)
+        assembly = self._assembly
+        if assembly.ready and time.monotonic() >= self._next_lease_check:  # busy: renew the lease between batches
+            self._refresh_leases()
+            self._next_lease_check = time.monotonic() + self._lease_check_every
+            if self._assembly is not assembly:
+                return
+        if not assembly.ready:
+            mark = None
+            if self.transactions not in self._pending_phase and assembly.waiting_for_end(time.monotonic(), 0.5):
+                mark = self.client.get(keys.mark_key(self.transactions))  # before the read: the END up to it are read then
+            entries = self.read(assembly.wanted(self.count))
+            if self._assembly is not assembly:  # the lease was lost while reading
+                return
+            assembly.add(entries, redelivered=self._read_pending)
+            if mark is not None and not self._read_pending and not assembly.ends:
+                assembly.ends_written = split_position(mark)[0]
+            superseded = assembly.superseded
+            assembly.ready.extend(assembly.take(time.monotonic()))
+            if assembly.superseded > superseded:
+                log.warning("%d incomplete transaction(s) before a cdc recover marker in %s acknowledged: the "
+                            "rebuild replaced entries they counted", assembly.superseded - superseded, self.transactions)
+            return
+        batch, size = [], 0
+        for unit in assembly.ready:
+            if batch and size + len(unit.entries) > self.count:
+                break
+            batch.append(unit)
+            size += len(unit.entries)
+        self._process_units(batch, handle)
+
+    def _process_units(self, batch: list[Unit], handle: Callable[[list[Entry]], None]) -> None:
+        """Handle units together, then acknowledge them together; on an entry's failure, unit by unit,
+        stopping at the first that fails (it is retried alone: nothing overtakes it)."""
+        batch = self._without_spent(batch)
+        if not batch:
+            return
+        try:
+            entries = [e for unit in batch for e in unit.entries]
+            if entries:
+                self._timed(handle, entries)
+        except Fenced as exc:
+            self._fenced(entries, exc)
+            return
+        except Exception as exc:
+            if whose(exc) != ENTRY:
+                raise
+            if len(batch) == 1:
+                self._fail_unit(batch[0], exc)
+                return
+        else:
+            self._ack_units(batch)
+            return
+        for unit in batch:
+            try:
+                if unit.entries:
+                    self._timed(handle, unit.entries)
+            except Fenced as exc:
+                self._fenced(unit.entries, exc)
+                return
+            except Exception as exc:
+                if whose(exc) != ENTRY:
+                    raise
+                self._fail_unit(unit, exc)
+                return
+            self._ack_units([unit])
+
+    def _without_spent(self, batch: list[Unit]) -> list[Unit]:
+        """Dead-letter the units read again whose failures already reached `max_deliveries` (a consumer
+        stopped between counting the last failure and dead-lettering); the batch up to the first other."""
+        again = [u for u in batch if u.head is not None and u.head.id in self._assembly.redelivered]
+        if not again:
+            return batch
+        pipe = self.client.pipeline(transaction=False)
+        for u in again:
+            pipe.hmget(keys.failures_key(u.head.stream, self.group), u.head.id, f"{u.head.id}:error")
+        spent = {}
+        for u, (failures, error) in zip(again, pipe.execute()):
+            if failures is not None and int(failures) >= self.max_deliveries:
+                spent[id(u)] = (int(failures), error.decode() if isinstance(error, bytes) else str(error or ""))
+        if not spent:
+            return batch
+        if id(batch[0]) not in spent:
+            return batch[:next(i for i, u in enumerate(batch) if id(u) in spent)]
+        for u in batch:
+            if id(u) not in spent:
+                break
+            self._dead_letter_unit(u, *spent[id(u)])
+        return []  # the next step takes what is left
+
+    def _ack_units(self, units: Sequence[Unit]) -> None:
+        """Acknowledge units together: every entry and END, one MULTI/EXEC on one Redis; on a cluster,
+        the ENDs first (an entry left pending behind its acknowledged END is handed over alone and
+        skipped by the checkpoint)."""
+        records = [e for u in units for e in u.records]
+        redelivered = self._assembly.redelivered
+        cleared = [e for e in records if e.id in redelivered]
+        ends = [e.id for e in records if e.stream == self.transactions]
+        if self._cluster and ends:  # on its own node: acknowledged before the entries
+            self.client.xack(self.transactions, self.group, *ends)
+        pipe = self.client.pipeline(transaction=not self._cluster)
+        for stream in {e.stream for e in records} - ({self.transactions} if self._cluster else set()):
+            pipe.xack(stream, self.group, *(e.id for e in records if e.stream == stream))
+        for stream in {e.stream for e in cleared}:
+            ids = [e.id for e in cleared if e.stream == stream]
+            pipe.hdel(keys.failures_key(stream, self.group), *ids, *(f"{i}:error" for i in ids))
+        pipe.execute()
+        redelivered.difference_update(e.id for e in cleared)
+        del_count = len(units)
+        for _ in range(del_count):
+            self._assembly.ready.popleft()
+        self.acked += len(records)
+        self.transactions_handled += sum(1 for u in units if u.end is not None)
+        for e in (e for u in units for e in u.entries):  # what the handler finished; the END records are not handed over
+            self.metrics.handled[e.stream] += 1
+
+    def _fail_unit(self, unit: Unit, error: BaseException) -> None:
+        """Count the handler's failure on a unit (on its END, or its entry); past `max_deliveries`
+        the whole unit is dead-lettered. Otherwise it stays first in line, retried alone."""
+        text = f"{type(error).__name__}: {error}"
+        head = unit.head
+        failures_key = keys.failures_key(head.stream, self.group)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(failures_key, head.id, 1)
+        pipe.hset(failures_key, f"{head.id}:error", text[:2000])
+        failures = int(pipe.execute()[0])
+        self.failed += 1
+        self.metrics.failures[head.stream] += 1
+        self._assembly.redelivered.add(head.id)  # a failure count to clear once it is done
+        log.warning("handler failed on %s %s%s: %s", head.stream, head.id,
+                    f" (a transaction of {len(unit.entries)} entries)" if unit.end is not None else "", error)
+        if failures >= self.max_deliveries:
+            self._dead_letter_unit(unit, failures, text)
+
+    def _dead_letter_unit(self, unit: Unit, failures: int, error: str) -> None:
+        """Move a whole unit to the dead-letter stream (each entry, then the END, each naming the END
+        in `transaction`), acknowledge all of it and clear its failure count: none of it is applied."""
+        pipe = self.client.pipeline(transaction=not self._cluster)
+        for e in unit.entries + ([unit.end] if unit.end is not None else []):
+            fields = {"source_stream": e.stream, "source_id": e.id, "group": self.group, "consumer": self.name,
+                      "deliveries": failures, "error": error[:2000],
+                      "entry": orjson.dumps({k.decode(): v.decode() for k, v in e.fields.items()})}
+            if unit.end is not None:
+                fields["transaction"] = unit.end.id
+            pipe.xadd(self.dead_letter_stream, fields)
+        for e in unit.records:
+            pipe.xack(e.stream, self.group, e.id)
+        head = unit.head
+        pipe.hdel(keys.failures_key(head.stream, self.group), head.id, f"{head.id}:error")
+        pipe.execute()
+        self._assembly.redelivered.discard(head.id)
+        self._assembly.ready.popleft()
+        self.dead_lettered += len(unit.entries) + (unit.end is not None)
+        for e in unit.entries + ([unit.end] if unit.end is not None else []):
+            self.metrics.dead_letters[e.stream] += 1
+        log.warning("dead-lettered %s %s with its %d entries after %d failed deliveries: %s",
+                    head.stream, head.id, len(unit.entries), failures, error)
+
+
+def raise_gone(gone: list[tuple[str, str]]) -> None:
+    """Transaction mode: an entry deleted while pending leaves its transaction incomplete: stop."""
+    stream, entry_id = gone[0]
+    raise IncompleteTransaction(
+        f"entry {entry_id} of {stream} was deleted (trimmed) while pending"
+        + (f", and {len(gone) - 1} more" if len(gone) > 1 else ""),
+        hint="the transaction it belongs to cannot be handed over whole: restore it, or skip the transaction "
+             "knowingly by acknowledging its END record and its entries for this group (XACK)")
+
+
+def group_starts(client: redis.Redis, streams: Sequence[str], transactions: str, sid: str) -> dict[str, str]:
+    """Where a transaction-mode group starts on each stream so that no transaction is cut in two:
+    on the transactions stream at `sid` ("$": after its last END); on each stream, after the last entry
+    of a transaction whose END is before that point (the transactions stream is in commit order and an
+    END is written after its entries, so every later entry belongs to a transaction whose END is read)."""
+    upper = "+" if sid == "$" else sid
+    last = client.xrevrange(transactions, max=upper, min="-", count=1)
+    if not last:
+        return {transactions: "0" if sid == "$" else sid, **{s: sid for s in streams}}
+    end_id, fields = last[0]
+    end = parse_entry(transactions, end_id, fields)
+    starts = {transactions: end.id}
+    for stream in streams:
+        starts[stream] = _after_lsn(client, stream, upper, end.lsn)
+    return starts
+
+
+def _after_lsn(client: redis.Redis, stream: str, upper: str, lsn: int) -> str:
+    """The ID of the newest entry at or before `upper` of a transaction committed at or before `lsn`
+    ("0" when there is none): the group starts right after it."""
+    while True:
+        page = client.xrevrange(stream, max=upper, min="-", count=200)
+        for entry_id, fields in page:
+            e = parse_entry(stream, entry_id, fields)
+            if covered(e) and e.lsn <= lsn:
+                return e.id
+        if len(page) < 200:
+            return "0"
+        upper = "(" + reply_text(page[-1][0])

@@ -168,8 +168,9 @@ def _option_rows(parser: argparse.ArgumentParser) -> list[str]:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
             continue
         if action.option_strings:
-            names = ", ".join(f"`{o}`" if action.nargs == 0 else f"`{o} {action.metavar or action.dest.upper()}`"
-                              for o in action.option_strings)
+            value = action.metavar or action.dest.upper()
+            value = f"[{value}]" if action.nargs == "?" else value
+            names = ", ".join(f"`{o}`" if action.nargs == 0 else f"`{o} {value}`" for o in action.option_strings)
         else:
             names = f"`{action.metavar or action.dest}`" + (" ..." if action.nargs in ("*", "+") else "")
         if action.required:
@@ -177,7 +178,7 @@ def _option_rows(parser: argparse.ArgumentParser) -> list[str]:
         elif isinstance(action, argparse._VersionAction):
             default = ""
         elif any(action.default is unset for unset in (None, False, argparse.SUPPRESS)) or action.nargs == 0:
-            default = "off" if action.nargs == 0 else ""
+            default = "off" if action.nargs in (0, "?") else ""
         else:
             default = f"`{action.default}`"
         if action.choices and not isinstance(action, argparse._SubParsersAction):

@@ -32,6 +32,7 @@ GARBAGE = {
     "--to": ["tomorrow", "1-x"],
     "--handler": ["nomodule", "no.such.module:f", "cdc.demo.rocketrides:nosuch", ":"],
     "--sink": ["", "public."],
+    "--transactions": ["cdc:ride", ""],
     "--state-dsn": ["postgresql:/u:S3cret-state@db/app", "not a dsn", "postgresql://u:S3cret-state@h/db?nosuch=1"],
     "--where": ["1 =;", "no_such_column > 0"],
     "--spec": ["nosuch"],

@@ -1,0 +1,234 @@
+"""Transaction mode: the entries of one source transaction handed over together, in commit order.
+
+The bridge appends one END record (``op e``) to the transactions stream for each source
+transaction, after all of that transaction's entries; its ``data`` counts them per stream
+(the format: docs/concepts/stream-entry-contract.md; transaction mode: docs/how-to/consuming.md).
+`TransactionAssembler` takes the entries a consumer read, from its streams and from the
+transactions stream, and gives back `Unit`s:
+
+- a transaction: its END and all of its entries in the subscribed streams (streams the
+  consumer does not read are ignored), only once every counted entry has arrived;
+- an entry no END record covers (a snapshot read ``r``, a rebuild marker ``x``, a
+  non-transactional message ``xid 0``), alone;
+- an entry whose END is already behind (its transaction was handed over, or ended before the
+  group started on the transactions stream), alone: it is a redelivery the checkpoint skips;
+- an entry older than every END read while the transactions stream's high-water mark says no
+  END is missing (`ends_written`: entries written before transactions were turned on), alone;
+- a duplicate (a double send of an entry or an END), to acknowledge, never to hand over;
+- the marker `cdc recover` appends to the transactions stream (``op x``), to acknowledge: an END
+  before it that stays incomplete counts entries the rebuild replaced, and is acknowledged too
+  (the handler gets each rebuilt stream's own marker and resets there).
+
+Units come out in commit order (the transactions stream's order), and every stream's
+entries in that stream's order. A transaction that stays incomplete, or entries whose END
+never comes, past `wait_s` raise `IncompleteTransaction`: the consumer stops rather than
+hand over part of a transaction. Pure: entries in, units out, the clock given.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, DataLossError
+from ..sink.entry import Entry
+
+__all__ = ["END_OP", "IncompleteTransaction", "TransactionAssembler", "Unit", "covered"]
+
+#: the op of an END record in the transactions stream
+END_OP = "e"
+#: ops no END record covers
+STANDALONE_OPS = ("r", "x")
+
+
+class IncompleteTransaction(DataLossError):
+    """A transaction's entries did not all arrive in time, or entries never got their END record."""
+
+
+def covered(e: Entry) -> bool:
+    """True when an END record covers `e` (a change of a source transaction)."""
+    return e.op not in STANDALONE_OPS and e.xid != 0
+
+
+@dataclass
+class Unit:
+    """What the handler gets in one piece, and what is acknowledged with it."""
+
+    entries: list[Entry]  # the handler's: a transaction's entries in the subscribed streams, in source order
+    end: Entry | None = None  # the END record, None for a unit no END covers
+    extra: list[Entry] = field(default_factory=list)  # duplicates: acknowledged with the unit, never handed over
+
+    @property
+    def records(self) -> list[Entry]:
+        """Everything acknowledged (or dead-lettered) together once the unit is done."""
+        return self.entries + self.extra + ([self.end] if self.end is not None else [])
+
+    @property
+    def head(self) -> Entry | None:
+        """The record a unit's failures are counted on: its END, else its entry."""
+        return self.end if self.end is not None else (self.entries[0] if self.entries else None)
+
+
+class TransactionAssembler:
+    """Collects the entries read from `streams` and the END records of `transactions` into units."""
+
+    def __init__(self, streams: Sequence[str], transactions: str, wait_s: float) -> None:
+        self.transactions = transactions
+        self.wait_s = wait_s
+        self.buffers: dict[str, deque[Entry]] = {s: deque() for s in streams}
+        self.ends: deque[Entry] = deque()
+        self.handed: dict[str, tuple[int, int]] = {}  # stream -> the highest position handed over
+        self.last_end = (0, 0)  # the position of the last END handed over
+        self.redelivered: set[str] = set()  # IDs read again from the pending list (their failures are cleared when done)
+        self.waiting = ""  # what the assembler waits for, for the error
+        self.short = ""  # the stream the first END waits for entries of
+        self.ends_written = 0  # every END up to this commit LSN was read (none buffered): older entries have none
+        self.superseded = 0  # incomplete END records acknowledged because cdc recover rebuilt the streams after them
+        self._since: float | None = None
+        self._ids: set[str] = set()  # (stream, ID) of what is buffered: a re-read entry is not taken twice
+        self.ready: deque[Unit] = deque()  # units taken, not yet handled: the consumer's queue
+        self.cursor: dict[str, str] = {}  # stream -> the last ID read again from the pending list
+
+    def add(self, entries: Iterable[Entry], redelivered: bool = False) -> None:
+        for e in entries:
+            token = f"{e.stream} {e.id}"
+            if token in self._ids:
+                continue
+            if e.stream == self.transactions:
+                if e.op not in (END_OP, "x"):
+                    raise ConfigError(f"entry {e.id} of the transactions stream {e.stream} is no END record (op {e.op!r})",
+                                      hint="give --transactions the bridge's transactions.stream, not an entity's stream")
+                self.ends.append(e)
+            else:
+                self.buffers[e.stream].append(e)
+            self._ids.add(token)
+            if redelivered:
+                self.redelivered.add(e.id)
+
+    def wanted(self, limit: int) -> list[str]:
+        """The streams worth reading next, so that no stream's buffer runs far ahead of the others:
+        a stream with nothing buffered, one the first END still waits for, and the transactions
+        stream while fewer than `limit` END records are buffered."""
+        streams = [s for s, buf in self.buffers.items() if not buf or s == self.short]
+        if len(self.ends) < limit:
+            streams.append(self.transactions)
+        return streams
+
+    def waiting_for_end(self, now: float, after_s: float) -> bool:
+        """True when entries have waited more than `after_s` for an END and none is buffered."""
+        return (not self.ends and self._since is not None and now - self._since > after_s
+                and any(buf and covered(buf[0]) for buf in self.buffers.values()))
+
+    def pending(self) -> bool:
+        """True while anything read is not yet handed over."""
+        return bool(self.ends) or any(self.buffers.values())
+
+    def take(self, now: float) -> list[Unit]:
+        """Every unit ready now, in order; `IncompleteTransaction` once the head waited past `wait_s`."""
+        units = []
+        while (unit := self._next()) is not None:
+            for e in unit.records:
+                self._ids.discard(f"{e.stream} {e.id}")
+            units.append(unit)
+        if units or not self.pending():
+            self._since = None
+        elif self._since is None:
+            self._since = now
+        elif now - self._since > self.wait_s:
+            raise IncompleteTransaction(f"{self.waiting} after waiting {self.wait_s:g}s",
+                                        hint=self._hint())
+        return units
+
+    def _hint(self) -> str:
+        if self.waiting.startswith("no END"):
+            return (f"set transactions: {{stream: {self.transactions}}} in the bridge's config and keep it running; "
+                    "a transaction-mode consumer hands over a transaction only with its END record")
+        return ("the missing entries were removed from their stream (trimmed or deleted by hand) or never written; "
+                "no part of the transaction is handed over: restore them, or skip the whole transaction knowingly "
+                "by acknowledging its END record and its entries for this group (XACK)")
+
+    def _next(self) -> Unit | None:
+        for stream, buf in self.buffers.items():
+            unit = self._alone(stream, buf)
+            if unit is not None:
+                return unit
+        if self.ends:
+            return self._transaction(self.ends[0])
+        if any(self.buffers.values()):
+            stream, buf = next((s, b) for s, b in self.buffers.items() if b)
+            e = buf[0]
+            self.waiting = f"no END record in {self.transactions} for transaction {e.xid} (commit LSN {e.lsn}) of {stream} {e.id}"
+        return None
+
+    def _alone(self, stream: str, buf: deque[Entry]) -> Unit | None:
+        """The head of `stream` when it is a unit of its own: a duplicate, an entry no END covers,
+        or an entry whose END is behind."""
+        if not buf:
+            return None
+        e = buf[0]
+        if not covered(e):
+            buf.popleft()
+            return Unit([e])
+        if e.position <= self.handed.get(stream, (-1, -1)):
+            buf.popleft()
+            return Unit([], extra=[e])
+        if not (e.lsn <= self.last_end[0] or (self.ends and e.lsn < self.ends[0].lsn)
+                or (not self.ends and e.lsn <= self.ends_written)):
+            return None  # its END is still to come
+        entries = []
+        while buf and covered(buf[0]) and (buf[0].lsn, buf[0].xid) == (e.lsn, e.xid):
+            entries.append(buf.popleft())
+        self._handed(entries)
+        return Unit(entries)
+
+    def _transaction(self, end: Entry) -> Unit | None:
+        if end.op == "x" or end.position <= self.last_end:  # cdc recover's marker, or the END sent twice
+            self.ends.popleft()
+            return Unit([], extra=[end])
+        counts = (end.data or {}).get("streams", {})
+        taken: dict[str, tuple[list[Entry], list[Entry]]] = {}
+        for stream, count in counts.items():
+            if stream not in self.buffers:
+                continue
+            entries, twice, seen = [], [], set()
+            for e in self.buffers[stream]:
+                if not covered(e) or (e.lsn, e.xid) != (end.lsn, end.xid):
+                    break
+                (twice if e.position in seen else entries).append(e)
+                seen.add(e.position)
+            if len(entries) < int(count) and any(later.op == "x" for later in self.ends):
+                return self._superseded(end)
+            if len(entries) < int(count):
+                self.short = stream
+                self.waiting = (f"transaction {end.xid} (commit LSN {end.lsn}) is incomplete: its END record "
+                                f"{self.transactions} {end.id} counts {count} entries in {stream}, {len(entries)} arrived")
+                return None
+            taken[stream] = (entries, twice)
+        self.ends.popleft()
+        self.short = ""
+        entries, extra = [], []
+        for stream, (mine, twice) in taken.items():
+            for _ in range(len(mine) + len(twice)):
+                self.buffers[stream].popleft()
+            entries += mine
+            extra += twice
+            self._handed(mine)
+        self.last_end = end.position
+        entries.sort(key=lambda e: e.position)
+        return Unit(entries, end, extra)
+
+    def _superseded(self, end: Entry) -> Unit:
+        """An incomplete END before a `cdc recover` marker: the rebuild replaced entries it counts (the
+        consumer resets at each rebuilt stream's own marker). Acknowledged; its entries that are left
+        are handed over alone, before the marker that supersedes them."""
+        self.ends.popleft()
+        self.last_end = end.position
+        self.short = ""
+        self.superseded += 1
+        return Unit([], extra=[end])
+
+    def _handed(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            if e.position > self.handed.get(e.stream, (-1, -1)):
+                self.handed[e.stream] = e.position

@@ -422,7 +422,7 @@ def _check_redis_url(value: str, what: str) -> None:
     redact.register(value)
     hint = "write it as redis://user:password@host:6379/0, or rediss:// for TLS, unix:///path.sock for a socket"
     if value.split("://", 1)[0].lower() in ("redis+sentinel", "rediss+sentinel"):
-        from .sink.redisconn import parse_sentinel_url
+        from .sentinel_url import parse_sentinel_url
 
         parse_sentinel_url(value, what)
         return
@@ -530,7 +530,7 @@ OTHER_VARIABLES: dict[str, str] = {
     "CDC_*_SALT": "a mapping's hash salt (salt_env); other salt variables are named without CDC_",
     "CDC_PG_BIN": "where the demo and the tests find PostgreSQL's programs (cdc.demo.local)",
     "CDC_DEMO_*": "the demo's ports (cdc.demo.run)",
-    "CDC_FAULT_*": "faults injected by the tests (cdc.bridge.loop, cdc.consume.commands)",
+    "CDC_FAULT_*": "faults injected by the tests (cdc.bridge.loop, cdc.cli.consume)",
 }
 
 

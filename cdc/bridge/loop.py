@@ -55,7 +55,7 @@ from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
                      redis_record, stop_on_stream_problems)
 from .inflight import Sent
 from ..metrics import Histogram, Registry, serve
-from .streamed import StreamedTransactions, spill_dir_error
+from .held_transactions import StreamedTransactions, spill_dir_error
 from .session import Session
 
 __all__ = ["Bridge"]

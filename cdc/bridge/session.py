@@ -36,7 +36,7 @@ from .backfill import IDLE_POLL_S, REQUEST_PREFIX, REQUEST_RETRY_S, WATERMARK_PR
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .inflight import InFlight
 from .snapshot import queue_chunk
-from .transaction import Transaction
+from .positions import Transaction
 from .txends import TransactionEnds
 
 if TYPE_CHECKING:

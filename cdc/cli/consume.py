@@ -13,12 +13,13 @@ import time
 import orjson
 
 from .. import redact
-from ..cliargs import check_position, check_positive
-from ..commands import entity_named, load_config, redis_for
+from .args import check_position, check_positive
+from ..sink.redisconn import redis_for
+from .common import entity_named, load_config
 from ..errors import PublishError, TransientError, UsageError
 from ..exits import as_cdc_error
 from ..loader import load_callable
-from .failures import RETRY, SETUP, whose
+from ..consume.failures import RETRY, SETUP, whose
 
 __all__ = ["cmd_consume", "cmd_replay", "cmd_read", "cmd_dlq"]
 

@@ -1,7 +1,7 @@
-"""The ``cdc`` command: its arguments, logging and error reporting.
+"""The ``cdc`` command: its parser, logging and error reporting.
 
-Each subcommand's implementation lives with its concern (`cdc.ops.commands`,
-`cdc.bridge.commands`, `cdc.consume.commands`, `cdc.reconcile.commands`).
+Each subcommand's implementation lives with its concern (`cdc.cli.ops`,
+`cdc.cli.bridge`, `cdc.cli.consume`, `cdc.cli.reconcile`).
 
 Errors the operator can fix are printed as one line (``cdc: error: ...``) with
 an exit code per kind (see `cdc.errors`); logs are JSON lines on stderr.
@@ -17,13 +17,13 @@ from collections.abc import Sequence
 
 import orjson
 
-from . import redact
-from .bridge.commands import cmd_backfill, cmd_run
-from .cliargs import ABOUT, Formatter, Parser, number, version
-from .consume.commands import cmd_consume, cmd_dlq, cmd_read, cmd_replay
-from .exits import RedactingFilter, report, silence_stdout
-from .ops.commands import cmd_check, cmd_init, cmd_recover, cmd_schema, cmd_status, cmd_trim
-from .reconcile.commands import cmd_reconcile
+from .. import redact
+from .bridge import cmd_backfill, cmd_run
+from .args import ABOUT, Formatter, Parser, number, version
+from .consume import cmd_consume, cmd_dlq, cmd_read, cmd_replay
+from ..exits import RedactingFilter, report, silence_stdout
+from .ops import cmd_check, cmd_init, cmd_recover, cmd_schema, cmd_status, cmd_trim
+from .reconcile import cmd_reconcile
 
 __all__ = ["main"]
 
@@ -58,7 +58,7 @@ def _setup_logging(level: str, fmt: str) -> None:
 
 def _consume_options(consume: argparse.ArgumentParser) -> None:
     """`cdc consume`'s options; each help names its default (cdc.consume.consumer holds them)."""
-    from .consume import consumer as c
+    from ..consume import consumer as c
 
     consume.add_argument("--entity", required=True, help="the mapping whose streams to read (all its partitions)")
     consume.add_argument("--group", required=True, help="consumer group (also names the state and checkpoints it keeps)")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import orjson
 
-from ..commands import load_config
+from .common import load_config
+from .progress import ProgressDisplay
 from ..errors import UsageError
 
 __all__ = ["cmd_reconcile"]
@@ -20,7 +21,6 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
     from ..reconcile.drift import render_table
     from ..reconcile.job import describe, preflight, reconcile_spec
-    from ..reconcile.progress import ProgressDisplay
     from ..reconcile.spec import load_specs
     from ..reconcile.truth import start_spark
 
@@ -52,7 +52,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     results = []
     try:
         for spec, spec_targets in zip(specs, targets):
-            display = ProgressDisplay(f"{spec.name}: reading", "partitions")
+            display = ProgressDisplay(f"{spec.name}: reading", "partitions", every=2.0, ends_at_total=True)
             try:
                 result = reconcile_spec(settings, spec, spec_targets, spark, dry_run=args.dry_run, say=say,
                                         progress=display.update)

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import CdcError, ConfigError
 from .exported_snapshot import session_init_statement
-from .progress import ReadTasks
+from .read_tasks import ReadTasks
 from .source_read import (  # re-exported: how the source is read
     NUMERIC_OID,
     SNAPSHOT_COLUMN,

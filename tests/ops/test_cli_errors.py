@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cdc import cli, cliargs, errors
+from cdc import cli, errors
+from cdc.cli import args as cliargs
 from cdc.demo.local import free_port
 from cdc.exits import EXIT_CODES
 

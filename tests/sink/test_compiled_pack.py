@@ -1,6 +1,6 @@
 """The compiled batch packer against its specification: the entries past a mark, packed as the reference does.
 
-`cdc.sink._resp.pack_past` must give what `cdc.sink.transaction.pack_past` gives
+`cdc.sink._resp.pack_past` must give what `cdc.sink.lane.pack_past` gives
 (the joined XADD commands of the entries whose position is past the mark, their
 count, the last position) for any batch, including entries the compiled code
 hands to `xadd_command`, and the same exception for what cannot be packed.

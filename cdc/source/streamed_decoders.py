@@ -8,7 +8,7 @@ them all in its dispatch table.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 from cdc.source.lsn import Lsn
 from cdc.source.messages import (
@@ -24,6 +24,7 @@ from cdc.source.messages import (
     StreamStop,
 )
 from cdc.source.wire import (
+    StreamState,
     _BEGIN_PREPARE,
     _PREPARE,
     _ROLLBACK_PREPARED,
@@ -34,13 +35,6 @@ from cdc.source.wire import (
     _end,
     _unpack,
 )
-
-
-class StreamState(Protocol):
-    """What these decoders read and set of `cdc.source.pgoutput.PgOutputDecoder`: whether a streamed block is open."""
-
-    _streaming: bool
-    _stream_xid: int | None
 
 
 def _decode_stream_start(dec: StreamState, data: bytes) -> StreamStart:

@@ -2,7 +2,7 @@
 
 The loop reads a message, hands it to its stage, and sends the batch when due:
 
-- `Transaction` (transaction.py) assembles Begin/Commit into positions;
+- `Transaction` (positions.py) assembles Begin/Commit into positions;
 - `route_row` and friends (changes.py) project each change and pack its entry;
 - `Batcher` (batcher.py) holds the entries and says when they are due;
 - `InFlight` (inflight.py) sends one batch while the next is decoded;

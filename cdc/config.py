@@ -436,7 +436,7 @@ def _check_redis_url(value: str, what: str) -> None:
     redact.register(value)
     hint = "write it as redis://user:password@host:6379/0, or rediss:// for TLS, unix:///path.sock for a socket"
     if value.split("://", 1)[0].lower() in ("redis+sentinel", "rediss+sentinel"):
-        from .sink.redisconn import parse_sentinel_url
+        from .sentinel_url import parse_sentinel_url
 
         parse_sentinel_url(value, what)
         return
@@ -509,7 +509,7 @@ def _number(value: float) -> str:
 
 
 _FOREVER_BYTES = 2**63 - 1
-#: every numeric setting's range, by (section, key); docs/reference/configuration.md shows them (python -m cdc.ops.docgen)
+#: every numeric setting's range, by (section, key); docs/reference/configuration.md shows them (python -m cdc.cli.docgen)
 RANGES: dict[tuple[str, str], Range] = {
     ("postgres", "receive_timeout_s"): Range(1, 3600),
     ("postgres", "heartbeat_interval_s"): Range(0.1, 86400, off=0),
@@ -544,7 +544,7 @@ OTHER_VARIABLES: dict[str, str] = {
     "CDC_*_SALT": "a mapping's hash salt (salt_env); other salt variables are named without CDC_",
     "CDC_PG_BIN": "where the demo and the tests find PostgreSQL's programs (cdc.demo.local)",
     "CDC_DEMO_*": "the demo's ports (cdc.demo.run)",
-    "CDC_FAULT_*": "faults injected by the tests (cdc.bridge.loop, cdc.consume.commands)",
+    "CDC_FAULT_*": "faults injected by the tests (cdc.bridge.loop, cdc.cli.consume)",
 }
 
 

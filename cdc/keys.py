@@ -9,7 +9,7 @@ exactly like the plain stream key.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "owned_key_clash", "stream_key"]
+__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "owned_key_clash", "stream_key", "written_streams"]
 
 DEFAULT_STREAM_TEMPLATE = "cdc:{entity}"
 PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
@@ -143,3 +143,11 @@ def owned_key_clash(key: str, streams: dict[str, str]) -> str | None:
         if stream.startswith(_companions(key)):
             return f"the stream {stream} of entity {entity} is named like a key kept beside it (its mark, holds, leases)"
     return None
+
+
+def written_streams(settings, mappings) -> dict[str, str]:
+    """Every stream `cdc run` writes -> its entity (the transactions stream's owner: `TRANSACTIONS_OWNER`)."""
+    streams = {s: m.entity for m in mappings for s in m.stream_keys()}
+    if settings.transactions.stream:
+        streams[settings.transactions.stream] = TRANSACTIONS_OWNER
+    return streams

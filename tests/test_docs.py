@@ -1,4 +1,4 @@
-"""The documentation's generated reference pages are the code's: `python -m cdc.ops.docgen` writes them,
+"""The documentation's generated reference pages are the code's: `python -m cdc.cli.docgen` writes them,
 and a committed page that differs from what it writes fails here, with the command to run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cdc.bridge.loop import Bridge
 from cdc.config import Settings
-from cdc.ops import docgen
+from cdc.cli import docgen
 from conftest import ROOT
 
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from ..sink.publisher import StreamBatch
-from .transaction import Transaction
+from .positions import Transaction
 
 __all__ = ["Batcher"]
 

@@ -18,7 +18,7 @@ from ..source.shapes import ColumnShape, TableShape
 from ..source.values import TypeCatalog
 from .backfill import Windows
 from .batcher import Batcher
-from .transaction import Transaction
+from .positions import Transaction
 
 __all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_raw", "route_change", "burst_changes",
            "route_truncate",

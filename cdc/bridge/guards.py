@@ -22,7 +22,8 @@ from ..source.lsn import Lsn
 
 __all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
            "invalidated_slot_error", "missing_slot_error", "record_data_loss", "record_stream_loss",
-           "check_source_history", "record_source", "record_divergence", "diverged_error", "redis_record", "stop_on_stream_problems", "stream_problems"]
+           "check_source_history", "record_source", "record_divergence", "diverged_error", "redis_record",
+           "stop_on_stream_problems", "stream_problems"]
 
 log = logging.getLogger("cdc.guard")
 

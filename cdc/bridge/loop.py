@@ -55,7 +55,7 @@ from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed
                      redis_record, stop_on_stream_problems)
 from .inflight import Sent
 from ..metrics import Histogram, Registry, serve
-from .streamed import StreamedTransactions, spill_dir_error
+from .held_transactions import StreamedTransactions, spill_dir_error
 from .session import Session
 
 __all__ = ["Bridge"]
@@ -299,19 +299,7 @@ class Bridge:
         self._streams_client = client
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication, timeout=pgs.receive_timeout_s)
         try:
-            try:
-                with self._bounded(catalog_conn, "checking settings"):
-                    level = catalog_conn.execute("SHOW wal_level").fetchone()[0]
-                    if level != "logical":
-                        raise SourceError(
-                            f"postgres wal_level is {level!r}, logical decoding needs 'logical'",
-                            hint="set wal_level = logical in postgresql.conf and restart PostgreSQL",
-                        )
-                    if self.until_caught_up and self.target_lsn is None:
-                        self.target_lsn = Lsn.parse(catalog_conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
-                        log.info("catching up to %s", self.target_lsn)
-            except psycopg.Error as exc:
-                raise classify_pg_error(exc) from exc
+            self._check_server(catalog_conn)
             publisher.ping()
             self.slot_watch.redis_held = lambda: redis_record(client, pgs.slot)  # for a missing slot's error
             health = self.check_slot(catalog_conn)
@@ -347,6 +335,22 @@ class Bridge:
             publisher.close()
             client.close()
             catalog_conn.close()
+
+    def _check_server(self, catalog_conn: psycopg.Connection) -> None:
+        """wal_level is logical; with --until-caught-up, the position to catch up to (once)."""
+        try:
+            with self._bounded(catalog_conn, "checking settings"):
+                level = catalog_conn.execute("SHOW wal_level").fetchone()[0]
+                if level != "logical":
+                    raise SourceError(
+                        f"postgres wal_level is {level!r}, logical decoding needs 'logical'",
+                        hint="set wal_level = logical in postgresql.conf and restart PostgreSQL",
+                    )
+                if self.until_caught_up and self.target_lsn is None:
+                    self.target_lsn = Lsn.parse(catalog_conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+                    log.info("catching up to %s", self.target_lsn)
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from exc
 
     def claim(self, client, server: ServerHistory) -> None:
         """Register the slot and claim the mapped streams on Redis (`cdc.sink.claims`), once per session."""

@@ -2,7 +2,7 @@
 
 The loop reads a message, hands it to its stage, and sends the batch when due:
 
-- `Transaction` (transaction.py) assembles Begin/Commit into positions;
+- `Transaction` (positions.py) assembles Begin/Commit into positions;
 - `route_row` and friends (changes.py) project each change and pack its entry;
 - `Batcher` (batcher.py) holds the entries and says when they are due;
 - `InFlight` (inflight.py) sends one batch while the next is decoded;
@@ -36,7 +36,7 @@ from .backfill import IDLE_POLL_S, REQUEST_PREFIX, REQUEST_RETRY_S, WATERMARK_PR
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .inflight import InFlight
 from .snapshot import queue_chunk
-from .transaction import Transaction
+from .positions import Transaction
 from .txends import TransactionEnds
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..mapping.projector import Projector
 from .backfill import TRUNCATED
 from .batcher import Batcher
-from .transaction import Transaction
+from .positions import Transaction
 
 __all__ = ["queue_chunk"]
 

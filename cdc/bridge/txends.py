@@ -26,7 +26,7 @@ import orjson
 
 from ..sink.publisher import StreamBatch
 from .batcher import Batcher
-from .transaction import Transaction
+from .positions import Transaction
 
 __all__ = ["END_OP", "END_VERSION", "TransactionEnds", "end_record"]
 

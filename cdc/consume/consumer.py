@@ -34,7 +34,7 @@ import redis
 from redis.exceptions import ResponseError
 
 from .. import keys
-from ..sink.entry import Entry, parse_entry, reply_text
+from ..sink.entry import Entry, parse_entry, reply_text, stream_id_for
 from ..sink.publisher import split_position
 from ..errors import CdcError
 from ..loader import check_signature
@@ -65,24 +65,6 @@ class Fenced(CdcError):
 
 def default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def stream_id_for(start: str | datetime | int) -> str:
-    """A stream ID from '$', '0', an entry ID, epoch milliseconds, or an ISO-8601 time."""
-    if isinstance(start, datetime):
-        return f"{int(start.timestamp() * 1000)}-0"
-    if isinstance(start, int):
-        return f"{start}-0"
-    text = str(start).strip()
-    if text in ("$", "0", "0-0") or text.replace("-", "").isdigit():
-        return text
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"{start!r} is not '$', '0', a stream ID or an ISO-8601 time") from None
-    if moment.tzinfo is None:
-        raise ValueError(f"{start!r} has no time zone; add Z or an offset")
-    return f"{int(moment.timestamp() * 1000)}-0"
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str, sid: str) -> bool:

@@ -14,8 +14,8 @@ import orjson
 import redis
 
 from .. import keys
-from .consumer import ensure_group, stream_id_for
-from ..sink.entry import Entry, parse_entry
+from ..sink.entry import Entry, parse_entry, stream_id_for
+from .consumer import ensure_group
 
 __all__ = ["dead_letters", "read_range", "replay_dead_letters", "replay_group", "range_bound"]
 

@@ -23,7 +23,7 @@ import redis
 
 from ..ops.admin import init
 from ..bridge.loop import Bridge
-from ..cli import _setup_logging
+from ..cli.entry import _setup_logging
 from ..config import Settings
 from ..errors import CdcError
 from .local import LocalPostgres, LocalRedis, free_port
@@ -33,8 +33,8 @@ from .rocketrides import RideWriter
 log = logging.getLogger("cdc.demo")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cdc.demo", description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cdc.demo", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--root", default=".local", help="where the servers keep their files")
     parser.add_argument("--pg-port", type=int, default=int(os.environ.get("CDC_DEMO_PG_PORT", 0)), help="default: a free port")
     parser.add_argument("--redis-port", type=int, default=int(os.environ.get("CDC_DEMO_REDIS_PORT", 0)), help="default: a free port")
@@ -42,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="where /metrics, /healthz, /readyz are served (default: a free port)")
     parser.add_argument("--rate", type=float, default=2.0, help="writer transactions per second")
     parser.add_argument("--seconds", type=float, default=0, help="stop after this long (0: until Ctrl-C)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     _setup_logging("warning", "text")
-    sys.stdout.reconfigure(line_buffering=True)  # each entry shows as it arrives, also through a pipe
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # each entry shows as it arrives, also through a pipe
 
     root = Path(args.root).resolve()
     lock = _lock(root)
@@ -64,49 +68,21 @@ def main(argv: list[str] | None = None) -> int:
             pg.stop()
         pg.start()
         rd.start()
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            for sql in sorted((project / "sql").glob("*.sql")):
-                conn.execute(sql.read_text())
-        hash_key = root / "hash.key"  # keys the rider's hashed email; generated once, kept with the demo's data
-        if not hash_key.exists():
-            hash_key.touch(mode=0o600)
-            hash_key.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
-        config = root / "cdc.yaml"
-        config.write_text(
-            f"postgres: {{dsn: '{pg.dsn}', slot: cdc, publication: cdc}}\n"
-            f"redis: {{url: '{rd.url}'}}\n"
-            f"mappings: {project / 'mappings'}\n"
-            f"http: {{port: {args.http_port}}}\n"
-            f"reconcile: {{specs: {project / 'reconcile'}}}\n"
-            f"hash_key_file: {hash_key}\n"
-        )
+        config = _prepare(pg, rd, root, project, args.http_port)
         settings = Settings.from_file(config)
         mappings = load_mappings(settings.mappings, hash_key=settings.hash_key)
         for line in init(settings, mappings):
             print(line)
-        print(f"config written to {config}; try: .venv/bin/cdc status --config {config}")
-        print(f"metrics: curl http://127.0.0.1:{args.http_port}/metrics  (also /healthz, /readyz)")
-        print(f"sample consumer: .venv/bin/cdc consume --config {config} --entity ride --group ride-totals --start 0 "
-              "--handler cdc.demo.rocketrides:ride_totals")
-        print(f"reconcile it: .venv/bin/cdc reconcile --config {config} --dry-run  (after make reconcile-deps)")
+        _print_hints(config, args.http_port)
         bridge = Bridge(settings, mappings)
         bridge_thread = threading.Thread(target=bridge.run, name="bridge", daemon=True)
         bridge_thread.start()
         writer = RideWriter(pg.dsn, rate=args.rate)
         writer.start()
         client = redis.Redis.from_url(rd.url, decode_responses=True)
-        streams = start_positions(client, [s for m in mappings for s in m.stream_keys()])
         deadline = time.monotonic() + args.seconds if args.seconds else None
-        print("streaming; Ctrl-C to stop\n")
-        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            if not bridge_thread.is_alive():
-                print("bridge stopped unexpectedly", file=sys.stderr)
-                return 1
-            for stream, entries in client.xread(streams, block=500, count=50) or []:
-                for entry_id, fields in entries:
-                    streams[stream] = entry_id
-                    data = fields.get("data", "")
-                    print(f"{stream:<16} {entry_id:<16} op={fields['op']} key={fields['key']} {data[:100]}")
+        if not _show_entries(client, mappings, bridge_thread, stop, deadline):
+            return 1
         print(f"\nstopping: {writer.transactions} writer transactions, {bridge.entries_published} entries published")
         return 0
     except CdcError as exc:
@@ -116,18 +92,68 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cdc demo: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if writer is not None:
-            writer.stop()
-            writer.join(10)
-        if bridge is not None:
-            bridge.stop()
-            for t in threading.enumerate():
-                if t.name == "bridge":
-                    t.join(15)
-        rd.stop()
-        pg.stop()
-        print("stopped postgres and redis")
+        _shut_down(writer, bridge, rd, pg)
         lock.close()
+
+
+def _prepare(pg: LocalPostgres, rd: LocalRedis, root: Path, project: Path, http_port: int) -> Path:
+    """Apply ``sql/``, make the hash key once, write the demo's config; its path."""
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        for sql in sorted((project / "sql").glob("*.sql")):
+            conn.execute(sql.read_text())
+    hash_key = root / "hash.key"  # keys the rider's hashed email; generated once, kept with the demo's data
+    if not hash_key.exists():
+        hash_key.touch(mode=0o600)
+        hash_key.write_text(base64.b64encode(os.urandom(32)).decode() + "\n")
+    config = root / "cdc.yaml"
+    config.write_text(
+        f"postgres: {{dsn: '{pg.dsn}', slot: cdc, publication: cdc}}\n"
+        f"redis: {{url: '{rd.url}'}}\n"
+        f"mappings: {project / 'mappings'}\n"
+        f"http: {{port: {http_port}}}\n"
+        f"reconcile: {{specs: {project / 'reconcile'}}}\n"
+        f"hash_key_file: {hash_key}\n"
+    )
+    return config
+
+
+def _print_hints(config: Path, http_port: int) -> None:
+    print(f"config written to {config}; try: .venv/bin/cdc status --config {config}")
+    print(f"metrics: curl http://127.0.0.1:{http_port}/metrics  (also /healthz, /readyz)")
+    print(f"sample consumer: .venv/bin/cdc consume --config {config} --entity ride --group ride-totals --start 0 "
+          "--handler cdc.demo.rocketrides:ride_totals")
+    print(f"reconcile it: .venv/bin/cdc reconcile --config {config} --dry-run  (after make reconcile-deps)")
+
+
+def _show_entries(client: redis.Redis, mappings, bridge_thread: threading.Thread, stop: threading.Event,
+                  deadline: float | None) -> bool:
+    """Print entries as they arrive until stopped or the deadline; False if the bridge stopped on its own."""
+    streams = start_positions(client, [s for m in mappings for s in m.stream_keys()])
+    print("streaming; Ctrl-C to stop\n")
+    while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+        if not bridge_thread.is_alive():
+            print("bridge stopped unexpectedly", file=sys.stderr)
+            return False
+        for stream, entries in client.xread(streams, block=500, count=50) or []:
+            for entry_id, fields in entries:
+                streams[stream] = entry_id
+                data = fields.get("data", "")
+                print(f"{stream:<16} {entry_id:<16} op={fields['op']} key={fields['key']} {data[:100]}")
+    return True
+
+
+def _shut_down(writer: RideWriter | None, bridge: Bridge | None, rd: LocalRedis, pg: LocalPostgres) -> None:
+    if writer is not None:
+        writer.stop()
+        writer.join(10)
+    if bridge is not None:
+        bridge.stop()
+        for t in threading.enumerate():
+            if t.name == "bridge":
+                t.join(15)
+    rd.stop()
+    pg.stop()
+    print("stopped postgres and redis")
 
 
 def _lock(root: Path):

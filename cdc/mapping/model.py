@@ -156,14 +156,7 @@ def _parse_field(name: Any, raw: Any, place: str, env: MappingABC[str, str], has
         bad = sorted(map(str, unknown))[0]
         raise _fail(where(raw, bad), f"field {name!r}: unknown option {bad!r}", f"options are: {', '.join(sorted(allowed))}")
     if "const" in raw:
-        if len(raw) != 1:
-            raise _fail(place, f"field {name!r}: a const field takes no other option")
-        if isinstance(raw["const"], (dict, list)):
-            raise _fail(place, f"field {name!r}: const must be a plain value")
-        const = raw["const"]
-        if not isinstance(const, (str, int, float, bool)) and const is not None:
-            const = str(const)
-        return FieldSpec(name=name, const=const, where=place)
+        return _const_field(name, raw, place)
     column = raw.get("column")
     if not isinstance(column, str) or not column:
         raise _fail(place, f"field {name!r}: needs a source column or a const", f"for example: {name}: {{column: {name}}}")
@@ -190,6 +183,25 @@ def _parse_field(name: Any, raw: Any, place: str, env: MappingABC[str, str], has
             "use hash: hmac-sha256 (keyed with the secret in CDC_HASH_KEY_FILE), or add unkeyed: true "
             "if the values are not private",
         )
+    key, salt = _hash_secrets(name, raw, hash_name, env, hash_key)
+    return FieldSpec(name=name, column=column, cast=cast, hash=hash_name, salt=salt, key=key, redact=redact, where=place)
+
+
+def _const_field(name: str, raw: dict, place: str) -> FieldSpec:
+    """A field holding one plain value, the same in every entry."""
+    if len(raw) != 1:
+        raise _fail(place, f"field {name!r}: a const field takes no other option")
+    if isinstance(raw["const"], (dict, list)):
+        raise _fail(place, f"field {name!r}: const must be a plain value")
+    const = raw["const"]
+    if not isinstance(const, (str, int, float, bool)) and const is not None:
+        const = str(const)
+    return FieldSpec(name=name, const=const, where=place)
+
+
+def _hash_secrets(name: str, raw: dict, hash_name: str | None, env: MappingABC[str, str],
+                  hash_key: bytes | None) -> tuple[bytes, bytes]:
+    """A hashed field's (key, salt): the hash key for a keyed hash, the salt_env value for sha256."""
     key = b""
     if hash_name in KEYED_HASHES:
         if not hash_key:
@@ -209,7 +221,7 @@ def _parse_field(name: Any, raw: Any, place: str, env: MappingABC[str, str], has
                 f"export {var}=... before starting",
             )
         salt = env[var].encode()
-    return FieldSpec(name=name, column=column, cast=cast, hash=hash_name, salt=salt, key=key, redact=redact, where=place)
+    return key, salt
 
 
 def _parse_filter(raw: Any, place: str) -> tuple[Condition, ...]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any, NamedTuple

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import psycopg
 import redis
 
-from ..commands import written_streams
+from ..keys import written_streams
 from ..bridge.backfill import enqueue, ensure_table
 from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error,
                              record_data_loss, record_divergence, record_source)

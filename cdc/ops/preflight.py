@@ -32,9 +32,9 @@ from psycopg.conninfo import conninfo_to_dict
 from .. import keys
 from ..config import Settings
 from ..bridge.gate import TableGate
-from ..commands import written_streams
+from ..keys import written_streams
 from ..bridge.guards import check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error, redis_record, stream_problems
-from ..bridge.streamed import spill_dir_error, spill_place
+from ..bridge.held_transactions import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping, mapped_columns
 from ..sink.claims import BridgeIdentity, claim_problems, unmapped_owned

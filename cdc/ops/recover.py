@@ -44,7 +44,8 @@ from .. import keys
 from ..bridge.backfill import supersede
 from ..bridge.gate import record_current
 from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_source
-from ..commands import redis_for, written_streams
+from ..keys import written_streams
+from ..sink.redisconn import redis_for
 from ..config import Settings
 from ..errors import CdcError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping

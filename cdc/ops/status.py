@@ -47,7 +47,35 @@ FROM pg_stat_replication_slots WHERE slot_name = %s
 
 
 def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: float = STALE_AFTER_S) -> dict:
+    """Everything `cdc status` shows: the slot, backfills and reconciliations (PostgreSQL), then the bridge,
+    each stream and its groups (Redis)."""
     result: dict = {"slot": None, "streams": []}
+    row, decoding, failover, backfills, reconciliations = _read_postgres(settings)
+    result["reconciliations"] = [
+        {"spec": r[0], "consumer": r[1], "status": r[2], "reason": r[3],
+         "finished_at": r[4].isoformat(timespec="seconds").replace("+00:00", "Z"), "dry_run": r[5],
+         "keys_compared": r[6], "keys_drifted": r[7], "position": lsn_text(r[8])}
+        for r in reconciliations
+    ]
+    result["backfills"] = [
+        {"id": b[0], "entity": b[1], "status": b[2], "rows_done": b[3], "rows_total": b[4], "chunks": b[5],
+         "where": b[6], "rows_per_s": round(b[3] / b[7], 1) if b[7] else None, "error": b[8]}
+        for b in backfills
+    ]
+    if row:
+        result["slot"] = {
+            "name": settings.postgres.slot, "active": row[0], "confirmed_flush_lsn": row[1],
+            "current_wal_lsn": row[2], "lag_bytes": row[3], "lag_seconds": row[6],
+            "retained_wal_bytes": row[4], "max_slot_wal_keep_size": row[7], "safe_wal_size_bytes": row[8],
+            "wal_status": row[5], "decoding": _decoding(decoding, settings.postgres.streaming),
+            "failover": failover.as_dict(),
+        }
+    _collect_redis(settings, mappings, stale_after_s, result)
+    return result
+
+
+def _read_postgres(settings: Settings) -> tuple:
+    """The slot's row, its decoding statistics and failover readiness, the backfills and the last reconciliations."""
     with connect(settings) as conn:
         try:
             row = conn.execute(SLOT_QUERY, (settings.postgres.slot,)).fetchone()
@@ -74,25 +102,11 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
             ).fetchone()[0] else []
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
-    result["reconciliations"] = [
-        {"spec": r[0], "consumer": r[1], "status": r[2], "reason": r[3],
-         "finished_at": r[4].isoformat(timespec="seconds").replace("+00:00", "Z"), "dry_run": r[5],
-         "keys_compared": r[6], "keys_drifted": r[7], "position": lsn_text(r[8])}
-        for r in reconciliations
-    ]
-    result["backfills"] = [
-        {"id": b[0], "entity": b[1], "status": b[2], "rows_done": b[3], "rows_total": b[4], "chunks": b[5],
-         "where": b[6], "rows_per_s": round(b[3] / b[7], 1) if b[7] else None, "error": b[8]}
-        for b in backfills
-    ]
-    if row:
-        result["slot"] = {
-            "name": settings.postgres.slot, "active": row[0], "confirmed_flush_lsn": row[1],
-            "current_wal_lsn": row[2], "lag_bytes": row[3], "lag_seconds": row[6],
-            "retained_wal_bytes": row[4], "max_slot_wal_keep_size": row[7], "safe_wal_size_bytes": row[8],
-            "wal_status": row[5], "decoding": _decoding(decoding, settings.postgres.streaming),
-            "failover": failover.as_dict(),
-        }
+    return row, decoding, failover, backfills, reconciliations
+
+
+def _collect_redis(settings: Settings, mappings: Sequence[Mapping], stale_after_s: float, result: dict) -> None:
+    """The bridge's state, other bridges, the slot's alarm, each stream and the stale consumers, into `result`."""
     publisher = Publisher(settings.redis.url, cluster=settings.redis.cluster, settings=settings.redis)
     client = connect_redis(settings.redis)
     try:
@@ -110,23 +124,7 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
         # `cdc status` exits 4 with it, after showing everything else
         result["slot_alarm"] = None if alarm is None else {"error": alarm.message, "fix": alarm.hint}
         for entity, stream in streams:
-            length = client.xlen(stream)
-            first = client.xrange(stream, count=1)
-            last = client.xrevrange(stream, count=1)
-            mark = marks.get(stream)
-            result["streams"].append({
-                "entity": entity, "stream": stream, "length": length,
-                "first_id": first[0][0].decode() if first else None,
-                "first_time": _id_time(first[0][0]) if first else None,
-                "last_id": last[0][0].decode() if last else None,
-                "last_time": _id_time(last[0][0]) if last else None,
-                # the decimal (as the mark holds it) and as PostgreSQL prints it
-                "last_lsn": mark[0] if mark else None, "last_lsn_text": lsn_text(mark[0]) if mark else None,
-                "last_seq": mark[1] if mark else None,
-                "trimmed": trim_stats.get(f"{stream}:trimmed", 0),
-                "force_trimmed": trim_stats.get(f"{stream}:forced", 0),
-                "groups": _groups(client, stream, stale_after_s) if length or client.exists(stream) else [],
-            })
+            result["streams"].append(_stream(client, entity, stream, marks.get(stream), trim_stats, stale_after_s))
         result["stale_consumers"] = [
             {"stream": s["stream"], "group": g["group"], "consumer": c["name"], "idle_ms": c["idle_ms"], "pending": c["pending"]}
             for s in result["streams"] for g in s["groups"] for c in g["consumers"] if c["stale"]
@@ -136,7 +134,26 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
     finally:
         publisher.close()
         client.close()
-    return result
+
+
+def _stream(client: redis.Redis, entity: str, stream: str, mark, trim_stats: dict, stale_after_s: float) -> dict:
+    """One stream's length, first and last entries, high-water mark, trims and groups."""
+    length = client.xlen(stream)
+    first = client.xrange(stream, count=1)
+    last = client.xrevrange(stream, count=1)
+    return {
+        "entity": entity, "stream": stream, "length": length,
+        "first_id": first[0][0].decode() if first else None,
+        "first_time": _id_time(first[0][0]) if first else None,
+        "last_id": last[0][0].decode() if last else None,
+        "last_time": _id_time(last[0][0]) if last else None,
+        # the decimal (as the mark holds it) and as PostgreSQL prints it
+        "last_lsn": mark[0] if mark else None, "last_lsn_text": lsn_text(mark[0]) if mark else None,
+        "last_seq": mark[1] if mark else None,
+        "trimmed": trim_stats.get(f"{stream}:trimmed", 0),
+        "force_trimmed": trim_stats.get(f"{stream}:forced", 0),
+        "groups": _groups(client, stream, stale_after_s) if length or client.exists(stream) else [],
+    }
 
 
 def _id_time(entry_id: bytes) -> str:

@@ -28,7 +28,8 @@ def _table(title: str, *columns: str) -> Table:
     return table
 
 
-_NUMERIC = {"length", "trimmed", "force-trimmed", "lag", "pending", "dead letters", "rows done", "rows total", "rows/s", "keys compared", "keys drifted"}
+_NUMERIC = {"length", "trimmed", "force-trimmed", "lag", "pending", "dead letters", "rows done", "rows total", "rows/s",
+            "keys compared", "keys drifted"}
 
 
 def _dash(value: object) -> str:

@@ -276,8 +276,6 @@ def reconcile_spec(
 ) -> SpecResult:
     """Run one spec end to end, for the consumers `preflight` checked; the result says, per
     consumer, what was found and done."""
-    from .truth import compute_truth, describe_source, partition_bounds
-
     started_wall, started = time.time(), time.monotonic()
     result = SpecResult(spec)
     all_streams = sorted({s for _, streams, _ in targets for s in streams})
@@ -287,20 +285,7 @@ def reconcile_spec(
     holds: dict[str, str] = {}
     try:
         _hold(client, all_streams, holder, holds)
-        with ExportedSnapshot(dsn) as snap:
-            result.position, result.snapshot = snap.position, snap.name
-            say(f"{spec.name}: snapshot {snap.name} at position {snap.position}")
-            try:
-                with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as ref:
-                    reference = import_snapshot(ref, snap.name)
-                    types = describe_source(ref, spec)
-                    bounds = partition_bounds(ref, spec)
-                    ref.execute("COMMIT")
-            except psycopg.Error as exc:
-                raise classify_pg_error(exc) from None
-            t0 = time.monotonic()
-            truth = compute_truth(spark, spec, dsn, snap.name, reference, bounds, types, progress)
-            result.read_seconds = time.monotonic() - t0
+        truth = _read_truth(dsn, spec, spark, result, say, progress)
         with truth:  # its rows spill to a temporary file: remove it when done
             result.source_rows, result.truth_keys = truth.source_rows, len(truth)
             result.partitions, result.skipped_null_keys = truth.partitions, truth.skipped_null_keys
@@ -311,21 +296,8 @@ def reconcile_spec(
                 say(f"{spec.name}: {truth.skipped_null_keys} source rows have a null key and belong to no state row")
             _wait_for_bridge(dsn, settings.postgres.slot, result.position, settings.reconcile.wait_for_bridge_s, say)
             for target, streams, apply in targets:
-                try:
-                    with psycopg.connect(_state_dsn(settings, target), autocommit=True, connect_timeout=10) as conn:
-                        outcome = reset_consumer(
-                            conn, client, spec, target, streams, int(result.position), holds, truth, apply,
-                            dry_run=dry_run, lock_timeout_s=settings.reconcile.lock_timeout_s,
-                        )
-                        _record(conn, result, outcome, started_wall, dry_run)
-                except psycopg.errors.UndefinedTable as exc:
-                    raise ConfigError(f"{target.where}: {str(exc).splitlines()[0]}",
-                                      hint="create the consumer's tables (sql/20_consumer_state.sql) in its state database") from None
-                except psycopg.errors.LockNotAvailable:
-                    raise TransientError(f"consumer {target.name}: its checkpoint rows stayed locked for "
-                                         f"{settings.reconcile.lock_timeout_s:.0f}s", hint="run the reconciliation again") from None
-                except psycopg.Error as exc:
-                    raise classify_pg_error(exc) from None
+                outcome = _reset_target(settings, client, spec, target, streams, apply, holds, truth, result,
+                                        started_wall, dry_run)
                 result.outcomes.append(outcome)
                 say(f"{spec.name}: consumer {target.name}: {describe(outcome)}")
     except redis.ConnectionError as exc:
@@ -339,6 +311,49 @@ def reconcile_spec(
             client.close()
     result.seconds = time.monotonic() - started
     return result
+
+
+def _read_truth(dsn: str, spec: ReconcileSpec, spark, result: SpecResult, say: Callable[[str], None],
+                progress: Callable[[int, int], None] | None):
+    """Export a snapshot, read the spec's source in it with Spark: the truth (its position in `result`)."""
+    from .truth import compute_truth, describe_source, partition_bounds
+
+    with ExportedSnapshot(dsn) as snap:
+        result.position, result.snapshot = snap.position, snap.name
+        say(f"{spec.name}: snapshot {snap.name} at position {snap.position}")
+        try:
+            with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as ref:
+                reference = import_snapshot(ref, snap.name)
+                types = describe_source(ref, spec)
+                bounds = partition_bounds(ref, spec)
+                ref.execute("COMMIT")
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from None
+        t0 = time.monotonic()
+        truth = compute_truth(spark, spec, dsn, snap.name, reference, bounds, types, progress)
+        result.read_seconds = time.monotonic() - t0
+    return truth
+
+
+def _reset_target(settings: Settings, client, spec: ReconcileSpec, target, streams, apply, holds: dict[str, str],
+                  truth, result: SpecResult, started_wall: float, dry_run: bool) -> ResetOutcome:
+    """Compare one consumer's state with the truth and reset it (unless `dry_run`); the run recorded."""
+    try:
+        with psycopg.connect(_state_dsn(settings, target), autocommit=True, connect_timeout=10) as conn:
+            outcome = reset_consumer(
+                conn, client, spec, target, streams, int(result.position), holds, truth, apply,
+                dry_run=dry_run, lock_timeout_s=settings.reconcile.lock_timeout_s,
+            )
+            _record(conn, result, outcome, started_wall, dry_run)
+            return outcome
+    except psycopg.errors.UndefinedTable as exc:
+        raise ConfigError(f"{target.where}: {str(exc).splitlines()[0]}",
+                          hint="create the consumer's tables (sql/20_consumer_state.sql) in its state database") from None
+    except psycopg.errors.LockNotAvailable:
+        raise TransientError(f"consumer {target.name}: its checkpoint rows stayed locked for "
+                             f"{settings.reconcile.lock_timeout_s:.0f}s", hint="run the reconciliation again") from None
+    except psycopg.Error as exc:
+        raise classify_pg_error(exc) from None
 
 
 def describe(outcome: ResetOutcome) -> str:

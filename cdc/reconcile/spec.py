@@ -217,6 +217,20 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
     if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_.-]+$", name or ""):
         raise _fail(where(raw, "name"), f"name must be letters, digits, . _ or -, got {name!r}")
 
+    src, table, query, partition_column, partitions, fetch_size = _source(raw)
+    truth, group_by, overall, aggregates = _truth(raw)
+    consumers = _consumers(raw)
+    return ReconcileSpec(
+        name=name, table=table, query=query, partition_column=partition_column, partitions=partitions,
+        fetch_size=fetch_size, group_by=tuple(group_by), overall=overall, values=aggregates, consumers=consumers,
+        where=where(raw), partition_where=where(src, "partition_column"),
+        source_where=where(src, "table" if table is not None else "query"),
+        group_by_where=where(truth, "group_by") if "group_by" in truth else where(truth, "overall"),
+    )
+
+
+def _source(raw: dict) -> tuple:
+    """The spec's source: a table or one SELECT, and how to read it in parallel."""
     src = _mapping(raw, "source", "source")
     _check_keys(src, ("table", "query", "partition_column", "partitions", "fetch_size"), "source")
     table, query = src.get("table"), src.get("query")
@@ -236,7 +250,11 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
         raise _fail(where(src), "a parallel read needs partition_column (an integer, date or timestamp column)",
                     "add partition_column: id, or partitions: 1")
     fetch_size = _positive(src, "fetch_size", 10_000)
+    return src, table, query, partition_column, partitions, fetch_size
 
+
+def _truth(raw: dict) -> tuple:
+    """The spec's truth: its key (group_by, overall or both) and its aggregates."""
     truth = _mapping(raw, "truth", "truth")
     _check_keys(truth, ("group_by", "overall", "values"), "truth")
     group_by = truth.get("group_by", [])
@@ -259,7 +277,11 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
     for a in aggregates:
         if a.name in key_cols:
             raise _fail(a.where, f"{a.name} is both a key column and a value")
+    return truth, group_by, overall, aggregates
 
+
+def _consumers(raw: dict) -> tuple:
+    """The consumers to check, each listed once."""
     consumers_raw = raw.get("consumers")
     if not isinstance(consumers_raw, list) or not consumers_raw:
         raise _fail(where(raw, "consumers"), "consumers must list at least one consumer to check")
@@ -267,13 +289,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> ReconcileSpec:
     names = [c.name for c in consumers]
     if len(set(names)) != len(names):
         raise _fail(where(raw, "consumers"), "each consumer may be listed once")
-    return ReconcileSpec(
-        name=name, table=table, query=query, partition_column=partition_column, partitions=partitions,
-        fetch_size=fetch_size, group_by=tuple(group_by), overall=overall, values=aggregates, consumers=consumers,
-        where=where(raw), partition_where=where(src, "partition_column"),
-        source_where=where(src, "table" if table is not None else "query"),
-        group_by_where=where(truth, "group_by") if "group_by" in truth else where(truth, "overall"),
-    )
+    return consumers
 
 
 def load_specs(path: Path) -> list[ReconcileSpec]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import CdcError, ConfigError
 from .exported_snapshot import session_init_statement
-from .progress import ReadTasks
+from .read_tasks import ReadTasks
 from .source_read import (  # re-exported: how the source is read
     NUMERIC_OID,
     SNAPSHOT_COLUMN,
@@ -42,7 +42,7 @@ from .source_read import (  # re-exported: how the source is read
 )
 from .spec import ReconcileSpec
 
-__all__ = ["Truth", "compute_truth", "describe_source", "jdbc_url", "partition_bounds", "source_from", "source_query", "start_spark"]
+__all__ = ["NUMERIC_OID", "Truth", "compute_truth", "describe_source", "jdbc_url", "partition_bounds", "source_from", "source_query", "start_spark"]
 
 log = logging.getLogger("cdc.truth")
 
@@ -134,7 +134,8 @@ def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g", executor_
     try:
         from pyspark.sql import SparkSession
     except ImportError:
-        raise ConfigError("pyspark is not installed", hint="run: make reconcile-deps (pyspark, a Java runtime and the JDBC driver), or pip install 'cdc[reconcile]'") from None
+        raise ConfigError("pyspark is not installed", hint="run: make reconcile-deps (pyspark, a Java runtime and the JDBC driver), "
+                          "or pip install 'cdc[reconcile]'") from None
     if not os.environ.get("JAVA_HOME") and not shutil.which("java"):
         raise ConfigError("java is not installed: Spark needs a Java 17 runtime",
                           hint="run: apt-get install default-jre-headless")

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""`xadd_command` and `pack_past` of `cdc.sink.transaction`, compiled: entries packed as RESP commands.
+"""`xadd_command` and `pack_past` of `cdc.sink.lane`, compiled: entries packed as RESP commands.
 
-`cdc.sink.transaction` is the specification; this gives the same bytes
+`cdc.sink.lane` is the specification; this gives the same bytes
 (tests/sink/test_compiled_resp.py compares them on generated entries).
 """
 
@@ -13,7 +13,7 @@ from libc.string cimport memcpy
 
 cdef object _reference():
     """The specification, for the entries this module does not pack itself (imported late: it imports this)."""
-    from .transaction import xadd_command
+    from .lane import xadd_command
     return xadd_command
 
 cdef char *_buf = <char *>malloc(4096)

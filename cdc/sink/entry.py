@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import orjson
 
-__all__ = ["Entry", "next_stream_id", "parse_entry", "parse_stream_id", "reply_text"]
+__all__ = ["Entry", "next_stream_id", "parse_entry", "parse_stream_id", "reply_text", "stream_id_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +80,21 @@ def next_stream_id(entry_id: str | bytes) -> str:
     """The smallest ID after `entry_id`: where an exclusive range continues."""
     ms, seq = parse_stream_id(entry_id)
     return f"{ms}-{seq + 1}"
+
+
+def stream_id_for(start: str | datetime | int) -> str:
+    """A stream ID from '$', '0', an entry ID, epoch milliseconds, or an ISO-8601 time."""
+    if isinstance(start, datetime):
+        return f"{int(start.timestamp() * 1000)}-0"
+    if isinstance(start, int):
+        return f"{start}-0"
+    text = str(start).strip()
+    if text in ("$", "0", "0-0") or text.replace("-", "").isdigit():
+        return text
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"{start!r} is not '$', '0', a stream ID or an ISO-8601 time") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"{start!r} has no time zone; add Z or an offset")
+    return f"{int(moment.timestamp() * 1000)}-0"

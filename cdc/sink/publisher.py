@@ -7,7 +7,7 @@ the same atomic step, so a crash between any two steps leaves stream and mark in
 agreement, and replaying a transaction after a restart appends nothing twice.
 
 That step is a MULTI/EXEC transaction guarded by WATCH on the marks
-(`cdc.sink.transaction`, the default), or the Lua append script
+(`cdc.sink.lane`, the default), or the Lua append script
 (`cdc.sink.script`, ``redis.append: script``). Either refuses a whole batch,
 before writing anything of it, when a stream key holds another type or a stream
 whose mark says it held entries is gone (`cdc.sink.streamkeys`). Both run on lanes: one connection
@@ -34,7 +34,7 @@ from .node import Node, classify
 from .redisconn import connect_redis
 from .script import ScriptLane
 from .streamkeys import stream_key_error
-from .transaction import TransactionLane
+from .lane import TransactionLane
 
 __all__ = ["APPEND_MODES", "Publisher", "StreamBatch", "position", "split_position"]
 

@@ -29,19 +29,7 @@ def parse_array(text: str, convert: Converter = str, delim: str = ",") -> list:
     per element.
     """
     n = len(text)
-    i = 0
-    while i < n and text[i] in _WS:
-        i += 1
-    if i < n and text[i] == "[":
-        eq = text.find("=", i)
-        if eq < 0 or text[i:eq].strip(_WS).strip("[]0123456789:+-") != "":
-            raise _malformed(text, i, "bad dimension decoration")
-        i = eq + 1
-        while i < n and text[i] in _WS:
-            i += 1
-    if i >= n or text[i] != "{":
-        raise _malformed(text, i, "expected '{'")
-    i += 1
+    i = _after_opening_brace(text)
     root: list = []
     cur = root
     stack: list[list] = []
@@ -88,6 +76,24 @@ def parse_array(text: str, convert: Converter = str, delim: str = ",") -> list:
             at_item = True
             continue
         raise _malformed(text, i, f"expected {delim!r} or '}}'")
+
+
+def _after_opening_brace(text: str) -> int:
+    """Where the elements start: past leading whitespace, a dimension decoration (``[0:1]=``) and '{'."""
+    n = len(text)
+    i = 0
+    while i < n and text[i] in _WS:
+        i += 1
+    if i < n and text[i] == "[":
+        eq = text.find("=", i)
+        if eq < 0 or text[i:eq].strip(_WS).strip("[]0123456789:+-") != "":
+            raise _malformed(text, i, "bad dimension decoration")
+        i = eq + 1
+        while i < n and text[i] in _WS:
+            i += 1
+    if i >= n or text[i] != "{":
+        raise _malformed(text, i, "expected '{'")
+    return i + 1
 
 
 def _quoted(text: str, i: int) -> tuple[str, int]:

@@ -59,7 +59,7 @@ from cdc.source.messages import (  # re-exported: the decoder's public names
     Update,
     Value,
 )
-from cdc.source.streamed import STREAMED_DECODERS
+from cdc.source.streamed_decoders import STREAMED_DECODERS
 from cdc.source.wire import (
     _BEGIN,
     _COMMIT,

@@ -7,6 +7,7 @@ wrong, and `_read_tuple`, the hot path that reads a change's column values.
 from __future__ import annotations
 
 import struct
+from typing import Protocol
 
 from cdc.source.messages import UNCHANGED_TOAST, DecodeError, Value
 
@@ -117,7 +118,14 @@ def _cstring(data: bytes, off: int, name: str, what: str) -> tuple[str, int]:
     return data[off:end].decode(), end + 1
 
 
-def _xid_prefix(dec: PgOutputDecoder, data: bytes, name: str) -> tuple[int | None, int]:
+class StreamState(Protocol):
+    """What these decoders read and set of `cdc.source.pgoutput.PgOutputDecoder`: whether a streamed block is open."""
+
+    _streaming: bool
+    _stream_xid: int | None
+
+
+def _xid_prefix(dec: StreamState, data: bytes, name: str) -> tuple[int | None, int]:
     if not dec._streaming:
         return None, 1
     return _unpack(_U32, data, 1, name)[0], 5

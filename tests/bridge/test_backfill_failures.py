@@ -53,7 +53,7 @@ def test_a_failing_chunk_fails_its_backfill_visibly_and_the_slot_moves_on(env):
     proc = env.start_bridge()
     assert waiting.wait(60) == 1
     out = waiting.log_path.read_text()
-    assert (f"cdc: error: backfill 1 of ride failed after 300 row(s): division by zero; fix the cause, then run "
+    assert ("cdc: error: backfill 1 of ride failed after 300 row(s): division by zero; fix the cause, then run "
             "cdc backfill again (streaming went on: no change was lost)") in out
     wait_for(lambda: backfills(env)[2][0] == "done", 60, "the next backfill to go on")
     assert backfills(env) == {1: ("failed", 300, "division by zero"), 2: ("done", 50, None)}

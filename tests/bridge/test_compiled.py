@@ -30,7 +30,7 @@ from cdc import speedups
 from cdc.bridge import changes
 from cdc.bridge.backfill import Windows
 from cdc.bridge.batcher import Batcher
-from cdc.bridge.transaction import Transaction
+from cdc.bridge.positions import Transaction
 from cdc.mapping.model import parse_mapping
 from cdc.source import pgoutput as po
 from cdc.source.lsn import Lsn

@@ -11,7 +11,7 @@ from cdc.bridge.batcher import Batcher
 from cdc.bridge.changes import bind, route_message, route_row, route_truncate
 from cdc.bridge.inflight import InFlight
 from cdc.bridge.snapshot import queue_chunk
-from cdc.bridge.transaction import Transaction
+from cdc.bridge.positions import Transaction
 from cdc.mapping.model import parse_mapping
 from cdc.source import pgoutput as po
 from cdc.source.framing import pg_ts_to_unix_ms

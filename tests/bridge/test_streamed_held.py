@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cdc.bridge.streamed import OVERHEAD, StreamedTransactions
+from cdc.bridge.held_transactions import OVERHEAD, StreamedTransactions
 from cdc.errors import SourceError, TransientError
 
 

@@ -338,7 +338,7 @@ def test_postgres_restarted_while_a_consumer_runs_is_retried_and_the_totals_are_
 
 def _acl_user(client: redis.Redis, name: str, *extra: str) -> None:
     """The deployed consumer ACL (deploy/redis/redis.conf), changed by `extra`."""
-    line = next(l for l in (ROOT / "deploy/redis/redis.conf").read_text().splitlines() if l.startswith("user cdc-bridge"))
+    line = next(text for text in (ROOT / "deploy/redis/redis.conf").read_text().splitlines() if text.startswith("user cdc-bridge"))
     rules = [r for r in line.split()[3:] if not r.startswith(">")]
     client.execute_command("ACL", "SETUSER", name, "reset", "on", f">{PASSWORD}", *rules, *extra)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cdc import cli, cliargs, errors
+from cdc import cli, errors
+from cdc.cli import args as cliargs
 from cdc.demo.local import free_port
 from cdc.exits import EXIT_CODES
 
@@ -165,7 +166,7 @@ def test_internal_errors_are_one_line_with_exit_1(monkeypatch, capsys, tmp_path)
     def boom(args):
         raise RuntimeError("boom postgresql://u:pw-internal@h/db")
 
-    monkeypatch.setattr(cli, "cmd_status", boom)
+    monkeypatch.setattr(cli.entry, "cmd_status", boom)
     assert cli.main(["status", "--config", str(tmp_path / "x.yaml")]) == 1
     err = capsys.readouterr().err
     assert err == "cdc: error: internal error: RuntimeError: boom postgresql://u:***@h/db; set CDC_TRACEBACK=1 to see where\n"

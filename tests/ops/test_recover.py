@@ -240,7 +240,7 @@ def test_recover_with_redis_away_is_one_line_without_the_password(env):
 
 
 def test_a_bridge_writing_during_the_rebuild_fails_it_and_a_second_run_completes_it(env):
-    from cdc.commands import load_config
+    from cdc.cli.common import load_config
     from cdc.errors import CdcError
     from cdc.ops.recover import recover
 

@@ -1,6 +1,6 @@
 """The compiled batch packer against its specification: the entries past a mark, packed as the reference does.
 
-`cdc.sink._resp.pack_past` must give what `cdc.sink.transaction.pack_past` gives
+`cdc.sink._resp.pack_past` must give what `cdc.sink.lane.pack_past` gives
 (the joined XADD commands of the entries whose position is past the mark, their
 count, the last position) for any batch, including entries the compiled code
 hands to `xadd_command`, and the same exception for what cannot be packed.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cdc.sink import transaction
+from cdc.sink import lane
 from test_compiled_resp import SETTINGS, compiled_resp, entries, streams
 
 position_digits = st.integers(0, 40).map(lambda n: f"{n:030d}")
@@ -38,14 +38,14 @@ def outcome(pack, stream, batch, held):
 @given(streams, batches(), st.one_of(st.just(""), position_digits))
 def test_compiled_pack_past_matches_the_reference(stream, batch, held):
     compiled = compiled_resp()
-    assert outcome(compiled.pack_past, stream, batch, held) == outcome(transaction.pack_past, stream, batch, held)
+    assert outcome(compiled.pack_past, stream, batch, held) == outcome(lane.pack_past, stream, batch, held)
 
 
 def test_pack_past_keeps_only_what_the_mark_does_not_hold():
     compiled = compiled_resp()
     batch = [[b"op", b"c", f"{n:030d}"] for n in range(1, 6)]
-    for pack in (transaction.pack_past, compiled.pack_past):
+    for pack in (lane.pack_past, compiled.pack_past):
         packed, count, last = pack(b"s", batch, f"{3:030d}")
         assert (count, last) == (2, f"{5:030d}")
-        assert packed == transaction.xadd_command(b"s", batch[3]) + transaction.xadd_command(b"s", batch[4])
+        assert packed == lane.xadd_command(b"s", batch[3]) + lane.xadd_command(b"s", batch[4])
         assert pack(b"s", batch, f"{9:030d}") == (b"", 0, None)

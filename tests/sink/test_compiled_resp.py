@@ -1,7 +1,7 @@
 """The compiled XADD packer against its specification: the same entries, the same command bytes.
 
 `cdc.sink._resp.xadd_command` must give exactly the bytes of
-`cdc.sink.transaction.xadd_command` (the pure-Python reference) for any entry the
+`cdc.sink.lane.xadd_command` (the pure-Python reference) for any entry the
 bridge queues: field names as bytes or str, values as bytes, str, int or anything
 else (written as its str), unicode, empty values, '%' anywhere; and, for what
 cannot be packed, the same exception.
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cdc import speedups
-from cdc.sink import transaction
+from cdc.sink import lane
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -39,7 +39,7 @@ def outcome(pack, stream, entry):
 
 def assert_same(stream, entry):
     compiled = compiled_resp()
-    want = outcome(transaction.xadd_command, stream, list(entry) if isinstance(entry, list) else entry)
+    want = outcome(lane.xadd_command, stream, list(entry) if isinstance(entry, list) else entry)
     got = outcome(compiled.xadd_command, stream, list(entry) if isinstance(entry, list) else entry)
     assert got == want
     return want
@@ -118,15 +118,15 @@ def test_tuples_and_other_sequences_pack_alike(stream, entry):
 def test_the_command_is_what_hiredis_packs(stream, pairs):
     entry = [x for pair in pairs for x in pair] + ["pos"]
     want = hiredis.pack_command((b"XADD", stream, b"*", *entry[:-1]))
-    assert compiled_resp().xadd_command(stream, entry) == want == transaction.xadd_command(stream, entry)
+    assert compiled_resp().xadd_command(stream, entry) == want == lane.xadd_command(stream, entry)
 
 
 def test_the_lane_packs_with_the_compiled_code_unless_pure_is_forced(monkeypatch):
     compiled = compiled_resp()
     if speedups._forced_pure():
-        assert transaction.pack_entries is transaction.pack_past
+        assert lane.pack_entries is lane.pack_past
     else:
-        assert transaction.pack_entries is compiled.pack_past
+        assert lane.pack_entries is compiled.pack_past
     monkeypatch.setenv(speedups.PURE_ENV, "1")
     assert speedups.load("cdc.sink._resp") is None
     monkeypatch.setenv(speedups.PURE_ENV, "0")
@@ -137,4 +137,4 @@ def test_equal_names_of_other_types_pack_as_the_reference_packs_them():
     """The reference keeps one format per (stream, names): 1 and True, 1 and 1.0 are the same key to it."""
     compiled = compiled_resp()
     for entry in ([1, b"a", "p"], [True, b"a", "p"], [1.0, b"a", "p"], [b"x", b"a", "p"], [[1], b"a", "p"]):
-        assert outcome(compiled.xadd_command, b"quirk", entry) == outcome(transaction.xadd_command, b"quirk", entry)
+        assert outcome(compiled.xadd_command, b"quirk", entry) == outcome(lane.xadd_command, b"quirk", entry)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cdc.errors import TransientError
 from cdc.sink.publisher import Publisher, StreamBatch, position, split_position
-from cdc.sink.transaction import xadd_command
+from cdc.sink.lane import xadd_command
 
 MODES = ["transaction", "script"]
 

@@ -1,10 +1,10 @@
 """The reference pages of the documentation, generated from the code so that they cannot drift.
 
-``python -m cdc.ops.docgen`` rewrites the generated blocks of ``docs/reference/*.md``; with
+``python -m cdc.cli.docgen`` rewrites the generated blocks of ``docs/reference/*.md``; with
 ``--check`` it changes nothing and exits 1 naming the pages that differ. A generated block sits
 between two markers, so the prose around it stays hand-written::
 
-    <!-- generated: settings (python -m cdc.ops.docgen) -->
+    <!-- generated: settings (python -m cdc.cli.docgen) -->
     ...
     <!-- end of generated: settings -->
 
@@ -46,7 +46,7 @@ PAGES: dict[str, tuple[str, ...]] = {
     "docs/reference/metrics.md": ("metrics",),
 }
 
-REGENERATE = ".venv/bin/python -m cdc.ops.docgen"
+REGENERATE = ".venv/bin/python -m cdc.cli.docgen"
 _BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z-]+) \(python -m cdc\.ops\.docgen\) -->\n)(?P<body>.*?)"
                     r"(<!-- end of generated: (?P=name) -->)", re.S)
 
@@ -354,7 +354,7 @@ def stale_pages(root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argparse.ArgumentParser(prog="python -m cdc.ops.docgen", description=__doc__.split("\n\n")[0])
+    args = argparse.ArgumentParser(prog="python -m cdc.cli.docgen", description=__doc__.split("\n\n")[0])
     args.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page is out of date")
     options = args.parse_args(argv)
     stale = []

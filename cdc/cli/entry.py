@@ -1,7 +1,7 @@
-"""The ``cdc`` command: its arguments, logging and error reporting.
+"""The ``cdc`` command: its parser, logging and error reporting.
 
-Each subcommand's implementation lives with its concern (`cdc.ops.commands`,
-`cdc.bridge.commands`, `cdc.consume.commands`, `cdc.reconcile.commands`).
+Each subcommand's implementation lives with its concern (`cdc.cli.ops`,
+`cdc.cli.bridge`, `cdc.cli.consume`, `cdc.cli.reconcile`).
 
 Errors the operator can fix are printed as one line (``cdc: error: ...``) with
 an exit code per kind (see `cdc.errors`); logs are JSON lines on stderr.
@@ -17,13 +17,13 @@ from collections.abc import Sequence
 
 import orjson
 
-from . import redact
-from .bridge.commands import cmd_backfill, cmd_run
-from .cliargs import ABOUT, Formatter, Parser, number, version
-from .consume.commands import cmd_consume, cmd_dlq, cmd_read, cmd_replay
-from .exits import RedactingFilter, report, silence_stdout
-from .ops.commands import cmd_check, cmd_init, cmd_recover, cmd_schema, cmd_status, cmd_trim
-from .reconcile.commands import cmd_reconcile
+from .. import redact
+from .bridge import cmd_backfill, cmd_run
+from .args import ABOUT, Formatter, Parser, number, version
+from .consume import cmd_consume, cmd_dlq, cmd_read, cmd_replay
+from ..exits import RedactingFilter, report, silence_stdout
+from .ops import cmd_check, cmd_init, cmd_recover, cmd_schema, cmd_status, cmd_trim
+from .reconcile import cmd_reconcile
 
 __all__ = ["main"]
 
@@ -58,7 +58,7 @@ def _setup_logging(level: str, fmt: str) -> None:
 
 def _consume_options(consume: argparse.ArgumentParser) -> None:
     """`cdc consume`'s options; each help names its default (cdc.consume.consumer holds them)."""
-    from .consume import consumer as c
+    from ..consume import consumer as c
 
     consume.add_argument("--entity", required=True, action="append",
                          help="the mapping whose streams to read (all its partitions); with --transactions, "
@@ -97,18 +97,8 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
                               f"rather than hand over part of it (default {c.TRANSACTION_WAIT_MS})")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # One flat declaration of the whole command line, read top to bottom: long, but splitting it
-    # would scatter each command's options away from its siblings'.
-    parser = Parser(prog="cdc", description="PostgreSQL logical replication to Redis Streams, exactly once.",
-                    epilog="example: cdc --log-format text check --config cdc.yaml\n"
-                           "exit codes: see docs/reference/exit-codes.md", formatter_class=Formatter)
-    parser.add_argument("--version", action="version", version=f"cdc {version()}")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                        help="least severe log events shown on stderr")
-    parser.add_argument("--log-format", default="json", choices=["json", "text"],
-                        help="json: one JSON object per line; text: for people")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+def _command_maker(sub):
+    """`command(name, func, help, ...)`: adds one subcommand with its --config, description and example."""
 
     def command(name: str, func, help: str, parent=sub, about: tuple[str, str] | None = None,
                 config_default: str = "cdc.yaml") -> argparse.ArgumentParser:
@@ -119,6 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
+    return command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, in the order --help lists it."""
+    parser = Parser(prog="cdc", description="PostgreSQL logical replication to Redis Streams, exactly once.",
+                    epilog="example: cdc --log-format text check --config cdc.yaml\n"
+                           "exit codes: see docs/reference/exit-codes.md", formatter_class=Formatter)
+    parser.add_argument("--version", action="version", version=f"cdc {version()}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="least severe log events shown on stderr")
+    parser.add_argument("--log-format", default="json", choices=["json", "text"],
+                        help="json: one JSON object per line; text: for people")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    command = _command_maker(sub)
+    _setup_and_stream_commands(command)
+    _reading_commands(sub, command)
+    _maintenance_commands(command)
+    return parser
+
+
+def _setup_and_stream_commands(command) -> None:
+    """init, recover, check, run, consume, trim."""
     command("init", cmd_init, "create the publication and the logical slot (idempotent)")
     command("recover", cmd_recover, "after Redis lost data: rebuild every mapped stream to replay to its table (bridge stopped)")
     command("check", cmd_check, "validate the server and every mapping against the live schema")
@@ -135,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "default: trim.max_len, 0: none)")
     trim.add_argument("--max-age-s", type=number, help="hard cap on age in seconds (drops unconsumed entries, "
                                                        "loudly; default: trim.max_age_s, 0: none)")
+
+
+def _reading_commands(sub, command) -> None:
+    """replay, read, dlq."""
     replay = command("replay", cmd_replay, "start a group at, or rewind it to, a time or an entry ID")
     replay.add_argument("--entity", required=True, help="the mapping whose streams the group reads")
     replay.add_argument("--group", required=True, help="the consumer group to create or rewind")
@@ -162,9 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("ids", nargs="+" if action == "show" else "*", help=ids_help)
         else:
             p.set_defaults(ids=[])
+
+
+def _maintenance_commands(command) -> None:
+    """backfill, schema, reconcile, status."""
     backfill = command("backfill", cmd_backfill, "re-publish an entity's table (op r) while streaming continues")
     backfill.add_argument("--entity", help="the entity to re-publish")
-    backfill.add_argument("--where", help="a condition on the table's columns selecting part of it (a small SQL subset: docs/how-to/snapshots-and-backfills.md)")
+    backfill.add_argument("--where", help="a condition on the table's columns selecting part of it "
+                                          "(a small SQL subset: docs/how-to/snapshots-and-backfills.md)")
     backfill.add_argument("--wait", action="store_true", help="show progress until every chunk is read")
     backfill.add_argument("--watch", action="store_true", help="follow the snapshots and backfills in progress")
     schema = command("schema", cmd_schema, "print a JSON Schema per entity")
@@ -180,7 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     status = command("status", cmd_status, "show the slot, lag and streams")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--stale-after-s", type=number, default=3600.0, help="list consumers idle this long as stale")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,7 @@ import math
 import re
 from importlib import metadata
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["ABOUT", "Formatter", "Parser", "check_position", "check_positive", "number", "version"]
 
@@ -92,7 +92,7 @@ _POSITION = re.compile(r"^(\$|\d+|\d+-\d+)$")
 
 def check_position(value: str | None, option: str) -> None:
     """`value` is '$', '0', an entry ID, epoch milliseconds or an ISO-8601 time with a zone."""
-    from .consume.consumer import stream_id_for
+    from ..sink.entry import stream_id_for
 
     if value is None or value in ("-", "+"):
         return

@@ -9,16 +9,22 @@ import re
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import orjson
 
 from .. import redact
-from ..cliargs import check_position, check_positive
-from ..commands import entity_named, load_config, redis_for
+from .args import check_position, check_positive
+from ..sink.redisconn import redis_for
+from .common import entity_named, load_config
 from ..errors import PublishError, TransientError, UsageError
 from ..exits import as_cdc_error
 from ..loader import load_callable
-from .failures import RETRY, SETUP, whose
+from ..consume.failures import RETRY, SETUP, whose
+
+if TYPE_CHECKING:
+    from ..consume.checkpoint import TransactionalHandler
+    from ..consume.table_sink import TableSink
 
 __all__ = ["cmd_consume", "cmd_replay", "cmd_read", "cmd_dlq"]
 
@@ -84,7 +90,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
         if apply is not None:
             from ..consume.checkpoint import TransactionalHandler
 
-            handler = TransactionalHandler(
+            handler: TransactionalHandler | TableSink = TransactionalHandler(
                 state_dsn, args.group, apply, epoch_of=consumer.epoch,
                 crash_before_commit=float(os.environ.get("CDC_FAULT_CRASH_BEFORE_COMMIT", 0)),
             )

@@ -8,8 +8,9 @@ import sys
 import orjson
 
 from .. import redact
-from ..cliargs import check_positive
-from ..commands import entity_named, load_config, redis_for
+from .args import check_positive
+from ..sink.redisconn import redis_for
+from .common import entity_named, load_config
 from ..errors import SlotError, UsageError
 
 __all__ = ["cmd_init", "cmd_check", "cmd_schema", "cmd_status", "cmd_trim", "cmd_recover"]

@@ -7,7 +7,7 @@ import logging
 import signal
 import time
 
-from ..commands import entity_named, load_config
+from .common import entity_named, load_config
 from ..errors import CdcError, UsageError
 
 __all__ = ["cmd_run", "cmd_backfill"]
@@ -71,8 +71,8 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 
 def _follow(conn, backfill_id: int) -> CdcError | None:
     """Show one backfill's progress until every chunk is read; its failure, if it failed."""
-    from ..ops.progress import ProgressDisplay
-    from .backfill import has_error_column
+    from .progress import ProgressDisplay
+    from ..bridge.backfill import has_error_column
 
     entity = conn.execute("SELECT entity FROM cdc_backfills WHERE id = %s", (backfill_id,)).fetchone()[0]
     error_sql = "error" if has_error_column(conn) else "NULL"

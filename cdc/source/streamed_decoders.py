@@ -1,14 +1,14 @@
 """Decoders of the messages of streamed and two-phase transactions.
 
 The bridge asks for streamed transactions with `postgres.streaming: true` (see
-`cdc.bridge.streamed`) and never for two-phase ones; those decoders complete the
+`cdc.bridge.held_transactions`) and never for two-phase ones; those decoders complete the
 decoder for other readers of a pgoutput slot. `cdc.source.pgoutput` registers
 them all in its dispatch table.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from cdc.source.lsn import Lsn
 from cdc.source.messages import (
@@ -24,6 +24,7 @@ from cdc.source.messages import (
     StreamStop,
 )
 from cdc.source.wire import (
+    StreamState,
     _BEGIN_PREPARE,
     _PREPARE,
     _ROLLBACK_PREPARED,
@@ -35,11 +36,8 @@ from cdc.source.wire import (
     _unpack,
 )
 
-if TYPE_CHECKING:
-    from cdc.source.pgoutput import PgOutputDecoder
 
-
-def _decode_stream_start(dec: PgOutputDecoder, data: bytes) -> StreamStart:
+def _decode_stream_start(dec: StreamState, data: bytes) -> StreamStart:
     xid, first = _unpack(_STREAM_START, data, 1, "stream start")
     _end(data, 6, "stream start")
     dec._streaming = True
@@ -50,14 +48,14 @@ def _decode_stream_start(dec: PgOutputDecoder, data: bytes) -> StreamStart:
 _STREAM_STOP = StreamStop()
 
 
-def _decode_stream_stop(dec: PgOutputDecoder, data: bytes) -> StreamStop:
+def _decode_stream_stop(dec: StreamState, data: bytes) -> StreamStop:
     _end(data, 1, "stream stop")
     dec._streaming = False
     dec._stream_xid = None
     return _STREAM_STOP
 
 
-def _decode_stream_commit(dec: PgOutputDecoder, data: bytes) -> StreamCommit:
+def _decode_stream_commit(dec: StreamState, data: bytes) -> StreamCommit:
     xid, flags, commit_lsn, end_lsn, commit_ts = _unpack(
         _STREAM_COMMIT, data, 1, "stream commit"
     )
@@ -65,13 +63,13 @@ def _decode_stream_commit(dec: PgOutputDecoder, data: bytes) -> StreamCommit:
     return StreamCommit(xid, flags, Lsn(commit_lsn), Lsn(end_lsn), commit_ts)
 
 
-def _decode_stream_abort(dec: PgOutputDecoder, data: bytes) -> StreamAbort:
+def _decode_stream_abort(dec: StreamState, data: bytes) -> StreamAbort:
     xid, subxid = _unpack(_STREAM_ABORT, data, 1, "stream abort")
     _end(data, 9, "stream abort")
     return StreamAbort(xid, subxid)
 
 
-def _decode_begin_prepare(dec: PgOutputDecoder, data: bytes) -> BeginPrepare:
+def _decode_begin_prepare(dec: StreamState, data: bytes) -> BeginPrepare:
     name = "begin prepare"
     prepare_lsn, end_lsn, prepare_ts, xid = _unpack(_BEGIN_PREPARE, data, 1, name)
     gid, off = _cstring(data, 29, name, "gid")
@@ -81,10 +79,10 @@ def _decode_begin_prepare(dec: PgOutputDecoder, data: bytes) -> BeginPrepare:
 
 def _prepare_like(
     cls: type[Prepare] | type[CommitPrepared] | type[StreamPrepare], name: str
-) -> Callable[[PgOutputDecoder, bytes], PgOutputMessage]:
+) -> Callable[[StreamState, bytes], PgOutputMessage]:
     """Prepare, Commit Prepared and Stream Prepare share one layout."""
 
-    def decode(dec: PgOutputDecoder, data: bytes) -> PgOutputMessage:
+    def decode(dec: StreamState, data: bytes) -> PgOutputMessage:
         flags, lsn, end_lsn, ts, xid = _unpack(_PREPARE, data, 1, name)
         gid, off = _cstring(data, 30, name, "gid")
         _end(data, off, name)
@@ -93,7 +91,7 @@ def _prepare_like(
     return decode
 
 
-def _decode_rollback_prepared(dec: PgOutputDecoder, data: bytes) -> RollbackPrepared:
+def _decode_rollback_prepared(dec: StreamState, data: bytes) -> RollbackPrepared:
     name = "rollback prepared"
     flags, prepare_end, rollback_end, prepare_ts, rollback_ts, xid = _unpack(
         _ROLLBACK_PREPARED, data, 1, name
@@ -105,7 +103,7 @@ def _decode_rollback_prepared(dec: PgOutputDecoder, data: bytes) -> RollbackPrep
     )
 
 
-STREAMED_DECODERS: dict[int, Callable[[PgOutputDecoder, bytes], PgOutputMessage]] = {
+STREAMED_DECODERS: dict[int, Callable[[StreamState, bytes], PgOutputMessage]] = {
     ord("S"): _decode_stream_start,
     ord("E"): _decode_stream_stop,
     ord("c"): _decode_stream_commit,

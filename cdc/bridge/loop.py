@@ -216,7 +216,8 @@ class Bridge:
         r.gauge("cdc_slot_failover_ready", "1 when the slot would survive a failover to a standby (failover slot, "
                 "synchronized_standby_slots naming an active standby slot; PostgreSQL 17+), else 0",
                 lambda: None if self.failover is None else int(self.failover.ready))
-        r.counter("cdc_transient_failures_total", "failures retried, by side (redis or postgres)", lambda: {(("side", k),): v for k, v in self.failures.items()})
+        r.counter("cdc_transient_failures_total", "failures retried, by side (redis or postgres)",
+                  lambda: {(("side", k),): v for k, v in self.failures.items()})
         r.counter("cdc_sessions_total", "replication sessions started (1 + reconnections)", lambda: self.sessions)
         r.counter("cdc_entries_trimmed_total", "stream entries trimmed after every group consumed them", lambda: self.entries_trimmed)
         r.counter("cdc_entries_force_trimmed_total", "unconsumed entries dropped by the trim hard cap",

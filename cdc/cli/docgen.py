@@ -47,7 +47,7 @@ PAGES: dict[str, tuple[str, ...]] = {
 }
 
 REGENERATE = ".venv/bin/python -m cdc.cli.docgen"
-_BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z-]+) \(python -m cdc\.ops\.docgen\) -->\n)(?P<body>.*?)"
+_BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z-]+) \(python -m cdc\.cli\.docgen\) -->\n)(?P<body>.*?)"
                     r"(<!-- end of generated: (?P=name) -->)", re.S)
 
 
@@ -123,7 +123,7 @@ def settings_block() -> str:
     for f in dataclasses.fields(config.Settings):
         if f.name in config._SECTIONS or f.name in ("source", "hash_key", "transactions_origin"):
             continue
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
         lines.append(_setting_row(f.name, "str", _shown_default(default), "", f"CDC_{f.name}".upper(),
                                   top.get(f.name, "")))
     return "\n".join(lines) + "\n"
@@ -157,7 +157,7 @@ def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> It
 
 
 def _usage(parser: argparse.ArgumentParser) -> str:
-    formatter = parser.formatter_class(prog=parser.prog, width=100)
+    formatter = parser.formatter_class(prog=parser.prog, width=100)  # type: ignore[call-arg]
     formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
     return formatter.format_help().strip()
 
@@ -277,7 +277,7 @@ def _metric(call: ast.Call, module: str, defs: dict[str, list[ast.AST]]) -> Metr
         help_text = _string(call.args[1]) if len(call.args) > 1 else ""
         label_node = call.args[2] if len(call.args) > 2 else next(
             (k.value for k in call.keywords if k.arg == "labelnames"), None)
-        labels = tuple(_string(e) for e in getattr(label_node, "elts", ()) if _string(e))
+        labels = tuple(s for s in (_string(e) for e in getattr(label_node, "elts", ())) if s)
         return MetricDef(name, _CLIENT_CLASSES[called], help_text or "", labels, module)  # type: ignore[arg-type]
     return None
 

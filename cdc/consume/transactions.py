@@ -191,7 +191,9 @@ class TransactionAssembler:
         for stream, count in counts.items():
             if stream not in self.buffers:
                 continue
-            entries, twice, seen = [], [], set()
+            entries: list[Entry] = []
+            twice: list[Entry] = []
+            seen: set = set()
             for e in self.buffers[stream]:
                 if not covered(e) or (e.lsn, e.xid) != (end.lsn, end.xid):
                     break

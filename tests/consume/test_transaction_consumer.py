@@ -88,7 +88,7 @@ def pending(env) -> int:
 def test_a_failing_transaction_is_dead_lettered_whole_and_nothing_overtakes_it(setup):
     env, src = setup
     ok1 = src.transaction((A, {"id": 1}), (B, {"id": 2}), (C, {"id": 3}), (A, {"id": 4}))
-    bad = src.transaction((A, {"id": 5}), (B, {"id": 6, "poison": True}))
+    src.transaction((A, {"id": 5}), (B, {"id": 6, "poison": True}))
     env.redis.xadd(A, {"op": "r", "key": b'{"id":7}', "data": b'{"id":7}', "lsn": src.lsn + 1, "seq": 0, "xid": 0, "ts_ms": 1, "v": 1})
     ok2 = src.transaction((B, {"id": 8}))
     consumer, stop, thread, failure = running(env)

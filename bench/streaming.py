@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from servers import bench_servers  # noqa: E402
 from items import ITEM_ROWS, ITEMS_TABLE  # noqa: E402
-from cdc.demo.local import PG_BIN  # noqa: E402
+from cdc.demo.local import pg_bin  # noqa: E402
 from cdc.source.framing import standby_status_update  # noqa: E402
 
 SCHEMA = ITEMS_TABLE + "CREATE PUBLICATION cdc FOR TABLE items;\n"
@@ -59,7 +59,7 @@ def conninfo(pg, work_mem: str) -> str:
 
 def drain_recvlogical(dsn: str, slot: str, mode: str, end_lsn: str) -> dict:
     """pg_recvlogical into a pipe: whole-process wall time and the time to its first output byte."""
-    cmd = [str(PG_BIN / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--endpos", end_lsn, "--no-loop", "-f", "-"]
+    cmd = [str(pg_bin() / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--endpos", end_lsn, "--no-loop", "-f", "-"]
     for opt in MODES[mode]:
         cmd += ["-o", opt]
     t0 = time.monotonic()

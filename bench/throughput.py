@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from servers import bench_servers, cdc_command, peak_rss  # noqa: E402
 from items import ITEM_MAPPING, ITEM_ROWS, ITEMS_TABLE  # noqa: E402
-from cdc.demo.local import PG_BIN, wait_for  # noqa: E402
+from cdc.demo.local import pg_bin, wait_for  # noqa: E402
 
 SCHEMA = ITEMS_TABLE + """
 CREATE TABLE riders (id bigint PRIMARY KEY, name text NOT NULL, email text NOT NULL);
@@ -168,7 +168,8 @@ def bridge_env(path: str) -> dict[str, str]:
 
 
 def run_bridge(config: Path, args: list[str], path: str) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen(cdc_command("run", config, *args), cwd=ROOT, env=bridge_env(path))
+    wrap = os.environ.get("BENCH_BRIDGE_WRAP", "").split()  # e.g. a profiler's command line, ending in --
+    proc = subprocess.Popen([*wrap, *cdc_command("run", config, *args)], cwd=ROOT, env=bridge_env(path))
     return proc, peak_rss(proc)
 
 
@@ -196,7 +197,7 @@ def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[s
 def drain_recvlogical(dsn: str, slot: str, end_lsn: str, total: int) -> dict:
     t0 = time.monotonic()
     subprocess.run(
-        [str(PG_BIN / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--endpos", end_lsn,
+        [str(pg_bin() / "pg_recvlogical"), "-d", dsn, "--slot", slot, "--start", "--endpos", end_lsn,
          "-o", "proto_version=1", "-o", "publication_names=cdc", "-o", "messages=true", "-f", "/dev/null",
          "--no-loop"],
         check=True,

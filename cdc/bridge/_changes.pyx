@@ -760,7 +760,7 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
     if ntargets == 0:
         return None
     outs = [] if ntargets > 1 else None  # one target (the usual case): its projection in `only`
-    only = None
+    only = only_plan = None
     _out.size = 0
     try:
         for t in targets:
@@ -780,6 +780,7 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
                 break
             if outs is None:
                 only = out
+                only_plan = plan_obj
             else:
                 outs.append(out)
     except Exception:
@@ -793,7 +794,7 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
         return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
     # every target is projected: now queue them, as `route_row` and `Batcher.add` do
     if outs is None:
-        _queue(<Plan>(targets[0].plan), only, tx, txf, batcher)
+        _queue(<Plan>only_plan, only, tx, txf, batcher)
     else:
         for i in range(ntargets):
             _queue(<Plan>(targets[i].plan), outs[i], tx, txf, batcher)

@@ -66,12 +66,29 @@ cdef inline int _number(char prefix, Py_ssize_t value) except -1:
 
 cdef inline int _bulk(const char *p, Py_ssize_t n) except -1:
     global _size
-    _number(b'$', n)
-    _reserve(n + 2)
-    memcpy(_buf + _size, p, n)
-    _buf[_size + n] = b'\r'
-    _buf[_size + n + 1] = b'\n'
-    _size += n + 2
+    cdef char *w
+    if n >= 100:
+        _number(b'$', n)
+        _reserve(n + 2)
+        w = _buf + _size
+    else:  # most arguments: the length in one or two digits, one reservation
+        _reserve(n + 7)
+        w = _buf + _size
+        w[0] = b'$'
+        if n < 10:
+            w[1] = <char>(48 + n)
+            w += 2
+        else:
+            w[1] = <char>(48 + n // 10)
+            w[2] = <char>(48 + n % 10)
+            w += 3
+        w[0] = b'\r'
+        w[1] = b'\n'
+        w += 2
+    memcpy(w, p, n)
+    w[n] = b'\r'
+    w[n + 1] = b'\n'
+    _size = (w + n + 2) - _buf
     return 0
 
 

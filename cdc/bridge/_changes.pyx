@@ -628,8 +628,13 @@ cdef bytes _names_list(Plan plan, list unchanged):
     return b"[" + b",".join([plan.quoted[f] for f in unchanged]) + b"]"
 
 
+cdef int _projected_partition = 0  # the partition of `_project`'s last fields
+
+
 cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_kind, const char *data):
-    """(partition, fields) for one target, None when the mapping skips the change, or False for the reference."""
+    """The entry's fields for one target (its partition in `_projected_partition`), None when the mapping
+    skips the change, or False for the reference."""
+    global _projected_partition
     cdef Py_ssize_t base = _out.size
     cdef list unchanged = [], parts
     cdef int i, col
@@ -660,7 +665,8 @@ cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_ki
                 fields += [b"before", _take(base)]
         if unchanged:
             fields += [b"unchanged", _names_list(plan, unchanged)]
-        return (_partition(plan, parts, plan.part_by) if parts is not None else 0), fields
+        _projected_partition = _partition(plan, parts, plan.part_by) if parts is not None else 0
+        return fields
     # DELETE
     if not plan.d:
         return None
@@ -670,7 +676,8 @@ cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_ki
     if plan.before and old_full:
         _row(plan, old, data, None, None)
         fields += [b"before", _take(base)]
-    return (_partition(plan, parts, plan.part_by_plan) if parts is not None else 0), fields
+    _projected_partition = _partition(plan, parts, plan.part_by_plan) if parts is not None else 0
+    return fields
 
 
 # -- the entry point ----------------------------------------------------------------------------
@@ -757,6 +764,7 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
         return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
     cdef Py_ssize_t ntargets = len(targets), i
     cdef bint projected = True
+    cdef int only_partition = 0
     if ntargets == 0:
         return None
     outs = [] if ntargets > 1 else None  # one target (the usual case): its projection in `only`
@@ -781,8 +789,9 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
             if outs is None:
                 only = out
                 only_plan = plan_obj
+                only_partition = _projected_partition
             else:
-                outs.append(out)
+                outs.append((_projected_partition, out))
     except Exception:
         # A value its converter or orjson refuses. The reference has by then counted the
         # change read and queued the entries of the mappings before it, and it converts
@@ -794,23 +803,34 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
         return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
     # every target is projected: now queue them, as `route_row` and `Batcher.add` do
     if outs is None:
-        _queue(<Plan>only_plan, only, tx, txf, batcher)
+        _queue(<Plan>only_plan, only, only_partition, tx, txf, batcher)
     else:
         for i in range(ntargets):
-            _queue(<Plan>(targets[i].plan), outs[i], tx, txf, batcher)
+            partition, out = <tuple>outs[i]
+            _queue(<Plan>(targets[i].plan), out, partition, tx, txf, batcher)
 
 
-cdef int _queue(Plan plan, object out, tx, _TxFields txf, batcher) except -1:
+cdef int _queue(Plan plan, object fields, int partition, tx, _TxFields txf, batcher) except -1:
     """A target's change counted read and its entry, if any, queued with its position (`Batcher.add`)."""
     cdef Py_ssize_t seq
+    cdef list f
     plan.read[0] += 1
-    if out is None:
+    if fields is None:
         return 0
-    partition, fields = <tuple>out
+    f = <list>fields
     seq = tx.seq
-    fields += (b"lsn", txf.lsn, b"seq", seq, b"xid", txf.xid, b"ts_ms", txf.ts, b"v", plan.version,
-               _position(txf.prefix, seq))
-    plan.batches[partition].entries.append(fields)
+    f.append(b"lsn")  # one by one: no tuple per entry
+    f.append(txf.lsn)
+    f.append(b"seq")
+    f.append(seq)
+    f.append(b"xid")
+    f.append(txf.xid)
+    f.append(b"ts_ms")
+    f.append(txf.ts)
+    f.append(b"v")
+    f.append(plan.version)
+    f.append(_position(txf.prefix, seq))
+    plan.batches[partition].entries.append(f)
     if not batcher.pending:
         batcher.first_at = batcher.clock()
     batcher.pending += 1

@@ -5,8 +5,10 @@ the loop's inner part (`burst` on the compiled path, `route_raw` per message on 
 packs each batch of 1,000 entries as the transaction lane does (`pack_past`). Meant for
 instruction counts, repeatable on a busy machine:
 
-    valgrind --tool=callgrind --collect-atstart=no --toggle-collect='*replay*' \\
-        python bench/per_change.py --workload large --changes 20000
+    valgrind --tool=callgrind --collect-atstart=no \\
+        --toggle-collect=__pyx_pw_3cdc_6bridge_8_changes_3burst \\
+        --toggle-collect=__pyx_pw_3cdc_4sink_5_resp_3pack_past \\
+        python bench/per_change.py --workload large --changes 10000
 
 (divide the instructions by the changes). Without valgrind it prints CPU µs per change.
 

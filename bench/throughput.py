@@ -20,7 +20,8 @@ its own slot into an emptied Redis, alternating, `--rounds` times; the best of e
 Rates are changes over WHOLE-PROCESS WALL TIME (process start to exit) of each; every drain's
 entry count in Redis is checked against the changes committed. Redis' CPU per entry comes from
 INFO cpu (main thread) and INFO commandstats around each drain; the bridge's peak RSS is sampled
-every 50 ms.
+every 50 ms, its own CPU (start-up included) comes from its rusage when it exits.
+BENCH_BRIDGE_WRAP (e.g. a profiler's command line ending in --) runs each bridge under it.
 
 Latency: a bridge (compiled path, transaction append) runs continuously while writers commit a
 steady 10,000 and then 50,000 changes/s (multi-row INSERTs in transactions of

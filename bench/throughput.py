@@ -19,8 +19,9 @@ while decoding it, the bridge holds it until the commit; `off`: the server decod
 its own slot into an emptied Redis, alternating, `--rounds` times; the best of each is shown.
 Rates are changes over WHOLE-PROCESS WALL TIME (process start to exit) of each; every drain's
 entry count in Redis is checked against the changes committed. Redis' CPU per entry comes from
-INFO cpu (main thread) and INFO commandstats around each drain, the bridge's CPU from its rusage; its peak RSS is sampled
-every 50 ms.
+INFO cpu (main thread) and INFO commandstats around each drain; the bridge's peak RSS is sampled
+every 50 ms, its own CPU (start-up included) comes from its rusage when it exits.
+BENCH_BRIDGE_WRAP (e.g. a profiler's command line ending in --) runs each bridge under it.
 
 Latency: a bridge (compiled path, transaction append) runs continuously while writers commit a
 steady 10,000 and then 50,000 changes/s (multi-row INSERTs in transactions of
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import threading
@@ -166,12 +166,6 @@ def redis_cpu_us(client: redis.Redis) -> float:
             + cpu.get("used_cpu_user_main_thread", cpu["used_cpu_user"])) * 1e6
 
 
-def children_cpu_s() -> float:
-    """CPU (user + system) of every child process reaped so far, in seconds."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def bridge_env(path: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("CDC_PURE_PYTHON", None)
@@ -181,7 +175,8 @@ def bridge_env(path: str) -> dict[str, str]:
 
 
 def run_bridge(config: Path, args: list[str], path: str) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen(cdc_command("run", config, *args), cwd=ROOT, env=bridge_env(path))
+    wrap = os.environ.get("BENCH_BRIDGE_WRAP", "").split()  # e.g. a profiler's command line, ending in --
+    proc = subprocess.Popen([*wrap, *cdc_command("run", config, *args)], cwd=ROOT, env=bridge_env(path))
     return proc, peak_rss(proc)
 
 
@@ -208,13 +203,12 @@ def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[s
     register(config)
     client.config_resetstat()
     cpu0 = redis_cpu_us(client)
-    own0 = children_cpu_s()
     t0 = time.monotonic()
     proc, peak = run_bridge(config, ["--until-caught-up"], path)
-    if proc.wait() != 0:
+    _, status, usage = os.wait4(proc.pid, 0)  # its rusage: the bridge's own CPU, start to exit
+    if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"bridge failed ({config.name})")
     wall_s = time.monotonic() - t0
-    bridge_cpu_s = children_cpu_s() - own0  # the bridge is the only child reaped meanwhile
     cpu1 = redis_cpu_us(client)
     command_us = client.info("commandstats").get(APPEND_COMMAND[mode], {}).get("usec", 0)
     got = stream_total(client, streams)
@@ -226,7 +220,8 @@ def drain_bridge(config: Path, client: redis.Redis, total: int, streams: tuple[s
         if not ends or counted != total:
             raise SystemExit(f"bridge ({path}, {mode}): {ends:,} END records counting {counted:,} entries, expected {total:,}")
     return {"rate": total / wall_s, "wall": wall_s, "rss": peak[0], "cpu_per_entry": (cpu1 - cpu0) / total,
-            "command_per_entry": command_us / total, "ends": ends, "bridge_cpu_per_change": bridge_cpu_s * 1e6 / total}
+            "command_per_entry": command_us / total, "ends": ends,
+            "bridge_cpu_per_change": (usage.ru_utime + usage.ru_stime) / total * 1e6}
 
 
 def drain_recvlogical(dsn: str, slot: str, end_lsn: str, total: int) -> dict:

@@ -14,12 +14,14 @@ decimal form, booleans, timestamps, text, json); any other value goes through
 the field's own Python converter and `orjson.dumps`, as the reference does.
 """
 
+from cpython.buffer cimport PyBuffer_IsContiguous
+from cpython.memoryview cimport PyMemoryView_GET_BUFFER
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.unicode cimport PyUnicode_DecodeUTF8
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeASCII, PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
-import time
 import zlib
 
 import orjson
@@ -29,7 +31,6 @@ from ..source import values as _values_module
 
 cdef object _dumps = orjson.dumps
 cdef object _crc32 = zlib.crc32
-cdef object _monotonic = time.monotonic
 
 
 cdef object _reference(kind, raw, offset, targets, tx, batcher, windows, decoder):
@@ -362,6 +363,10 @@ cdef class Plan:
     cdef int *part_by  # per partition_by name: its index in key_order
     cdef int *part_by_plan  # and in key_plan
     cdef bint c, u, d, before
+    # the target's, fixed for its life (a rebind makes a new target): read here, not per change
+    cdef object version
+    cdef list batches
+    cdef list read
 
     def __dealloc__(self):
         free(self.cols)
@@ -623,8 +628,13 @@ cdef bytes _names_list(Plan plan, list unchanged):
     return b"[" + b",".join([plan.quoted[f] for f in unchanged]) + b"]"
 
 
+cdef int _projected_partition = 0  # the partition of `_project`'s last fields
+
+
 cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_kind, const char *data):
-    """(partition, fields) for one target, None when the mapping skips the change, or False for the reference."""
+    """The entry's fields for one target (its partition in `_projected_partition`), None when the mapping
+    skips the change, or False for the reference."""
+    global _projected_partition
     cdef Py_ssize_t base = _out.size
     cdef list unchanged = [], parts
     cdef int i, col
@@ -655,7 +665,8 @@ cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_ki
                 fields += [b"before", _take(base)]
         if unchanged:
             fields += [b"unchanged", _names_list(plan, unchanged)]
-        return (_partition(plan, parts, plan.part_by) if parts is not None else 0), fields
+        _projected_partition = _partition(plan, parts, plan.part_by) if parts is not None else 0
+        return fields
     # DELETE
     if not plan.d:
         return None
@@ -665,7 +676,8 @@ cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_ki
     if plan.before and old_full:
         _row(plan, old, data, None, None)
         fields += [b"before", _take(base)]
-    return (_partition(plan, parts, plan.part_by_plan) if parts is not None else 0), fields
+    _projected_partition = _partition(plan, parts, plan.part_by_plan) if parts is not None else 0
+    return fields
 
 
 # -- the entry point ----------------------------------------------------------------------------
@@ -679,11 +691,46 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
 
     The same as `cdc.bridge.changes.route_raw`.
     """
+    return _route(kind, raw, offset, targets, tx, batcher, windows, decoder,
+                  not windows.tables and not decoder.streaming, _tx_fields(tx))
+
+
+cdef class _TxFields:
+    """A transaction's position fields, read once per transaction (only `Transaction.begin*` changes them)."""
+    cdef object lsn, xid, ts
+    cdef str prefix
+
+
+cdef _TxFields _tx_fields(tx):
+    cdef _TxFields f = _TxFields.__new__(_TxFields)
+    f.lsn, f.xid, f.ts, f.prefix = tx.lsn, tx.xid, tx.ts, tx.prefix
+    return f
+
+
+cdef str _position(str prefix, Py_ssize_t seq):
+    """`prefix + "%010d" % seq`, written here for the usual case (an ASCII prefix, 0 <= seq < 10**10)."""
+    cdef char buf[64]
+    cdef Py_ssize_t n, i
+    cdef const char *p = PyUnicode_AsUTF8AndSize(prefix, &n)
+    if seq < 0 or seq >= 10000000000 or n > 48 or not _ascii(<const unsigned char *>p, n):
+        return prefix + "%010d" % seq
+    memcpy(buf, p, n)
+    for i in range(n + 9, n - 1, -1):
+        buf[i] = <char>(48 + seq % 10)
+        seq //= 10
+    return PyUnicode_DecodeASCII(buf, n + 10, NULL)
+
+
+cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher, windows, decoder,
+                   bint plain, _TxFields txf):
+    """`route_raw`, called from `burst` without Python's call machinery; `plain`: no backfill window is
+    open and the decoder is not inside a streamed block (read once per burst: only the loop's messages
+    change them)."""
     cdef const unsigned char *data = <const unsigned char *>PyBytes_AS_STRING(raw)
     cdef Py_ssize_t have = PyBytes_GET_SIZE(raw), off
     cdef unsigned char action, old_kind = 0
     cdef Row old = None
-    if windows.tables or decoder.streaming or offset + 6 > have:
+    if not plain or offset + 6 > have:
         return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
     action = data[offset + 5]
     off = offset + 6
@@ -715,46 +762,90 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
             off = _NOT_HANDLED
     if off != have:
         return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
-    outs = []
+    cdef Py_ssize_t ntargets = len(targets), i
+    cdef bint projected = True
+    cdef int only_partition = 0
+    if ntargets == 0:
+        return None
+    outs = [] if ntargets > 1 else None  # one target (the usual case): its projection in `only`
+    only = only_plan = None
     _out.size = 0
     try:
         for t in targets:
             plan_obj = t.plan
             if plan_obj is None:
                 plan_obj = t.plan = _plan_for(t.projector)
+                if plan_obj is not False:
+                    (<Plan>plan_obj).version = t.version
+                    (<Plan>plan_obj).batches = t.batches
+                    (<Plan>plan_obj).read = t.read
             if plan_obj is False:
+                projected = False
                 break
             out = _project(<Plan>plan_obj, kind, _new, old, old_kind, <const char *>data)
             if out is False:
+                projected = False
                 break
-            outs.append(out)
+            if outs is None:
+                only = out
+                only_plan = plan_obj
+                only_partition = _projected_partition
+            else:
+                outs.append((_projected_partition, out))
     except Exception:
         # A value its converter or orjson refuses. The reference has by then counted the
         # change read and queued the entries of the mappings before it, and it converts
         # every field of a row before writing any (so another field may fail first): it
         # takes the change, to fail the same way after the same side effects.
         _out.size = 0
-        outs = None
-    if outs is None or len(outs) != len(targets):
+        projected = False
+    if not projected:
         return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
     # every target is projected: now queue them, as `route_row` and `Batcher.add` do
+    if outs is None:
+        _queue(<Plan>only_plan, only, only_partition, tx, txf, batcher)
+    else:
+        for i in range(ntargets):
+            partition, out = <tuple>outs[i]
+            _queue(<Plan>(targets[i].plan), out, partition, tx, txf, batcher)
+
+
+cdef int _queue(Plan plan, object fields, int partition, tx, _TxFields txf, batcher) except -1:
+    """A target's change counted read and its entry, if any, queued with its position (`Batcher.add`)."""
     cdef Py_ssize_t seq
-    for i in range(len(targets)):
-        t = targets[i]
-        t.read[0] += 1
-        out = outs[i]
-        if out is not None:
-            partition, fields = out
-            seq = tx.seq
-            fields += (b"lsn", tx.lsn, b"seq", seq, b"xid", tx.xid, b"ts_ms", tx.ts, b"v", t.version,
-                       tx.prefix + "%010d" % seq)
-            t.batches[partition].entries.append(fields)
-            if not batcher.pending:
-                batcher.first_at = batcher.clock()
-            batcher.pending += 1
+    cdef list f
+    plan.read[0] += 1
+    if fields is None:
+        return 0
+    f = <list>fields
+    seq = tx.seq
+    f.append(b"lsn")  # one by one: no tuple per entry
+    f.append(txf.lsn)
+    f.append(b"seq")
+    f.append(seq)
+    f.append(b"xid")
+    f.append(txf.xid)
+    f.append(b"ts_ms")
+    f.append(txf.ts)
+    f.append(b"v")
+    f.append(plan.version)
+    f.append(_position(txf.prefix, seq))
+    plan.batches[partition].entries.append(f)
+    if not batcher.pending:
+        batcher.first_at = batcher.clock()
+    batcher.pending += 1
+    return 0
 
 
 # -- the loop's inner part: the changes already received -----------------------------------------
+
+
+cdef inline double _now() noexcept:
+    """`time.monotonic()` (CLOCK_MONOTONIC, nanoseconds over 1e9, as CPython computes it), without a call."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <double>(<long long>ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9
+
 
 
 def burst(stream, dict targets, tx, batcher, windows, decoder, committed, streams):
@@ -777,6 +868,8 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
     cdef unsigned char kind
     cdef unsigned long relid
     cdef bint streaming = streams.current is not None  # only the loop's messages start or stop a block
+    cdef bint plain = not windows.tables and not decoder.streaming  # nor open or close a window
+    cdef _TxFields txf = _tx_fields(tx)  # read again after each Begin
     get = stream.get_copy_data
     while count < 65536:
         try:
@@ -787,7 +880,11 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
             if n == 0:
                 return count, None
             raise stream.failure(n)
-        raw = bytes(data)
+        if type(data) is memoryview and PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(data), b'C'):
+            raw = PyBytes_FromStringAndSize(<char *>PyMemoryView_GET_BUFFER(data).buf,
+                                            PyMemoryView_GET_BUFFER(data).len)  # bytes(data), without the call
+        else:
+            raw = bytes(data)
         size = PyBytes_GET_SIZE(raw)
         p = <const unsigned char *>PyBytes_AS_STRING(raw)
         if size < 30 or p[0] != 0x77:  # not XLogData with a change's relid: the loop's
@@ -801,16 +898,17 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
             relid = _u32(p + 26)
             tlist = targets.get(relid)
             if tlist:
-                route_raw(kind, raw, 25, tlist, tx, batcher, windows, decoder)
+                _route(kind, raw, 25, tlist, tx, batcher, windows, decoder, plain, txf)
             tx.seq += 1
         elif kind == BEGIN and size == 25 + 21 and not streaming:
             tx.begin_at(_u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
+            txf = _tx_fields(tx)
             continue
         elif kind == COMMIT and size == 25 + 26 and not streaming:
             committed(tx.commit_at(_u64(p + 35)))
         else:
             return count, raw
         pending = batcher.pending
-        if pending and (pending >= max_entries or _monotonic() - batcher.first_at >= max_delay):
+        if pending and (pending >= max_entries or _now() - batcher.first_at >= max_delay):
             return count, None
     return count, None

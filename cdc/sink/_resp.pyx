@@ -6,6 +6,7 @@
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.stdlib cimport malloc, realloc
 from libc.string cimport memcpy
@@ -65,13 +66,53 @@ cdef inline int _number(char prefix, Py_ssize_t value) except -1:
 
 cdef inline int _bulk(const char *p, Py_ssize_t n) except -1:
     global _size
-    _number(b'$', n)
-    _reserve(n + 2)
-    memcpy(_buf + _size, p, n)
-    _buf[_size + n] = b'\r'
-    _buf[_size + n + 1] = b'\n'
-    _size += n + 2
+    cdef char *w
+    if n >= 100:
+        _number(b'$', n)
+        _reserve(n + 2)
+        w = _buf + _size
+    else:  # most arguments: the length in one or two digits, one reservation
+        _reserve(n + 7)
+        w = _buf + _size
+        w[0] = b'$'
+        if n < 10:
+            w[1] = <char>(48 + n)
+            w += 2
+        else:
+            w[1] = <char>(48 + n // 10)
+            w[2] = <char>(48 + n % 10)
+            w += 3
+        w[0] = b'\r'
+        w[1] = b'\n'
+        w += 2
+    memcpy(w, p, n)
+    w[n] = b'\r'
+    w[n + 1] = b'\n'
+    _size = (w + n + 2) - _buf
     return 0
+
+
+cdef int _decimal(object value) except -1:
+    """An int argument in decimal, written here when it fits a long long (b"%d" % value otherwise)."""
+    cdef char digits[24]
+    cdef int overflow = 0, i = 24
+    cdef long long v = PyLong_AsLongLongAndOverflow(value, &overflow)
+    cdef unsigned long long u
+    cdef bytes b
+    if overflow:
+        b = b"%d" % value
+        return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
+    u = <unsigned long long>(-(v + 1)) + 1 if v < 0 else <unsigned long long>v
+    while True:
+        i -= 1
+        digits[i] = <char>(48 + u % 10)
+        u //= 10
+        if u == 0:
+            break
+    if v < 0:
+        i -= 1
+        digits[i] = b'-'
+    return _bulk(digits + i, 24 - i)
 
 
 cdef int _arg(object value) except -1:
@@ -85,7 +126,7 @@ cdef int _arg(object value) except -1:
         p = PyUnicode_AsUTF8AndSize(value, &n)
         return _bulk(p, n)
     if type(value) is int:
-        b = b"%d" % value
+        return _decimal(value)
     else:
         b = str(value).encode()
     return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))

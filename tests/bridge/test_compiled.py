@@ -769,3 +769,53 @@ def test_route_change_is_the_compiled_one_unless_pure_is_forced():
         assert changes.route_change is changes.route_raw
     else:
         assert changes.route_change is compiled_changes().route_raw
+
+
+def test_burst_queues_what_the_loop_queues_across_transactions():
+    """`burst` (libpq's memoryviews, Begins and Commits inline, each transaction's position fields)
+    against the reference routing one message at a time as `Session` does without it."""
+    compiled = compiled_changes()
+
+    class Stream:  # libpq's reads: (size, memoryview), then (0, ...) when none is left
+        def __init__(self, raws):
+            self.items = iter([(len(r), memoryview(r)) for r in raws] + [(0, memoryview(b""))])
+
+        def get_copy_data(self, _async):
+            return next(self.items)
+
+    class Streams:
+        current = None
+
+    maps = [rides_mapping(partitions={"count": 3}), rides_mapping(entity="e1")]
+    txs = [(po.Begin(Lsn(0x2_0000_0100 * k), 810_000_000_000_000 + k, 4242 + k),
+            po.Commit(0, Lsn(0x2_0000_0100 * k), Lsn(0x2_0000_0180 * k), 0)) for k in (1, 2)]
+    changes_of = [[po.Insert(RELID, ("1", "a", "1.5")), po.Update(RELID, None, None, ("1", "b", "2"))],
+                  [po.Insert(RELID, ("2", "c", "3")), po.Delete(RELID, "K", ("1", None, None))]]
+    raws = [HEADER + encode(m) for (begin, commit), chs in zip(txs, changes_of) for m in (begin, *chs, commit)]
+
+    def setup():
+        decoder = po.PgOutputDecoder()
+        batcher = Batcher(max_entries=10**6, max_delay_s=60.0)  # burst reads the real clock
+        targets = changes.bind(decoder.decode(encode(RIDES)), maps, TypeCatalog(), batcher, {"e0": [0], "e1": [0]})
+        return decoder, batcher, targets, Transaction()
+
+    decoder, batcher, targets, tx = setup()
+    want_ends = []
+    for raw in raws:
+        kind = raw[OFFSET]
+        if kind in (changes.INSERT, changes.UPDATE, changes.DELETE):
+            changes.route_raw(kind, raw, OFFSET, targets, tx, batcher, Windows(), decoder)
+            tx.seq += 1
+        elif kind == ord("B"):
+            tx.begin(decoder.decode(raw[OFFSET:]))
+        else:
+            want_ends.append(tx.commit(decoder.decode(raw[OFFSET:])))
+    want = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
+
+    decoder, batcher, targets, tx = setup()
+    ends = []
+    count, raw = compiled.burst(Stream(raws), {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams)
+    got = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
+    assert (count, raw) == (4, None)
+    assert got == want and ends == want_ends
+    assert {e[-1][1][:20] for e in got["cdc:e1"]} == {f"{0x2_0000_0100 * k:020d}" for k in (1, 2)}

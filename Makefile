@@ -82,6 +82,8 @@ test: install test-deps reconcile-deps docs-deps lint
 bench: install reconcile-deps
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/publication_columns.py
+	$(BIN)/python bench/binary_walsender.py
+	$(BIN)/python bench/per_change.py
 	$(BIN)/python bench/streaming.py
 	$(BIN)/python bench/streamed_bridge.py
 	$(BIN)/python bench/consume.py

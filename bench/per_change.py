@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from cdc.bridge import changes  # noqa: E402
 from cdc.bridge.backfill import Windows  # noqa: E402
 from cdc.bridge.batcher import Batcher  # noqa: E402
-from cdc.bridge.transaction import Transaction  # noqa: E402
+from cdc.bridge.positions import Transaction  # noqa: E402
 from cdc.mapping.model import parse_mapping  # noqa: E402
-from cdc.sink.transaction import pack_entries as pack_past  # noqa: E402
+from cdc.sink.lane import pack_entries as pack_past  # noqa: E402
 from cdc.source import pgoutput as po  # noqa: E402
 from cdc.source.values import TypeCatalog  # noqa: E402
 from cdc.yamlsrc import load_yaml_documents  # noqa: E402

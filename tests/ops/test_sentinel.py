@@ -22,7 +22,7 @@ from cdc.source.lsn import Lsn
 from conftest import ROOT, read_stream
 from ride_consumers import RideTraffic, state, truth
 from sentinels import LocalSentinelGroup
-from test_recover import replay, table
+from replay import replay, ride_rows
 
 SENTINEL_PASSWORD = "sentinel-secret-7f3a"
 LOSS_MARKERS = ("redis lost entries", "redis has no record")
@@ -178,7 +178,7 @@ def _assert_stream_exact(env) -> None:
     entries = read_stream(env.redis, "cdc:ride")
     positions = [(int(e["lsn"]), int(e["seq"])) for e in entries]
     assert positions == sorted(set(positions)), "a change is in the stream twice, or out of order"
-    assert replay(entries, reset_at_marker=True) == table(env)
+    assert replay(entries, reset_at_marker=True) == ride_rows(env)
 
 
 def _waiting(procs, check, timeout: float, what: str):

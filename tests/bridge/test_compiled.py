@@ -771,10 +771,11 @@ def test_route_change_is_the_compiled_one_unless_pure_is_forced():
         assert changes.route_change is compiled_changes().route_raw
 
 
-def test_burst_queues_what_the_loop_queues_across_transactions():
-    """`burst` (libpq's memoryviews, Begins and Commits inline, each transaction's position fields)
-    against the reference routing one message at a time as `Session` does without it."""
-    compiled = compiled_changes()
+@pytest.mark.parametrize("path", ["pure", "compiled"])
+def test_burst_queues_what_the_loop_queues_across_transactions(path):
+    """`burst`, both twins (libpq's memoryviews, Begins and Commits inline, each transaction's position
+    fields, the message that ends it handed back), against the reference routing one message at a time."""
+    burst = changes.burst if path == "pure" else compiled_changes().burst
 
     class Stream:  # libpq's reads: (size, memoryview), then (0, ...) when none is left
         def __init__(self, raws):
@@ -792,6 +793,7 @@ def test_burst_queues_what_the_loop_queues_across_transactions():
     changes_of = [[po.Insert(RELID, ("1", "a", "1.5")), po.Update(RELID, None, None, ("1", "b", "2"))],
                   [po.Insert(RELID, ("2", "c", "3")), po.Delete(RELID, "K", ("1", None, None))]]
     raws = [HEADER + encode(m) for (begin, commit), chs in zip(txs, changes_of) for m in (begin, *chs, commit)]
+    keepalive = b"k" + bytes(17)
 
     def setup():
         decoder = po.PgOutputDecoder()
@@ -814,8 +816,10 @@ def test_burst_queues_what_the_loop_queues_across_transactions():
 
     decoder, batcher, targets, tx = setup()
     ends = []
-    count, raw = compiled.burst(Stream(raws), {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams)
+    stream = Stream(raws + [keepalive])
+    count, raw = burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams)
     got = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
-    assert (count, raw) == (4, None)
+    assert (count, raw) == (4, keepalive), "stops at a message it does not take, handing it back"
+    assert burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams) == (0, None)
     assert got == want and ends == want_ends
     assert {e[-1][1][:20] for e in got["cdc:e1"]} == {f"{0x2_0000_0100 * k:020d}" for k in (1, 2)}

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 import redis
 
+from cdc import speedups
 from cdc.demo import local
 from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
 
@@ -54,7 +55,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return f"postgresql: {local.server_version(local.pg_bin()) or '(not installed)'} from {local.pg_bin()}"
+    return [f"postgresql: {local.server_version(local.pg_bin()) or '(not installed)'} from {local.pg_bin()}",
+            f"cdc {speedups.describe()} (CDC_IMPL, CDC_PURE_PYTHON)"]
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ import math
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import sysconfig
 from datetime import datetime
 from decimal import Decimal
@@ -31,6 +33,7 @@ from cdc.bridge import changes
 from cdc.bridge.backfill import Windows
 from cdc.bridge.batcher import Batcher
 from cdc.bridge.positions import Transaction
+from cdc.errors import ConfigError
 from cdc.mapping.model import parse_mapping
 from cdc.source import pgoutput as po
 from cdc.source.lsn import Lsn
@@ -752,16 +755,54 @@ def test_the_compiled_modules_are_built_where_they_can_be():
 
 
 def test_describe_names_the_path_that_runs(monkeypatch):
+    monkeypatch.delenv(speedups.IMPL_ENV, raising=False)
     monkeypatch.setenv(speedups.PURE_ENV, "1")
     assert speedups.describe() == "hot path: pure Python (CDC_PURE_PYTHON is set)"
     assert speedups.load("cdc.bridge._changes") is None
     monkeypatch.delenv(speedups.PURE_ENV)
+    monkeypatch.setenv(speedups.IMPL_ENV, "pure")
+    assert speedups.describe() == "hot path: pure Python (CDC_IMPL=pure)"
+    assert speedups.load("cdc.bridge._changes") is None
+    monkeypatch.delenv(speedups.IMPL_ENV)
     compiled_changes()
     try:
         importlib.import_module("cdc.sink._resp")
     except ImportError as exc:
         pytest.skip(f"cdc.sink._resp is not built ({exc})")
     assert speedups.describe() == "hot path: compiled"
+
+
+def test_cdc_impl_compiled_where_it_is_not_built_stops_at_start(tmp_path):
+    """Never a silent fall-back: `cdc` exits 2 with one line naming the fix (the build made unimportable
+    in the child, as where no compiler was found)."""
+    (tmp_path / "cdc.yaml").write_text("")
+    unbuilt = ("import sys; sys.modules['cdc.sink._resp'] = None\n"
+               "from cdc.cli import main; sys.exit(main(['check', '--config', 'cdc.yaml']))")
+    env = {**os.environ, "CDC_IMPL": "compiled", "CDC_PURE_PYTHON": ""}
+    done = subprocess.run([sys.executable, "-c", unbuilt], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("cdc: error: environment variable CDC_IMPL=compiled: the compiled hot path is not "
+                               "built (cdc.sink._resp: ")
+    assert lines[0].endswith("; install a C compiler, then reinstall the package, e.g. make install; "
+                             "or set CDC_IMPL=pure, or unset it to run the pure path")
+
+
+def test_cdc_impl_compiled_is_refused_where_a_module_does_not_import(monkeypatch):
+    monkeypatch.setattr(speedups, "_MODULES", ("cdc.bridge._changes", "cdc.sink._not_built"))
+    with pytest.raises(ConfigError) as caught:
+        speedups.check({"CDC_IMPL": "compiled"})
+    assert caught.value.exit_code == 2
+    assert str(caught.value).startswith("environment variable CDC_IMPL=compiled: the compiled hot path is not "
+                                        "built (cdc.sink._not_built: ")
+    with pytest.raises(ConfigError, match="ask for both implementations"):
+        speedups.check({"CDC_IMPL": "compiled", "CDC_PURE_PYTHON": "1"})
+    with pytest.raises(ConfigError, match="'fast' is not an implementation of the hot path"):
+        speedups.check({"CDC_IMPL": "fast"})
+    speedups.check({"CDC_IMPL": "pure"})
+    speedups.check({})
 
 
 def test_route_change_is_the_compiled_one_unless_pure_is_forced():

@@ -29,6 +29,8 @@ from psycopg import Error as _PgError
 
 from ..source import values as _values_module
 
+__all__ = ["route_raw", "burst", "refusal"]  # the interface: _changes.pyi
+
 cdef object _dumps = orjson.dumps
 cdef object _crc32 = zlib.crc32
 

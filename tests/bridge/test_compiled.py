@@ -10,8 +10,11 @@ fresh setup per path (its own decoder, batcher, targets and transaction).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -22,6 +25,7 @@ import sys
 import sysconfig
 from datetime import datetime
 from decimal import Decimal
+from pathlib import Path
 
 import orjson
 import pytest
@@ -803,6 +807,38 @@ def test_cdc_impl_compiled_is_refused_where_a_module_does_not_import(monkeypatch
         speedups.check({"CDC_IMPL": "fast"})
     speedups.check({"CDC_IMPL": "pure"})
     speedups.check({})
+
+
+@pytest.mark.parametrize("compiled_name, pure_name", [("cdc.bridge._changes", "cdc.bridge.changes"),
+                                                      ("cdc.sink._resp", "cdc.sink.lane")])
+def test_the_stub_states_the_compiled_interface_and_the_pure_twins_match_it(compiled_name, pure_name):
+    """The `.pyi` beside each `.pyx` lists its functions: the compiled module exports exactly those, with the
+    stub's parameters, and each has a pure twin of the same name, parameters and annotations (`refusal`,
+    the compiled module's own account of what it leaves to the reference, excepted)."""
+    stub_path = Path(importlib.util.find_spec(pure_name).origin).with_name(compiled_name.rpartition(".")[2] + ".pyi")
+    tree = ast.parse(stub_path.read_text())
+    stub = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    (exported,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and n.targets[0].id == "__all__"]
+    assert sorted(exported) == sorted(stub)
+    pure = importlib.import_module(pure_name)
+    try:
+        compiled = importlib.import_module(compiled_name)
+    except ImportError:
+        compiled = None  # the pure twins are still held to the stub
+    if compiled is not None:
+        routines = {n for n, v in vars(compiled).items() if not n.startswith("_") and inspect.isroutine(v)}
+        assert sorted(compiled.__all__) == sorted(stub) and routines == set(stub)
+    for name, node in stub.items():
+        params = [a.arg for a in node.args.args]
+        if compiled is not None:
+            assert list(inspect.signature(getattr(compiled, name)).parameters) == params, name
+        if name == "refusal":
+            continue
+        twin = getattr(pure, name)
+        assert list(inspect.signature(twin).parameters) == params, name
+        want = {a.arg: ast.unparse(a.annotation) for a in node.args.args} | {"return": ast.unparse(node.returns)}
+        assert twin.__annotations__ == want, name
 
 
 def test_route_change_is_the_compiled_one_unless_pure_is_forced():

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from cdc import speedups
+from cdc.errors import CdcError
 from cdc.demo import local
 from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
 
@@ -36,6 +37,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    try:  # CDC_IMPL=compiled where it is not built: the run stops, as the bridge would, rather than test pure
+        speedups.check()
+    except CdcError as exc:
+        raise pytest.UsageError(str(exc)) from None
     version = config.getoption("--pg")
     if version is not None:
         try:

@@ -47,7 +47,7 @@ class Target:
 
     def __init__(self, projector: Projector, batches: list[StreamBatch], read: list[int]) -> None:
         self.projector = projector
-        self.plan = None  # the compiled path's form of the projector, made on first use
+        self.plan = None  # the compiled module's C form of `projector.plan`, made on first use
         self.batches = batches
         self.version = projector.mapping.version
         self.read = read  # [changes of this entity read], shared across rebinds

@@ -1,7 +1,7 @@
 """The bridge's per-change work without I/O: pgoutput bytes in, packed XADD commands out.
 
 Replays XLogData messages built in memory (the shapes of bench/throughput.py's workloads) through
-the loop's inner part (`burst` on the compiled path, `route_raw` per message on the pure one) and
+the loop's inner part (`burst`, compiled or its pure twin, as `cdc.speedups` picks) and
 packs each batch of 1,000 entries as the transaction lane does (`pack_past`). Meant for
 instruction counts, repeatable on a busy machine:
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import random
-import struct
 import sys
 import time
 from pathlib import Path
@@ -134,27 +133,13 @@ def replay(msgs: list[bytes], stream: Stream, batcher, decoder, targets) -> int:
         batcher.clear()
         return size
 
-    if burst is not None:
-        while True:
-            count, raw = burst(stream, targets, tx, batcher, windows, decoder, lambda end: None, Streams)
-            if raw is None and not count:
-                break
-            if raw is not None:
-                raise SystemExit(f"unexpected message {raw[25:26]!r}")
-            packed += flush()
-        return packed + flush()
-    for raw in msgs:
-        kind = raw[25]
-        if kind in (0x49, 0x55, 0x44):
-            relid = struct.unpack_from(">I", raw, 26)[0]
-            changes.route_raw(kind, raw, 25, targets[relid], tx, batcher, windows, decoder)
-            tx.seq += 1
-        elif kind == 0x42:
-            tx.begin(decoder.decode(raw[25:]))
-        else:
-            tx.commit(decoder.decode(raw[25:]))
-        if batcher.due(0.0):
-            packed += flush()
+    while True:
+        count, raw = burst(stream, targets, tx, batcher, windows, decoder, lambda end: None, Streams)
+        if raw is None and not count:
+            break
+        if raw is not None:
+            raise SystemExit(f"unexpected message {raw[25:26]!r}")
+        packed += flush()
     return packed + flush()
 
 
@@ -173,7 +158,7 @@ def main() -> None:
         size = replay(msgs, stream, batcher, decoder, targets)
         spent = time.process_time() - t0
         best = spent if best is None else min(best, spent)
-    path = "compiled" if changes.burst_changes is not None else "pure"
+    path = "compiled" if changes.burst_changes is not changes.burst else "pure"
     print(f"{args.workload} ({path}): {args.changes:,} changes, {size:,} bytes packed, "
           f"best {best / args.changes * 1e6:.2f} µs CPU per change")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import redact
+from . import redact, speedups
 from .errors import ConfigError
 from .yamlsrc import LocatedDict, load_yaml_file, where
 
@@ -194,6 +194,7 @@ class Settings:
     ) -> "Settings":
         env = {} if env is None else env
         check_environment(env)
+        speedups.check(env)  # CDC_IMPL=compiled where it is not built: refused at start, never a silent fall-back
         sections: dict[str, Any] = {}
         known = {f.name for f in dataclasses.fields(cls)} - {"source", "hash_key", "transactions_origin"}
         for key in raw:
@@ -538,7 +539,9 @@ RANGES: dict[tuple[str, str], Range] = {
 #: a setting's (``CDC_<SECTION>_<KEY>``, ``CDC_MAPPINGS``, each also as ``..._FILE``) is an error.
 #: A ``*`` stands for any text.
 OTHER_VARIABLES: dict[str, str] = {
-    "CDC_PURE_PYTHON": "run the pure-Python hot path instead of the compiled one (cdc.speedups)",
+    "CDC_IMPL": "which implementation runs the hot path: pure, or compiled (an error at start where it is not "
+                "built); unset, the compiled one where built, else the pure one (cdc.speedups)",
+    "CDC_PURE_PYTHON": "1: the same as CDC_IMPL=pure (cdc.speedups)",
     "CDC_TRACEBACK": "print the traceback of a failure (cdc.exits)",
     "CDC_HASH_KEY*": "keys of keyed hashing in mappings",
     "CDC_*_SALT": "a mapping's hash salt (salt_env); other salt variables are named without CDC_",

@@ -16,6 +16,8 @@ import psycopg
 import pytest
 import redis
 
+from cdc import speedups
+from cdc.errors import CdcError
 from cdc.demo import local
 from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
 
@@ -35,6 +37,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    try:  # CDC_IMPL=compiled where it is not built: the run stops, as the bridge would, rather than test pure
+        speedups.check()
+    except CdcError as exc:
+        raise pytest.UsageError(str(exc)) from None
     version = config.getoption("--pg")
     if version is not None:
         try:
@@ -54,7 +60,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return f"postgresql: {local.server_version(local.pg_bin()) or '(not installed)'} from {local.pg_bin()}"
+    return [f"postgresql: {local.server_version(local.pg_bin()) or '(not installed)'} from {local.pg_bin()}",
+            f"cdc {speedups.describe()} (CDC_IMPL, CDC_PURE_PYTHON)"]
 
 
 @pytest.fixture(scope="session")

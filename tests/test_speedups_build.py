@@ -31,4 +31,5 @@ def test_the_package_builds_as_pure_python_without_a_compiler(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("cdc-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "cdc/bridge/changes.py" in names and "cdc/sink/lane.py" in names
+    assert "cdc/bridge/_changes.pyi" in names and "cdc/sink/_resp.pyi" in names  # the interface, stated
     assert not [n for n in names if n.endswith(".so")]

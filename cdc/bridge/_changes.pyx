@@ -29,6 +29,8 @@ from psycopg import Error as _PgError
 
 from ..source import values as _values_module
 
+__all__ = ["route_raw", "burst", "refusal"]  # the interface: _changes.pyi
+
 cdef object _dumps = orjson.dumps
 cdef object _crc32 = zlib.crc32
 
@@ -403,45 +405,62 @@ cdef int _kind_of(object conv):
     return _KINDS.get(id(conv), K_GENERIC)
 
 
-cdef object _plan_for(object projector):
-    """A `Plan` for the projector, or False when the reference must take its changes (filters)."""
-    cdef Plan plan
-    cdef list fields
-    if projector._filter:
-        return False
-    fields = [name for name, _, _ in projector._plan]
+def refusal(projector):
+    """Why this module hands every change of `projector` to the reference, or None when it writes them.
+
+    Reads the projector's public plan (`cdc.mapping.projector.ProjectorPlan`) only.
+    """
+    pp = projector.plan
+    if pp.filters:
+        return "the mapping has filters"
+    fields = [f.name for f in pp.fields]
     if len(set(fields)) != len(fields):
+        return "a field name repeats"
+    if any(name in fields for name in pp.consts):
+        return "a constant field has a mapped field's name"
+    if any(name not in fields for name in pp.key_order):
+        return "a key field is a constant"
+    key_plan = [f.name for f in pp.key_fields]
+    part_by = list(pp.partition_by) if pp.partitions != 1 else []
+    if any(name not in pp.key_order or name not in key_plan for name in part_by):
+        return "a partition_by field is not a key field"
+    for value in pp.consts.values():
+        try:
+            _dumps(value)
+        except orjson.JSONEncodeError:
+            return "a constant's value is not one orjson writes"  # the reference fails on it, per change
+    return None
+
+
+cdef object _plan_for(object projector):
+    """A `Plan` for the projector, or False when the reference must take its changes (`refusal`)."""
+    cdef Plan plan
+    if refusal(projector) is not None:
         return False
-    consts = projector._consts
-    if any(name in fields for name in consts):
-        return False
-    key_order = list(projector._key_order)
-    if any(name not in fields for name in key_order):
-        return False
-    key_plan = [name for name, _, _ in projector._key_plan]
-    partitions = projector._partitions
-    part_by = list(projector._partition_by or ()) if partitions != 1 else []
-    if any(name not in key_order or name not in key_plan for name in part_by):
-        return False
+    pp = projector.plan
+    fields = [f.name for f in pp.fields]
+    key_order = list(pp.key_order)
+    key_plan = [f.name for f in pp.key_fields]
+    part_by = list(pp.partition_by) if pp.partitions != 1 else []
     plan = Plan()
     plan.n = len(fields)
     plan.names = [_dumps(name) + b":" for name in fields]
     plan.quoted = [_dumps(name) for name in fields]
-    plan.convs = [conv for _, _, conv in projector._plan]
-    plan.cols = _ints([idx for _, idx, _ in projector._plan])
-    plan.kinds = _ints([_kind_of(conv) for _, _, conv in projector._plan])
+    plan.convs = [f.convert for f in pp.fields]
+    plan.cols = _ints([f.column for f in pp.fields])
+    plan.kinds = _ints([_kind_of(f.convert) for f in pp.fields])
     plan.nkey = len(key_order)
     plan.key_order = _ints([fields.index(name) for name in key_order])
     plan.nkey_plan = len(key_plan)
     plan.key_plan = _ints([fields.index(name) for name in key_plan])
-    plan.consts = b"".join(b"," + _dumps(name) + b":" + _dumps(value) for name, value in consts.items())
-    plan.partitions = partitions
+    plan.consts = b"".join(b"," + _dumps(name) + b":" + _dumps(value) for name, value in pp.consts.items())
+    plan.partitions = pp.partitions
     plan.npart = len(part_by)
     plan.part_by = _ints([key_order.index(name) for name in part_by])
     plan.part_by_plan = _ints([key_plan.index(name) for name in part_by])
-    ops = projector._ops
+    ops = pp.ops
     plan.c, plan.u, plan.d = "c" in ops, "u" in ops, "d" in ops
-    plan.before = bool(projector._before)
+    plan.before = bool(pp.before)
     return plan
 
 
@@ -769,16 +788,17 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
         return None
     outs = [] if ntargets > 1 else None  # one target (the usual case): its projection in `only`
     only = only_plan = None
+    for t in targets:  # outside the try below: a plan this module cannot read fails here, never falls back
+        if t.plan is None:
+            plan_obj = t.plan = _plan_for(t.projector)
+            if plan_obj is not False:
+                (<Plan>plan_obj).version = t.version
+                (<Plan>plan_obj).batches = t.batches
+                (<Plan>plan_obj).read = t.read
     _out.size = 0
     try:
         for t in targets:
             plan_obj = t.plan
-            if plan_obj is None:
-                plan_obj = t.plan = _plan_for(t.projector)
-                if plan_obj is not False:
-                    (<Plan>plan_obj).version = t.version
-                    (<Plan>plan_obj).batches = t.batches
-                    (<Plan>plan_obj).read = t.read
             if plan_obj is False:
                 projected = False
                 break

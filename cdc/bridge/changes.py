@@ -9,6 +9,13 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
 from .. import speedups
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector, message_entry
@@ -20,11 +27,17 @@ from .backfill import Windows
 from .batcher import Batcher
 from .positions import Transaction
 
-__all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_raw", "route_change", "burst_changes",
-           "route_truncate",
-           "route_message"]
+__all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_raw", "burst", "route_change",
+           "burst_changes", "route_truncate", "route_message"]
 
 INSERT, UPDATE, DELETE = ord("I"), ord("U"), ord("D")
+_BEGIN, _COMMIT = ord("B"), ord("C")
+_XLOG = 0x77  # XLogData; its pgoutput message starts at 25
+_HEADER = 25
+_RELID = struct.Struct(">I").unpack_from
+_BEGIN_FIELDS = struct.Struct(">QqI").unpack_from  # final LSN, commit time, xid
+_END_LSN = struct.Struct(">Q").unpack_from
+_BURST_MAX = 65536  # changes per call, so the loop's timers are seen now and then
 
 
 class Target:
@@ -34,7 +47,7 @@ class Target:
 
     def __init__(self, projector: Projector, batches: list[StreamBatch], read: list[int]) -> None:
         self.projector = projector
-        self.plan = None  # the compiled path's form of the projector, made on first use
+        self.plan = None  # the compiled module's C form of `projector.plan`, made on first use
         self.batches = batches
         self.version = projector.mapping.version
         self.read = read  # [changes of this entity read], shared across rebinds
@@ -90,12 +103,66 @@ def route_raw(kind: int, raw: bytes, offset: int, targets: list[Target], tx: Tra
     route_row(kind, decoder.decode(raw[offset:]), targets, tx, batcher, windows)
 
 
+def burst(stream: Any, targets: dict[int, list[Target]], tx: Transaction, batcher: Batcher, windows: Windows,
+          decoder: pg.PgOutputDecoder, committed: Callable[[Any], object], streams: Any) -> tuple[int, bytes | None]:
+    """Route the row changes that have already arrived, without waiting for more.
+
+    The inner part of `Session.run`'s loop, for the messages libpq holds
+    (`stream.get_copy_data(1)`): each Insert, Update or Delete is counted, routed
+    by `route_raw`, and takes the next seq; a Begin goes to `tx.begin_at` and a
+    Commit to `tx.commit_at` and then `committed(end LSN)`, as `Session.dispatch`
+    does. Inside a streamed block (of a transaction still running) a change is
+    counted and held in `streams` instead. Stops at the first other message
+    (returned for the loop, which also decodes, and so names, anything malformed),
+    when none is left, or when the batch is due (the rule of `Batcher.due`).
+    Returns (changes read, that message or None). The reference for the compiled
+    `cdc.bridge._changes.burst`.
+    """
+    count = 0
+    max_entries, max_delay, clock = batcher.max_entries, batcher.max_delay, time.monotonic
+    streaming = streams.current is not None  # only the loop's messages start or stop a block
+    get = stream.get_copy_data
+    while count < _BURST_MAX:
+        try:
+            n, data = get(1)
+        except psycopg.Error as exc:
+            raise stream.failure(exc) from exc
+        if n <= 0:
+            if n == 0:
+                return count, None
+            raise stream.failure(n)
+        raw = bytes(data)
+        size = len(raw)
+        if size < _HEADER + 5 or raw[0] != _XLOG:  # not XLogData with a change's relid: the loop's
+            return count, raw
+        kind = raw[_HEADER]
+        if kind == INSERT or kind == UPDATE or kind == DELETE:
+            count += 1
+            if streaming:
+                streams.add(raw[_HEADER:])
+                continue
+            tlist = targets.get(_RELID(raw, _HEADER + 1)[0])
+            if tlist:
+                route_raw(kind, raw, _HEADER, tlist, tx, batcher, windows, decoder)
+            tx.seq += 1
+        elif kind == _BEGIN and size == _HEADER + 21 and not streaming:
+            tx.begin_at(*_BEGIN_FIELDS(raw, _HEADER + 1))
+            continue
+        elif kind == _COMMIT and size == _HEADER + 26 and not streaming:
+            committed(tx.commit_at(_END_LSN(raw, _HEADER + 10)[0]))
+        else:
+            return count, raw
+        pending = batcher.pending
+        if pending and (pending >= max_entries or clock() - batcher.first_at >= max_delay):
+            return count, None
+    return count, None
+
+
 _compiled = speedups.load("cdc.bridge._changes")
 #: `route_raw`, compiled where the extension is built
 route_change = _compiled.route_raw if _compiled is not None else route_raw
-#: compiled only: the changes already received, routed in one call (`Session.run` reads them one by one
-#: without it)
-burst_changes = _compiled.burst if _compiled is not None else None
+#: `burst`, compiled where the extension is built: what `Session.run` calls for the changes already received
+burst_changes = _compiled.burst if _compiled is not None else burst
 
 
 def route_truncate(msg: pg.Truncate, targets: dict[int, list[Target]], tx: Transaction, batcher: Batcher,

@@ -121,25 +121,22 @@ class Session:
 
     def _run(self) -> None:
         bridge, t, batcher, tx, windows, targets = self.bridge, self.timers, self.batcher, self.tx, self.windows, self.targets
-        stream, read, decoder, route, monotonic = self.stream, self.stream.read, self.decoder, route_change, time.monotonic
+        stream, read, decoder, monotonic = self.stream, self.stream.read, self.decoder, time.monotonic
         streams = self.streams
-        burst = burst_changes  # compiled: the changes already received, routed in one call
-        count = 0
+        burst = burst_changes  # the changes already received, routed in one call (compiled or pure: `cdc.speedups`)
         max_entries, max_delay = batcher.max_entries, batcher.max_delay
-        xlog, header, relid_at, relid = _W, _XLOG_HEADER, _XLOG_HEADER + 1, _RELID  # locals: read per message
+        xlog, header = _W, _XLOG_HEADER
         self.drive_backfill()  # resume what a previous session left unfinished
         now = monotonic()
         while not bridge.stopping:
             # `now`: taken after the previous read, a message's work ago
             if now >= t.guard:
                 self.guard(now)
-            raw = None
-            if burst is not None:
-                count, raw = burst(stream, targets, tx, batcher, windows, decoder, self.committed, streams)
-                bridge.changes_read += count
-                if count or raw is not None:  # the server was heard, as after a read
-                    t.heard = now = monotonic()
-            if raw is None and not count:
+            count, raw = burst(stream, targets, tx, batcher, windows, decoder, self.committed, streams)
+            bridge.changes_read += count
+            if count or raw is not None:  # the server was heard, as after a read
+                t.heard = now = monotonic()
+            else:
                 if batcher.pending:
                     raw = read(0)
                 else:
@@ -165,14 +162,7 @@ class Session:
             else:
                 kind = raw[header]
                 if kind == INSERT or kind == UPDATE or kind == DELETE:
-                    bridge.changes_read += 1
-                    if streams.current is not None:  # a change of a transaction still running: held
-                        streams.add(raw[header:])
-                    else:
-                        tlist = targets.get(relid(raw, relid_at)[0])
-                        if tlist:
-                            route(kind, raw, header, tlist, tx, batcher, windows, decoder)
-                        tx.seq += 1
+                    self.row_change(kind, raw)
                 elif kind in _HELD and streams.current is not None:
                     streams.add(raw[header:])
                 else:
@@ -188,6 +178,20 @@ class Session:
         self.verify()
         self.report()
         log.info("stopped at %s", self.ack.durable)
+
+    def row_change(self, kind: int, raw: bytes) -> None:
+        """A change read by the loop itself (after a wait), or one `burst` handed back (too short to
+        hold its relid: decoding it names what is malformed)."""
+        self.bridge.changes_read += 1
+        if self.streams.current is not None:  # a change of a transaction still running: held
+            self.streams.add(raw[_XLOG_HEADER:])
+            return
+        if len(raw) < _XLOG_HEADER + 5:
+            self.decode(raw[_XLOG_HEADER:])
+        tlist = self.targets.get(_RELID(raw, _XLOG_HEADER + 1)[0])
+        if tlist:
+            route_change(kind, raw, _XLOG_HEADER, tlist, self.tx, self.batcher, self.windows, self.decoder)
+        self.tx.seq += 1
 
     def dispatch(self, kind: int, body: bytes) -> None:
         """Every message but a row change (`body`, without its XLogData header): transaction bounds,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ from ..source.pgoutput import UNCHANGED_TOAST
 from ..source.shapes import ColumnShape, TableShape
 from ..source.values import TypeCatalog, converter_for, type_name
 
-__all__ = ["Projected", "Projector", "hmac_sha256", "message_entry"]
+__all__ = ["PlanField", "Projected", "Projector", "ProjectorPlan", "hmac_sha256", "message_entry"]
 
 INTEGER_OIDS = frozenset({20, 21, 23, 26})
 NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
@@ -41,6 +42,44 @@ class Projected(NamedTuple):
 
     partition: int
     fields: list
+
+
+class PlanField(NamedTuple):
+    """A mapped column's field: its name in the entry, its column's position in the row, its converter
+    (the value's text to what the entry holds)."""
+
+    name: str
+    column: int
+    convert: Callable[[str], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectorPlan:
+    """What a `Projector` writes, resolved once from its mapping and its table's shape.
+
+    The one description of a projection that both implementations read: the pure
+    methods of `Projector` and the compiled `cdc.bridge._changes` (which turns it into
+    its own C form per target, and takes the reference path for a plan it cannot
+    write, e.g. one with filters: `cdc.bridge._changes.refusal` says why).
+    """
+
+    #: the fields taken from columns, in the mapping's order
+    fields: tuple[PlanField, ...]
+    #: the constant fields (`const:`), written after the others; never changed after construction
+    consts: dict[str, Any]
+    #: the key's field names, in key order (the entry's `key` object)
+    key_order: tuple[str, ...]
+    #: the key's fields, in field order (a delete's key and `before`, read from the old row)
+    key_fields: tuple[PlanField, ...]
+    #: the row predicates of `filter:`, all of which a row must pass
+    filters: tuple[Callable[[Sequence[Any]], bool], ...]
+    #: the stream count, and the key fields that choose a change's stream when more than one
+    partitions: int
+    partition_by: tuple[str, ...]
+    #: the operations written ("c", "u", "d", "t", "r")
+    ops: frozenset[str]
+    #: whether updates and deletes carry the `before` image
+    before: bool
 
 
 # Projected(partition, fields) on the hot path: one C call, not NamedTuple's Python-level __new__,
@@ -198,21 +237,20 @@ class Projector:
                 f"{shape.schema}.{shape.name} (columns: {', '.join(c.name for c in shape.columns)})",
                 hint="it was dropped or renamed: map an existing column or remove the field",
             )
-        self._plan: list[tuple[str, int, Callable[[str], Any]]] = []
-        self._consts: dict[str, Any] = {}
+        fields: list[PlanField] = []
+        consts: dict[str, Any] = {}
         for spec in mapping.fields:
             if spec.column is None:
-                self._consts[spec.name] = spec.const
+                consts[spec.name] = spec.const
                 continue
             idx = positions[spec.column]
-            self._plan.append((spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog, mapping)))
-        self._key_plan = [(n, i, c) for (n, i, c) in self._plan if n in mapping.key]
-        by_name = {n: i for n, i, _ in self._plan}
+            fields.append(PlanField(spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog, mapping)))
+        key_fields = tuple(f for f in fields if f.name in mapping.key)
+        by_name = {f.name: f.column for f in fields}
         #: positions of the key columns in the table's rows, in key order
         self.key_positions = [by_name[n] for n in mapping.key]
-        self._key_order = mapping.key
         if "d" in mapping.ops and shape.replica_identity != "f":
-            for name, idx, _ in self._key_plan:
+            for name, idx, _ in key_fields:
                 col = shape.columns[idx]
                 if not col.key:
                     raise MappingError(
@@ -220,22 +258,24 @@ class Projector:
                         f"is not in the replica identity of {shape.schema}.{shape.name}, so deletes would carry no key",
                         hint=f"key on the primary key columns, or run ALTER TABLE {shape.schema}.{shape.name} REPLICA IDENTITY FULL",
                     )
-        self._filter = [
+        filters = tuple(
             _condition(c, positions[c.column], _base_oid(shape.columns[positions[c.column]].type_oid, catalog))
             for c in mapping.filter
-        ]
-        self._version = mapping.version
-        self._partitions = mapping.partitions
-        self._partition_by = mapping.partition_by
-        self._ops = mapping.ops
-        self._before = mapping.before
+        )
+        #: what this projector writes: read by both implementations of the hot path
+        self.plan = ProjectorPlan(
+            fields=tuple(fields), consts=consts, key_order=tuple(mapping.key), key_fields=key_fields,
+            filters=filters, partitions=mapping.partitions, partition_by=tuple(mapping.partition_by),
+            ops=frozenset(mapping.ops), before=mapping.before,
+        )
 
     # -- rows ----------------------------------------------------------------------
 
     def _row(self, values: Sequence[Any], fallback: Sequence[Any] | None) -> tuple[dict, list | None]:
         data: dict[str, Any] = {}
         unchanged = None
-        for name, idx, conv in self._plan:
+        plan = self.plan
+        for name, idx, conv in plan.fields:
             value = values[idx]
             if value is None:
                 data[name] = None
@@ -249,24 +289,25 @@ class Projector:
                     data[name] = None if old is None else conv(old)
             else:
                 data[name] = conv(value)
-        if self._consts:
-            data.update(self._consts)
+        if plan.consts:
+            data.update(plan.consts)
         return data, unchanged
 
     def _key(self, values: Sequence[Any]) -> dict:
         key = {}
-        for name, idx, conv in self._key_plan:
+        for name, idx, conv in self.plan.key_fields:
             value = values[idx]
             key[name] = None if value is None or value is UNCHANGED_TOAST else conv(value)
         return key
 
     def _partition(self, key: dict) -> int:
-        if self._partitions == 1:
+        plan = self.plan
+        if plan.partitions == 1:
             return 0
-        return zlib.crc32(orjson.dumps([key[n] for n in self._partition_by])) % self._partitions
+        return zlib.crc32(orjson.dumps([key[n] for n in plan.partition_by])) % plan.partitions
 
     def _passes(self, row: Sequence[Any]) -> bool:
-        for check in self._filter:
+        for check in self.plan.filters:
             if not check(row):
                 return False
         return True
@@ -274,23 +315,25 @@ class Projector:
     # -- changes ----------------------------------------------------------------------
 
     def insert(self, new: Sequence[Any]) -> Projected | None:
-        if "c" not in self._ops or (self._filter and not self._passes(new)):
+        plan = self.plan
+        if "c" not in plan.ops or (plan.filters and not self._passes(new)):
             return None
         data, unchanged = self._row(new, None)
-        key = {n: data[n] for n in self._key_order}
+        key = {n: data[n] for n in plan.key_order}
         fields = [b"op", b"c", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
         if unchanged:
             fields += [b"unchanged", orjson.dumps(unchanged)]
-        return _new_projected(Projected, (0 if self._partitions == 1 else self._partition(key), fields))
+        return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))
 
     def snapshot(self, row: Sequence[Any]) -> Projected | None:
         """A row read by a snapshot or backfill (op r)."""
-        if "r" not in self._ops or (self._filter and not self._passes(row)):
+        plan = self.plan
+        if "r" not in plan.ops or (plan.filters and not self._passes(row)):
             return None
         data, _ = self._row(row, None)
-        key = {n: data[n] for n in self._key_order}
+        key = {n: data[n] for n in plan.key_order}
         fields = [b"op", b"r", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
-        return _new_projected(Projected, (0 if self._partitions == 1 else self._partition(key), fields))
+        return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))
 
     @property
     def table(self) -> tuple[str, str]:
@@ -302,33 +345,35 @@ class Projector:
         return tuple(row[i] for i in self.key_positions)
 
     def update(self, new: Sequence[Any], old: Sequence[Any] | None, old_full: bool) -> Projected | None:
-        if "u" not in self._ops:
+        plan = self.plan
+        if "u" not in plan.ops:
             return None
-        if self._filter and not self._passes(new if not old_full or old is None else _merge(new, old)):
+        if plan.filters and not self._passes(new if not old_full or old is None else _merge(new, old)):
             return None
         data, unchanged = self._row(new, old if old_full else None)
-        key = {n: data[n] for n in self._key_order}
+        key = {n: data[n] for n in plan.key_order}
         fields = [b"op", b"u", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
-        if self._before and old is not None:
+        if plan.before and old is not None:
             before = self._row(old, None)[0] if old_full else self._key(old)
             fields += [b"before", orjson.dumps(before)]
         if unchanged:
             fields += [b"unchanged", orjson.dumps(unchanged)]
-        return _new_projected(Projected, (0 if self._partitions == 1 else self._partition(key), fields))
+        return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))
 
     def delete(self, old: Sequence[Any], old_full: bool) -> Projected | None:
-        if "d" not in self._ops or (self._filter and not self._passes(old)):
+        plan = self.plan
+        if "d" not in plan.ops or (plan.filters and not self._passes(old)):
             return None
         key = self._key(old)
         fields = [b"op", b"d", b"key", orjson.dumps(key)]
-        if self._before and old_full:
+        if plan.before and old_full:
             fields += [b"before", orjson.dumps(self._row(old, None)[0])]
-        return _new_projected(Projected, (0 if self._partitions == 1 else self._partition(key), fields))
+        return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))
 
     def truncate(self) -> list[Projected]:
-        if "t" not in self._ops:
+        if "t" not in self.plan.ops:
             return []
-        return [Projected(p, [b"op", b"t", b"key", EMPTY_KEY]) for p in range(self._partitions)]
+        return [Projected(p, [b"op", b"t", b"key", EMPTY_KEY]) for p in range(self.plan.partitions)]
 
 
 def _merge(new: Sequence[Any], old: Sequence[Any]) -> list[Any]:

@@ -11,6 +11,8 @@ from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.stdlib cimport malloc, realloc
 from libc.string cimport memcpy
 
+__all__ = ["xadd_command", "pack_past"]  # the interface: _resp.pyi
+
 
 cdef object _reference():
     """The specification, for the entries this module does not pack itself (imported late: it imports this)."""

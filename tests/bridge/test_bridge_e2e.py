@@ -79,7 +79,9 @@ def test_the_bridge_says_once_at_start_which_hot_path_runs(env):
     env.execute("INSERT INTO riders (id, name, email, phone) VALUES (1, 'Ann', 'ann@example.com', '555-1234')")
     pure = env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": "1"}).stderr
     assert pure.count("hot path:") == 1 and "hot path: pure Python (CDC_PURE_PYTHON is set)" in pure
-    default = env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": ""}).stderr
+    asked = env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": "", "CDC_IMPL": "pure"}).stderr
+    assert asked.count("hot path:") == 1 and "hot path: pure Python (CDC_IMPL=pure)" in asked
+    default = env.cdc("run", "--until-caught-up", check=True, env={"CDC_PURE_PYTHON": "", "CDC_IMPL": ""}).stderr
     built = importlib.util.find_spec("cdc.bridge._changes") is not None
     assert default.count("hot path:") == 1
     assert ("hot path: compiled" if built else "hot path: pure Python (the compiled extension is not built") in default

@@ -10,16 +10,22 @@ fresh setup per path (its own decoder, batcher, targets and transaction).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import importlib.util
+import inspect
 import json
 import math
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import sysconfig
 from datetime import datetime
 from decimal import Decimal
+from pathlib import Path
 
 import orjson
 import pytest
@@ -31,6 +37,7 @@ from cdc.bridge import changes
 from cdc.bridge.backfill import Windows
 from cdc.bridge.batcher import Batcher
 from cdc.bridge.positions import Transaction
+from cdc.errors import ConfigError
 from cdc.mapping.model import parse_mapping
 from cdc.source import pgoutput as po
 from cdc.source.lsn import Lsn
@@ -752,16 +759,86 @@ def test_the_compiled_modules_are_built_where_they_can_be():
 
 
 def test_describe_names_the_path_that_runs(monkeypatch):
+    monkeypatch.delenv(speedups.IMPL_ENV, raising=False)
     monkeypatch.setenv(speedups.PURE_ENV, "1")
     assert speedups.describe() == "hot path: pure Python (CDC_PURE_PYTHON is set)"
     assert speedups.load("cdc.bridge._changes") is None
     monkeypatch.delenv(speedups.PURE_ENV)
+    monkeypatch.setenv(speedups.IMPL_ENV, "pure")
+    assert speedups.describe() == "hot path: pure Python (CDC_IMPL=pure)"
+    assert speedups.load("cdc.bridge._changes") is None
+    monkeypatch.delenv(speedups.IMPL_ENV)
     compiled_changes()
     try:
         importlib.import_module("cdc.sink._resp")
     except ImportError as exc:
         pytest.skip(f"cdc.sink._resp is not built ({exc})")
     assert speedups.describe() == "hot path: compiled"
+
+
+def test_cdc_impl_compiled_where_it_is_not_built_stops_at_start(tmp_path):
+    """Never a silent fall-back: `cdc` exits 2 with one line naming the fix (the build made unimportable
+    in the child, as where no compiler was found)."""
+    (tmp_path / "cdc.yaml").write_text("")
+    unbuilt = ("import sys; sys.modules['cdc.sink._resp'] = None\n"
+               "from cdc.cli import main; sys.exit(main(['check', '--config', 'cdc.yaml']))")
+    env = {**os.environ, "CDC_IMPL": "compiled", "CDC_PURE_PYTHON": ""}
+    done = subprocess.run([sys.executable, "-c", unbuilt], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("cdc: error: environment variable CDC_IMPL=compiled: the compiled hot path is not "
+                               "built (cdc.sink._resp: ")
+    assert lines[0].endswith("; install a C compiler, then reinstall the package, e.g. make install; "
+                             "or set CDC_IMPL=pure, or unset it to run the pure path")
+
+
+def test_cdc_impl_compiled_is_refused_where_a_module_does_not_import(monkeypatch):
+    monkeypatch.setattr(speedups, "_MODULES", ("cdc.bridge._changes", "cdc.sink._not_built"))
+    with pytest.raises(ConfigError) as caught:
+        speedups.check({"CDC_IMPL": "compiled"})
+    assert caught.value.exit_code == 2
+    assert str(caught.value).startswith("environment variable CDC_IMPL=compiled: the compiled hot path is not "
+                                        "built (cdc.sink._not_built: ")
+    with pytest.raises(ConfigError, match="ask for both implementations"):
+        speedups.check({"CDC_IMPL": "compiled", "CDC_PURE_PYTHON": "1"})
+    with pytest.raises(ConfigError, match="'fast' is not an implementation of the hot path"):
+        speedups.check({"CDC_IMPL": "fast"})
+    speedups.check({"CDC_IMPL": "pure"})
+    speedups.check({})
+
+
+@pytest.mark.parametrize("compiled_name, pure_name", [("cdc.bridge._changes", "cdc.bridge.changes"),
+                                                      ("cdc.sink._resp", "cdc.sink.lane")])
+def test_the_stub_states_the_compiled_interface_and_the_pure_twins_match_it(compiled_name, pure_name):
+    """The `.pyi` beside each `.pyx` lists its functions: the compiled module exports exactly those, with the
+    stub's parameters, and each has a pure twin of the same name, parameters and annotations (`refusal`,
+    the compiled module's own account of what it leaves to the reference, excepted)."""
+    stub_path = Path(importlib.util.find_spec(pure_name).origin).with_name(compiled_name.rpartition(".")[2] + ".pyi")
+    tree = ast.parse(stub_path.read_text())
+    stub = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    (exported,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and n.targets[0].id == "__all__"]
+    assert sorted(exported) == sorted(stub)
+    pure = importlib.import_module(pure_name)
+    try:
+        compiled = importlib.import_module(compiled_name)
+    except ImportError:
+        compiled = None  # the pure twins are still held to the stub
+    if compiled is not None:
+        routines = {n for n, v in vars(compiled).items() if not n.startswith("_") and inspect.isroutine(v)}
+        assert sorted(compiled.__all__) == sorted(stub) and routines == set(stub)
+    for name, node in stub.items():
+        params = [a.arg for a in node.args.args]
+        if compiled is not None:
+            assert list(inspect.signature(getattr(compiled, name)).parameters) == params, name
+        if name == "refusal":
+            continue
+        twin = getattr(pure, name)
+        assert list(inspect.signature(twin).parameters) == params, name
+        want = {a.arg: ast.unparse(a.annotation) for a in node.args.args} | {"return": ast.unparse(node.returns)}
+        assert twin.__annotations__ == want, name
 
 
 def test_route_change_is_the_compiled_one_unless_pure_is_forced():
@@ -771,10 +848,11 @@ def test_route_change_is_the_compiled_one_unless_pure_is_forced():
         assert changes.route_change is compiled_changes().route_raw
 
 
-def test_burst_queues_what_the_loop_queues_across_transactions():
-    """`burst` (libpq's memoryviews, Begins and Commits inline, each transaction's position fields)
-    against the reference routing one message at a time as `Session` does without it."""
-    compiled = compiled_changes()
+@pytest.mark.parametrize("path", ["pure", "compiled"])
+def test_burst_queues_what_the_loop_queues_across_transactions(path):
+    """`burst`, both twins (libpq's memoryviews, Begins and Commits inline, each transaction's position
+    fields, the message that ends it handed back), against the reference routing one message at a time."""
+    burst = changes.burst if path == "pure" else compiled_changes().burst
 
     class Stream:  # libpq's reads: (size, memoryview), then (0, ...) when none is left
         def __init__(self, raws):
@@ -792,6 +870,7 @@ def test_burst_queues_what_the_loop_queues_across_transactions():
     changes_of = [[po.Insert(RELID, ("1", "a", "1.5")), po.Update(RELID, None, None, ("1", "b", "2"))],
                   [po.Insert(RELID, ("2", "c", "3")), po.Delete(RELID, "K", ("1", None, None))]]
     raws = [HEADER + encode(m) for (begin, commit), chs in zip(txs, changes_of) for m in (begin, *chs, commit)]
+    keepalive = b"k" + bytes(17)
 
     def setup():
         decoder = po.PgOutputDecoder()
@@ -814,8 +893,10 @@ def test_burst_queues_what_the_loop_queues_across_transactions():
 
     decoder, batcher, targets, tx = setup()
     ends = []
-    count, raw = compiled.burst(Stream(raws), {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams)
+    stream = Stream(raws + [keepalive])
+    count, raw = burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams)
     got = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
-    assert (count, raw) == (4, None)
+    assert (count, raw) == (4, keepalive), "stops at a message it does not take, handing it back"
+    assert burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams) == (0, None)
     assert got == want and ends == want_ends
     assert {e[-1][1][:20] for e in got["cdc:e1"]} == {f"{0x2_0000_0100 * k:020d}" for k in (1, 2)}

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
+import importlib
 import zlib
 
 import orjson
 import pytest
 
-from conftest import read_stream
+from cdc.mapping.model import load_mappings
+from cdc.mapping.projector import Projector
+from cdc.source.catalog import load_types, table_shape
+from cdc.source.values import TypeCatalog
+from conftest import ROOT, TEST_HASH_KEY, read_stream
 
 pytestmark = pytest.mark.integration
 
@@ -108,3 +114,27 @@ def test_unchanged_toast_uses_before_image_or_is_listed_as_unchanged(rockets):
     assert notes[1]["data"] == {"id": 1, "title": "second"}
     assert notes[1]["unchanged"] == ["body"]
     assert "before" not in notes[1]
+
+
+def test_the_compiled_path_takes_every_mapping_of_the_mappings_folder(env):
+    """The compiled module writes the changes of each shipped mapping (rocket's types, casts, constants,
+    partitions and before-image included) itself, reading only `Projector.plan`: a renamed plan attribute
+    or a newly refused form would otherwise send every change down the reference path unnoticed."""
+    try:
+        compiled = importlib.import_module("cdc.bridge._changes")
+    except ImportError as exc:
+        pytest.skip(f"the compiled hot path is not built ({exc})")
+    env.apply_sql("10_rocket_rides.sql")
+    catalog, seen = TypeCatalog(), set()
+    with env.connect() as conn:
+        for mapping in load_mappings(ROOT / "mappings", hash_key=TEST_HASH_KEY.encode()):
+            if mapping.table is None:
+                continue  # a logical-message outbox: no row changes
+            shape = table_shape(conn, *mapping.table)
+            load_types(conn, catalog, [c.type_oid for c in shape.columns])
+            unfiltered = dataclasses.replace(mapping, filter=())
+            assert compiled.refusal(Projector(unfiltered, shape, catalog)) is None, mapping.entity
+            if mapping.filter:  # the one form it leaves to the reference, said so
+                assert compiled.refusal(Projector(mapping, shape, catalog)) == "the mapping has filters"
+            seen.add(mapping.entity)
+    assert seen == {"ride", "rider", "rocket"}

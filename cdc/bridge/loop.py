@@ -49,12 +49,12 @@ from .ack import Acknowledger
 from .backfill import BackfillDriver
 from .backoff import Backoff
 from .batcher import Batcher
+from .counters import Counters
 from .changes import Target, bind
 from .gate import TableGate
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
-from .inflight import Sent
-from ..metrics import Histogram, Registry, serve
+from ..metrics import Registry, serve
 from .held_transactions import StreamedTransactions, spill_dir_error
 from .session import Session
 
@@ -84,42 +84,33 @@ class Bridge:
             if m.table is not None:
                 self._by_table[m.table].append(m)
         batch = settings.batch
-        self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0)
         self.ack = Acknowledger()
         self.gate = TableGate(settings.postgres.slot, settings.postgres.publication, self.mappings)
         self.backoff = Backoff()
         self._stale_pid = 0  # backend of a failed session's replication connection, maybe still holding the slot
         self.catalog = TypeCatalog()
-        # counters, readable in repr and by status reporting
-        self.changes_read = 0
-        self.entries_published = 0
-        self.transactions = 0
+        #: what the sessions count (changes, transactions, entries, batches, backfill rows), served as metrics
+        self.counters = Counters(m.entity for m in self.mappings)
         self.sessions = 0
         self.entries_trimmed = 0
         self.entries_force_trimmed = 0
         self.state = "starting"
         self.last_heard = 0.0
-        self.read_by_entity: dict[str, list[int]] = {m.entity: [0] for m in self.mappings}
-        self.published_by_stream: dict[str, int] = defaultdict(int)
         self.failures: dict[str, int] = defaultdict(int)
-        self.batch_sizes = Histogram([1, 10, 50, 100, 500, 1000, 2000, 5000])
-        self.publish_seconds = Histogram([0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5])
-        self.commit_lag_seconds = Histogram([0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30])
         pgs = settings.postgres
         self.slot_watch = SlotWatch(pgs.slot, pgs.retained_wal_warn_bytes, pgs.retained_wal_critical_bytes)
         #: whether the slot would survive a failover to a standby, as of the last slot check (None: not checked yet)
         self.failover: FailoverReadiness | None = None
         self.memory: MemoryWatch | None = None
-        self.backfill_rows: dict[str, int] = defaultdict(int)
-        self.backfill_skipped = 0
         # transactions the server streams while they run, held until they end (emptied by each session's end)
         self.streams = StreamedTransactions(batch.stream_buffer_mb << 20, batch.spill_dir)
         self.registry = self._metrics()
 
     def __repr__(self) -> str:
+        counters = self.counters
         return (
-            f"<Bridge changes_read={self.changes_read} entries_published={self.entries_published} "
-            f"transactions={self.transactions} durable_lsn={self.durable_lsn} sessions={self.sessions}>"
+            f"<Bridge changes_read={counters.changes_read} entries_published={counters.entries_published} "
+            f"transactions={counters.transactions} durable_lsn={self.durable_lsn} sessions={self.sessions}>"
         )
 
     def stop(self) -> None:
@@ -131,14 +122,8 @@ class Bridge:
         """How far Redis confirmed holding the source (the slot is told no further)."""
         return self.ack.durable
 
-    def confirmed(self, sent: Sent) -> None:
-        """Redis confirmed a batch: count it, and let the slot move to it."""
-        self.publish_seconds.observe(time.monotonic() - sent.sent_at)
-        self.commit_lag_seconds.observe(max(0.0, time.time() - sent.ts_ms / 1000))
-        for name, n in sent.counts.items():
-            self.published_by_stream[name] += n
-        self.entries_published += sent.count
-        self.ack.confirmed(sent.ack)
+    def progressed(self) -> None:
+        """Redis confirmed or recorded something: the next failure starts its backoff afresh."""
         self.backoff.progressed()
 
     # -- retrying sessions -------------------------------------------------------------
@@ -191,16 +176,16 @@ class Bridge:
         return True, f"ready: streaming, durable at {self.durable_lsn}"
 
     def _metrics(self) -> Registry:
-        r = Registry()
+        r, c = Registry(), self.counters
         r.counter("cdc_changes_read_total", "changes to mapped tables decoded, by entity",
-                  lambda: {(("entity", e),): n[0] for e, n in self.read_by_entity.items()})
+                  lambda: {(("entity", e),): n[0] for e, n in c.read_by_entity.items()})
         r.counter("cdc_entries_published_total", "entries Redis confirmed, by stream",
-                  lambda: {(("stream", s),): n for s, n in self.published_by_stream.items()})
-        r.counter("cdc_transactions_total", "source transactions seen", lambda: self.transactions)
-        r.histogram("cdc_batch_entries", "entries per batch sent to Redis", self.batch_sizes)
-        r.histogram("cdc_publish_seconds", "time from sending a batch to Redis confirming it", self.publish_seconds)
+                  lambda: {(("stream", s),): n for s, n in c.published_by_stream.items()})
+        r.counter("cdc_transactions_total", "source transactions seen", lambda: c.transactions)
+        r.histogram("cdc_batch_entries", "entries per batch sent to Redis", c.batch_sizes)
+        r.histogram("cdc_publish_seconds", "time from sending a batch to Redis confirming it", c.publish_seconds)
         r.histogram("cdc_commit_to_publish_seconds", "time from a transaction's commit to Redis confirming it",
-                    self.commit_lag_seconds)
+                    c.commit_lag_seconds)
         r.gauge("cdc_confirmed_flush_lsn", "position acknowledged to the slot (bytes): Redis holds it and the ack gate vouched for it",
                 lambda: int(self.ack.acked))
         r.gauge("cdc_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed one (current WAL - confirmed)",
@@ -223,9 +208,9 @@ class Bridge:
         r.counter("cdc_entries_force_trimmed_total", "unconsumed entries dropped by the trim hard cap",
                   lambda: self.entries_force_trimmed)
         r.counter("cdc_backfill_rows_total", "rows published by snapshots and backfills (op r), by entity",
-                  lambda: {(("entity", e),): n for e, n in self.backfill_rows.items()})
+                  lambda: {(("entity", e),): n for e, n in c.backfill_rows.items()})
         r.counter("cdc_backfill_rows_dropped_total", "snapshot rows dropped because the stream changed them meanwhile",
-                  lambda: self.backfill_skipped)
+                  lambda: c.backfill_skipped)
         r.counter("cdc_streamed_transactions_total", "transactions the server streamed while they ran, by how they ended",
                   lambda: {(("outcome", "committed"),): self.streams.committed, (("outcome", "aborted"),): self.streams.aborted})
         r.gauge("cdc_streamed_held_bytes", "memory holding streamed transactions until they end", lambda: self.streams.size)
@@ -527,7 +512,7 @@ class Bridge:
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         self._all_sent(relation, mappings, catalog_conn)
-        targets = bind(relation, mappings, self.catalog, batcher, self.read_by_entity)
+        targets = bind(relation, mappings, self.catalog, batcher, self.counters.read_by_entity)
         log.info("bound %s to %s", relation.namespace + "." + relation.name, ", ".join(m.entity for m in mappings))
         return targets
 

@@ -9,8 +9,10 @@ The loop reads a message, hands it to its stage, and sends the batch when due:
 - `Acknowledger` (ack.py) decides what the slot may be told, up to what the
   ack gate (gate.py) vouched for on reading the catalog every status interval.
 
-The state of a session lives in those objects and in `Timers`; the `Bridge`
-(loop.py) keeps what outlives a session (counters, the acknowledged position).
+The state of a session lives in those objects and in `Timers`; the bridge that
+runs it (`cdc.bridge.loop`) keeps what outlives a session (its counters, the
+acknowledged position, the streamed transactions held) and does the guardrails' I/O:
+`SessionHost` names exactly what a session asks of it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import orjson
 import psycopg
 
+from ..config import Settings
 from ..errors import SourceError
+from ..mapping.model import Mapping
 from ..mapping.projector import Projector
 from ..sink.publisher import Publisher
 from ..source import pgoutput as pg
@@ -32,17 +37,21 @@ from ..source.deadline import ConnectionSilent, bounded
 from ..source.framing import parse_copy_data
 from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
+from ..source.values import TypeCatalog
+from .ack import Acknowledger
 from .backfill import IDLE_POLL_S, REQUEST_PREFIX, REQUEST_RETRY_S, WATERMARK_PREFIX, BackfillDriver, Windows, parse_request
+from .batcher import Batcher
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
+from .counters import Counters
+from .gate import TableGate
+from .guards import MemoryWatch
+from .held_transactions import StreamedTransactions
 from .inflight import InFlight
 from .snapshot import queue_chunk
 from .positions import Transaction
 from .txends import TransactionEnds
 
-if TYPE_CHECKING:
-    from .loop import Bridge
-
-__all__ = ["Session", "ConnectionSilent"]
+__all__ = ["Session", "SessionHost", "ConnectionSilent"]
 
 log = logging.getLogger("cdc.bridge")
 
@@ -73,13 +82,58 @@ class Timers:
         self.backfill = now + IDLE_POLL_S  # the next look at cdc_backfills not prompted by the stream
 
 
+class SessionHost(Protocol):
+    """What a session needs from the bridge that runs it (`cdc.bridge.loop.Bridge`), and nothing more.
+
+    State that outlives a session: the settings and mappings, the counters, the acknowledger,
+    the ack gate, the type catalog, the streamed transactions held. Whether to stop, or to
+    return once caught up (with `target_lsn`, the position to reach). And the guardrails'
+    I/O, each method raising what stops or restarts the session (`cdc.errors`).
+    """
+
+    settings: Settings
+    mappings: list[Mapping]
+    message_mappings: list[Mapping]
+    counters: Counters
+    ack: Acknowledger
+    gate: TableGate
+    catalog: TypeCatalog
+    streams: StreamedTransactions
+    memory: MemoryWatch | None  # None before a session connected to Redis
+    stopping: bool
+    until_caught_up: bool
+    target_lsn: Lsn | None
+    last_heard: float  # when the server was last heard (monotonic s), for readiness
+
+    def bind(self, relation: pg.Relation, catalog_conn: psycopg.Connection, batcher: Batcher) -> list[Target]: ...
+
+    def progressed(self) -> None: ...
+
+    def verify_tables(self, catalog_conn: psycopg.Connection) -> None: ...
+
+    def memory_paused(self) -> bool: ...
+
+    def pause_while_memory_full(self, report: Callable[..., None], status_interval: float) -> None: ...
+
+    def check_slot(self, catalog_conn: psycopg.Connection) -> object: ...
+
+    def check_streams(self) -> None: ...
+
+    def heartbeat(self, catalog_conn: psycopg.Connection) -> bool: ...
+
+    def trim_streams(self) -> None: ...
+
+    def drive_backfill(self, backfill: BackfillDriver, catalog_conn: psycopg.Connection) -> None: ...
+
+
 class Session:
     """Streams one replication connection into Redis until stopped, caught up or failed."""
 
-    def __init__(self, bridge: Bridge, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection,
+    def __init__(self, host: SessionHost, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection,
                  held: Lsn, confirmed: Lsn | None = None) -> None:
-        settings = bridge.settings
-        self.bridge = bridge
+        settings = host.settings
+        self.host = host
+        self.counters = host.counters
         self.stream = stream
         self.publisher = publisher
         self.conn = conn  # the catalog connection: types, slot health, heartbeats, backfill chunks
@@ -88,20 +142,20 @@ class Session:
         self.decoder = pg.PgOutputDecoder()
         self.decode = self.decoder.decode
         self.targets: dict[int, list[Target]] = {}
-        self.batcher = bridge.batcher
-        self.batcher.clear()
-        self.messages = [(m.message_prefix, m.version, self.batcher.batch(m.stream_key())) for m in bridge.message_mappings]
+        batch = settings.batch
+        self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0)
+        self.messages = [(m.message_prefix, m.version, self.batcher.batch(m.stream_key())) for m in host.message_mappings]
         self.tx = Transaction()
-        tx_stream = bridge.settings.transactions.stream
+        tx_stream = settings.transactions.stream
         #: the END records of source transactions, when a transactions stream is set
         self.ends = TransactionEnds(self.batcher, tx_stream) if tx_stream else None
         self.inflight = InFlight(publisher)
-        self.ack = bridge.ack
+        self.ack = host.ack
         self.ack.resume(held, confirmed)  # what Redis records now, not what an earlier session remembered
-        self.gate = bridge.gate
+        self.gate = host.gate
         self.windows = Windows()  # open backfill watermark windows
-        self.streams = bridge.streams  # transactions the server streams while they run, held until they end
-        self.backfill = BackfillDriver(settings.postgres.slot, bridge.mappings, settings.batch.backfill_chunk_rows)
+        self.streams = host.streams  # transactions the server streams while they run, held until they end
+        self.backfill = BackfillDriver(settings.postgres.slot, host.mappings, batch.backfill_chunk_rows)
         self.snapshot_projectors: dict[str, Projector] = {}
         pgs = settings.postgres
         self.timers = Timers(time.monotonic(), pgs.slot_check_interval_s, pgs.heartbeat_interval_s, settings.trim.interval_s)
@@ -120,7 +174,7 @@ class Session:
             streams.close()  # a new session receives what was held again, from the server
 
     def _run(self) -> None:
-        bridge, t, batcher, tx, windows, targets = self.bridge, self.timers, self.batcher, self.tx, self.windows, self.targets
+        host, counters, t, batcher, tx, windows, targets = self.host, self.counters, self.timers, self.batcher, self.tx, self.windows, self.targets
         stream, read, decoder, monotonic = self.stream, self.stream.read, self.decoder, time.monotonic
         streams = self.streams
         burst = burst_changes  # the changes already received, routed in one call (compiled or pure: `cdc.speedups`)
@@ -128,12 +182,12 @@ class Session:
         xlog, header = _W, _XLOG_HEADER
         self.drive_backfill()  # resume what a previous session left unfinished
         now = monotonic()
-        while not bridge.stopping:
+        while not host.stopping:
             # `now`: taken after the previous read, a message's work ago
             if now >= t.guard:
                 self.guard(now)
             count, raw = burst(stream, targets, tx, batcher, windows, decoder, self.committed, streams)
-            bridge.changes_read += count
+            counters.changes_read += count
             if count or raw is not None:  # the server was heard, as after a read
                 t.heard = now = monotonic()
             else:
@@ -182,7 +236,7 @@ class Session:
     def row_change(self, kind: int, raw: bytes) -> None:
         """A change read by the loop itself (after a wait), or one `burst` handed back (too short to
         hold its relid: decoding it names what is malformed)."""
-        self.bridge.changes_read += 1
+        self.counters.changes_read += 1
         if self.streams.current is not None:  # a change of a transaction still running: held
             self.streams.add(raw[_XLOG_HEADER:])
             return
@@ -206,9 +260,9 @@ class Session:
         elif kind == _RELATION:
             tx = self.tx
             self.gate.relation(msg.relid, msg.namespace, msg.name, int(tx.lsn) if tx.open else int(self.ack.ackable))
-            self.targets[msg.relid] = self.bridge.bind(msg, self.conn, self.batcher)
+            self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
         elif kind == _TRUNCATE:
-            self.bridge.changes_read += 1
+            self.counters.changes_read += 1
             route_truncate(msg, self.targets, self.tx, self.batcher, self.windows)
             self.tx.seq += 1
         elif kind == _MESSAGE:
@@ -256,7 +310,7 @@ class Session:
 
     def committed(self, end: Lsn) -> None:
         """A transaction ended at `end` (its Commit's end LSN): its END record queued after its entries."""
-        self.bridge.transactions += 1
+        self.counters.transactions += 1
         if self.ends is not None:
             self.ends.commit(self.tx)
         # while a window is open, a replay must start before its low watermark
@@ -299,10 +353,10 @@ class Session:
             self.report(reply=now - t.heard > self.status_interval)
         if now - t.heard > self.receive_timeout:
             raise ConnectionSilent(f"no message from postgres in {self.receive_timeout:.0f}s; reconnecting")
-        bridge = self.bridge
-        if bridge.until_caught_up and not self.tx.open:
+        host = self.host
+        if host.until_caught_up and host.target_lsn is not None and not self.tx.open:
             backfill = self.backfill
-            if self.ack.durable >= bridge.target_lsn and (backfill.idle or backfill.disabled) \
+            if self.ack.durable >= host.target_lsn and (backfill.idle or backfill.disabled) \
                     and backfill.waiting_for is None and not self.windows.open:
                 self.verify()
                 self.report()
@@ -319,7 +373,9 @@ class Session:
         """Wait for Redis to confirm the batch in flight; the slot may then move to it."""
         sent = self.inflight.settle()
         if sent is not None:
-            self.bridge.confirmed(sent)
+            self.counters.confirmed(sent, time.monotonic(), time.time())
+            self.ack.confirmed(sent.ack)
+            self.host.progressed()
 
     def flush(self, wait: bool) -> None:
         """Confirm the batch in flight, send the pending one; with `wait`, confirm that too.
@@ -332,9 +388,9 @@ class Session:
         if not batcher.pending:
             self.ack.drained()
             return
-        self.bridge.batch_sizes.observe(batcher.pending)
+        self.counters.batch_sizes.observe(batcher.pending)
         self.inflight.send(batcher, self.ack.ackable, int(self.tx.ts or 0), time.monotonic())
-        memory = self.bridge.memory
+        memory = self.host.memory
         if memory is not None and memory.ratio is not None:
             # Redis has a memory limit: look again before the next batch, not in half a
             # second (a fast stream would overshoot the pause mark into refused writes)
@@ -348,7 +404,7 @@ class Session:
         if lsn is not None:
             self.publisher.record_flushed(lsn)
             self.ack.record(lsn)
-            self.bridge.backoff.progressed()
+            self.host.progressed()
         acked = self.ack.acked
         self.stream.send_status(acked, acked, acked, reply)
         self.timers.status = time.monotonic() + self.status_interval
@@ -357,7 +413,7 @@ class Session:
         """The ack gate: read the catalog; if it vouches for every mapped table, the slot may move up to
         what was received before the reading started (see `cdc.bridge.gate`); else the bridge stops."""
         received = self.ack.received()
-        self.bridge.verify_tables(self.conn)
+        self.host.verify_tables(self.conn)
         self.ack.vouched(received)
         self.timers.verify = time.monotonic() + self.status_interval
 
@@ -365,29 +421,29 @@ class Session:
 
     def guard(self, now: float) -> None:
         """Between messages: the ack gate, Redis memory, slot health, heartbeats, trimming, each when due."""
-        bridge, t = self.bridge, self.timers
+        host, t, pgs = self.host, self.timers, self.host.settings.postgres
         t.guard = now + _GUARD_INTERVAL_S
-        bridge.last_heard = t.heard
+        host.last_heard = t.heard
         if now >= t.verify:
             self.verify()
-        if bridge.memory is not None and bridge.memory_paused():
+        if host.memory is not None and host.memory_paused():
             # hold what is queued (a batch at most); send nothing more until Redis has room
             self.settle()
             self.report()
-            bridge.pause_while_memory_full(self.report, self.status_interval)
+            host.pause_while_memory_full(self.report, self.status_interval)
             t.heard = time.monotonic()
         if now >= t.slot_check:
-            t.slot_check = now + bridge.settings.postgres.slot_check_interval_s
-            bridge.check_slot(self.conn)
-            bridge.check_streams()
+            t.slot_check = now + pgs.slot_check_interval_s
+            host.check_slot(self.conn)
+            host.check_streams()
         if now >= t.heartbeat:
-            heartbeat = bridge.settings.postgres.heartbeat_interval_s
+            heartbeat = pgs.heartbeat_interval_s
             t.heartbeat = now + heartbeat
-            if now - t.heard >= heartbeat and not bridge.heartbeat(self.conn):
+            if now - t.heard >= heartbeat and not host.heartbeat(self.conn):
                 t.heartbeat = float("inf")
         if now >= t.trim:
-            bridge.trim_streams()
-            t.trim = time.monotonic() + bridge.settings.trim.interval_s
+            host.trim_streams()
+            t.trim = time.monotonic() + host.settings.trim.interval_s
         if now >= t.backfill:
             self.drive_backfill()
             self.next_backfill_look(now)
@@ -400,7 +456,7 @@ class Session:
         t.guard = min(t.guard, t.backfill)
 
     def drive_backfill(self) -> None:
-        self.bridge.drive_backfill(self.backfill, self.conn)
+        self.host.drive_backfill(self.backfill, self.conn)
 
     def watermark(self, msg: pg.Message) -> None:
         """Open or close a backfill window; at the high watermark queue the chunk's unchanged rows.
@@ -438,8 +494,8 @@ class Session:
             else:
                 queued, skipped = self.queue_chunk(info, projector, changed)
                 if queued:
-                    self.bridge.backfill_rows[info["entity"]] += queued
-                self.bridge.backfill_skipped += skipped
+                    self.counters.backfill_rows[info["entity"]] += queued
+                self.counters.backfill_skipped += skipped
             if info["last"]:
                 log.info("backfill of %s complete at chunk %s", info["entity"], chunk)
         elif kind == "failed":
@@ -470,13 +526,13 @@ class Session:
     def snapshot_projector(self, entity: str) -> Projector | None:
         projector = self.snapshot_projectors.get(entity)
         if projector is None:
-            mapping = next((m for m in self.bridge.mappings if m.entity == entity), None)
+            mapping = next((m for m in self.host.mappings if m.entity == entity), None)
             if mapping is None or mapping.table is None:
                 return None
             with bounded(self.conn, self.receive_timeout, "reading a table's shape"):
                 shape = table_shape(self.conn, *mapping.table)
                 if shape is None:
                     return None
-                load_types(self.conn, self.bridge.catalog, [c.type_oid for c in shape.columns])
-            projector = self.snapshot_projectors[entity] = Projector(mapping, shape, self.bridge.catalog)
+                load_types(self.conn, self.host.catalog, [c.type_oid for c in shape.columns])
+            projector = self.snapshot_projectors[entity] = Projector(mapping, shape, self.host.catalog)
         return projector

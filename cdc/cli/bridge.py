@@ -36,7 +36,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     bridge.run()
     log.info(
         "bridge stopped entries_published=%d transactions=%d durable_lsn=%s seconds=%.1f",
-        bridge.entries_published, bridge.transactions, bridge.durable_lsn, time.monotonic() - started,
+        bridge.counters.entries_published, bridge.counters.transactions, bridge.durable_lsn, time.monotonic() - started,
     )
     return 0
 

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + args.seconds if args.seconds else None
         if not _show_entries(client, mappings, bridge_thread, stop, deadline):
             return 1
-        print(f"\nstopping: {writer.transactions} writer transactions, {bridge.entries_published} entries published")
+        print(f"\nstopping: {writer.transactions} writer transactions, {bridge.counters.entries_published} entries published")
         return 0
     except CdcError as exc:
         print(f"cdc: error: {exc}", file=sys.stderr)

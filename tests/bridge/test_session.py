@@ -134,7 +134,7 @@ def test_every_change_is_sent_once_and_the_slot_never_runs_ahead_of_redis():
         assert held({1000: 7, 2000: 5}, lsn, confirmed), f"{lsn} told or recorded before Redis held it"
     assert any(0 < lsn < 2008 for lsn, _ in stream.statuses), "acknowledged along the way, not only at the end"
     assert stream.statuses[-1][0] == 2008 and bridge.durable_lsn == 2008
-    assert bridge.changes_read == 12 and bridge.transactions == 2 and bridge.entries_published == 12
+    assert bridge.counters.changes_read == 12 and bridge.counters.transactions == 2 and bridge.counters.entries_published == 12
 
 
 def test_a_keepalive_past_everything_sent_moves_the_slot_on():
@@ -160,7 +160,7 @@ def test_an_unmapped_table_publishes_nothing_but_its_commit_is_acknowledged():
     messages = [xlog(other), xlog(po.Begin(Lsn(3000), 0, 1)), xlog(po.Insert(16500, ("1",))),
                 xlog(po.Commit(0, Lsn(3000), Lsn(3008), 0))]
     bridge, stream, publisher = run(messages, max_entries=100)
-    assert publisher.batches == [] and bridge.changes_read == 1 and stream.statuses[-1][0] == 3008
+    assert publisher.batches == [] and bridge.counters.changes_read == 1 and stream.statuses[-1][0] == 3008
     assert publisher.recorded[-1][0] == 3008, "Redis records how far it holds the source before the slot is told"
 
 

@@ -24,6 +24,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any, LiteralString
 
 import psycopg
 import redis
@@ -67,6 +68,14 @@ GC_YOUNG_THRESHOLD = 20_000
 PORT_WAIT_S = 5.0
 
 log = logging.getLogger("cdc.bridge")
+
+
+def _value(catalog_conn: psycopg.Connection, query: LiteralString, params: tuple = ()) -> Any:
+    """The one value of a query that always answers one row (SHOW, a function, EXISTS)."""
+    row = catalog_conn.execute(query, params).fetchone()
+    if row is None:  # pragma: no cover - a server that answers no row to these is broken
+        raise SourceError(f"postgres answered no row to {query}")
+    return row[0]
 
 
 class Bridge:
@@ -161,10 +170,11 @@ class Bridge:
                 server.server_close()
 
     def _before_retry(self, state: tenacity.RetryCallState) -> None:
-        exc = state.outcome.exception()
+        # tenacity calls this after a failed attempt (an outcome) for which it chose to wait (a next action)
+        exc = state.outcome.exception() if state.outcome is not None else None
         self.failures["redis" if "redis" in str(exc) else "postgres"] += 1
         self.state = "retrying"
-        log.warning("transient failure, retrying in %.1fs: %s", state.next_action.sleep, exc)
+        log.warning("transient failure, retrying in %.1fs: %s", state.next_action.sleep if state.next_action else 0.0, exc)
 
     def readiness(self) -> tuple[bool, str]:
         """Ready: streaming with both ends connected, recently heard from, not paused."""
@@ -326,14 +336,14 @@ class Bridge:
         """wal_level is logical; with --until-caught-up, the position to catch up to (once)."""
         try:
             with self._bounded(catalog_conn, "checking settings"):
-                level = catalog_conn.execute("SHOW wal_level").fetchone()[0]
+                level = _value(catalog_conn, "SHOW wal_level")
                 if level != "logical":
                     raise SourceError(
                         f"postgres wal_level is {level!r}, logical decoding needs 'logical'",
                         hint="set wal_level = logical in postgresql.conf and restart PostgreSQL",
                     )
                 if self.until_caught_up and self.target_lsn is None:
-                    self.target_lsn = Lsn.parse(catalog_conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+                    self.target_lsn = Lsn.parse(_value(catalog_conn, "SELECT pg_current_wal_lsn()::text"))
                     log.info("catching up to %s", self.target_lsn)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
@@ -388,6 +398,9 @@ class Bridge:
             backfill.disabled = True
 
     def memory_paused(self) -> bool:
+        """Whether Redis is too full to take more (False before a session watches its memory)."""
+        if self.memory is None:
+            return False
         try:
             return self.memory.check()
         except redis.RedisError as exc:
@@ -497,9 +510,10 @@ class Bridge:
         if row and row[0]:
             log.info("ended our stale walsender %d holding slot %s", pid, self.settings.postgres.slot)
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and catalog_conn.execute(
-                "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (self.settings.postgres.slot,)
-            ).fetchone()[0]:
+            while time.monotonic() < deadline and _value(
+                catalog_conn, "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = %s AND active)",
+                (self.settings.postgres.slot,),
+            ):
                 time.sleep(0.05)  # the backend is exiting; START_REPLICATION retries anyway
 
     def bind(self, relation: pg.Relation, catalog_conn: psycopg.Connection, batcher: Batcher) -> list[Target]:

@@ -34,7 +34,7 @@ from ..sink.publisher import Publisher
 from ..source import pgoutput as pg
 from ..source.catalog import load_types, table_shape
 from ..source.deadline import ConnectionSilent, bounded
-from ..source.framing import parse_copy_data
+from ..source.framing import PrimaryKeepalive, parse_copy_data
 from ..source.lsn import Lsn
 from ..source.replication import ReplicationStream
 from ..source.values import TypeCatalog
@@ -57,8 +57,6 @@ log = logging.getLogger("cdc.bridge")
 
 _W = 0x77  # XLogData
 _XLOG_HEADER = 25
-_BEGIN, _COMMIT, _RELATION, _TRUNCATE, _MESSAGE = (ord(c) for c in "BCRTM")
-_STREAM_START, _STREAM_STOP, _STREAM_COMMIT, _STREAM_ABORT = (ord(c) for c in "SEcA")
 _IGNORED = frozenset(ord(c) for c in "OY")
 #: inside a streamed block, held with its changes: relations, truncates, logical messages
 _HELD = frozenset(b"RTM")
@@ -144,7 +142,8 @@ class Session:
         self.targets: dict[int, list[Target]] = {}
         batch = settings.batch
         self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0)
-        self.messages = [(m.message_prefix, m.version, self.batcher.batch(m.stream_key())) for m in host.message_mappings]
+        self.messages = [(m.message_prefix, m.version, self.batcher.batch(m.stream_key()))
+                         for m in host.message_mappings if m.message_prefix is not None]
         self.tx = Transaction()
         tx_stream = settings.transactions.stream
         #: the END records of source transactions, when a transactions stream is set
@@ -253,27 +252,27 @@ class Session:
         if kind in _IGNORED:
             return
         msg = self.decode(body)
-        if kind == _BEGIN:
+        if isinstance(msg, pg.Begin):
             self.tx.begin(msg)
-        elif kind == _COMMIT:
+        elif isinstance(msg, pg.Commit):
             self.committed(self.tx.commit(msg))
-        elif kind == _RELATION:
+        elif isinstance(msg, pg.Relation):
             tx = self.tx
             self.gate.relation(msg.relid, msg.namespace, msg.name, int(tx.lsn) if tx.open else int(self.ack.ackable))
             self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
-        elif kind == _TRUNCATE:
+        elif isinstance(msg, pg.Truncate):
             self.counters.changes_read += 1
             route_truncate(msg, self.targets, self.tx, self.batcher, self.windows)
             self.tx.seq += 1
-        elif kind == _MESSAGE:
+        elif isinstance(msg, pg.Message):
             self.message(msg)
-        elif kind == _STREAM_START:
+        elif isinstance(msg, pg.StreamStart):
             self.streams.start(msg.xid, msg.first_segment)
-        elif kind == _STREAM_STOP:
+        elif isinstance(msg, pg.StreamStop):
             self.streams.stop()
-        elif kind == _STREAM_COMMIT:
+        elif isinstance(msg, pg.StreamCommit):
             self.stream_commit(msg)
-        elif kind == _STREAM_ABORT:
+        elif isinstance(msg, pg.StreamAbort):
             self.streams.abort(msg.xid, msg.subxid)
         else:
             raise SourceError(f"unexpected pgoutput message {type(msg).__name__} (two-phase is not enabled)")
@@ -334,7 +333,10 @@ class Session:
                 route_message(msg, self.messages, self.tx, self.batcher)
 
     def keepalive(self, raw: bytes) -> None:
+        """A message of the replication protocol other than XLogData: a keepalive (else malformed, raised)."""
         keepalive = parse_copy_data(raw)
+        if not isinstance(keepalive, PrimaryKeepalive):  # cannot happen: the loop hands XLogData to the stages
+            raise SourceError(f"expected a keepalive, got {type(keepalive).__name__}")
         # a streamed transaction still held does not count: the keepalive's position lies before its
         # commit, and the server sends again, whole, every transaction committing past what it was told
         quiet = not self.tx.open and not self.batcher.pending and not self.inflight.busy and not self.windows.open

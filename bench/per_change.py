@@ -105,8 +105,8 @@ class Stream:
         self.get_copy_data = functools.partial(next, iter(items))
 
 
-class Streams:
-    current = None
+class Streams:  # nothing held: the decoder is in no streamed block
+    pass
 
 
 def setup():

@@ -887,8 +887,9 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
     cdef const unsigned char *p
     cdef unsigned char kind
     cdef unsigned long relid
-    cdef bint streaming = streams.current is not None  # only the loop's messages start or stop a block
-    cdef bint plain = not windows.tables and not decoder.streaming  # nor open or close a window
+    xid = decoder.stream_xid  # the block being received, if any: only the loop's messages start or stop one
+    cdef bint streaming = xid is not None
+    cdef bint plain = not windows.tables and not streaming  # nor open or close a window
     cdef _TxFields txf = _tx_fields(tx)  # read again after each Begin
     get = stream.get_copy_data
     while count < 65536:
@@ -913,7 +914,7 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
         if kind == INSERT or kind == UPDATE or kind == DELETE:
             count += 1
             if streaming:
-                streams.add(raw[25:])
+                streams.add(xid, raw[25:])
                 continue
             relid = _u32(p + 26)
             tlist = targets.get(relid)

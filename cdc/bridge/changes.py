@@ -120,7 +120,8 @@ def burst(stream: Any, targets: dict[int, list[Target]], tx: Transaction, batche
     """
     count = 0
     max_entries, max_delay, clock = batcher.max_entries, batcher.max_delay, time.monotonic
-    streaming = streams.current is not None  # only the loop's messages start or stop a block
+    xid = decoder.stream_xid  # the block being received, if any: only the loop's messages start or stop one
+    streaming = xid is not None
     get = stream.get_copy_data
     while count < _BURST_MAX:
         try:
@@ -139,7 +140,7 @@ def burst(stream: Any, targets: dict[int, list[Target]], tx: Transaction, batche
         if kind == INSERT or kind == UPDATE or kind == DELETE:
             count += 1
             if streaming:
-                streams.add(raw[_HEADER:])
+                streams.add(xid, raw[_HEADER:])
                 continue
             tlist = targets.get(_RELID(raw, _HEADER + 1)[0])
             if tlist:

@@ -104,38 +104,36 @@ class Held:
 
 
 class StreamedTransactions:
-    """The open streamed transactions of one replication session, and the block being received."""
+    """The open streamed transactions of one replication session.
 
-    __slots__ = ("limit", "directory", "held", "current", "size", "spilled_bytes", "committed", "aborted")
+    Which block is being received is the decoder's to know (`PgOutputDecoder.stream_xid`:
+    it reads a change's xid prefix by it): each message added names its transaction.
+    """
+
+    __slots__ = ("limit", "directory", "held", "size", "spilled_bytes", "committed", "aborted")
 
     def __init__(self, limit: int, directory: str | None = None) -> None:
         self.limit = limit  # bytes held in memory before the largest transaction spills
         self.directory = directory or None  # None: the system's temporary directory
         self.held: dict[int, Held] = {}
-        self.current: Held | None = None  # the transaction whose block is being received
         self.size = 0  # memory held, all transactions together
         self.spilled_bytes = 0  # written to spill files since start (a counter)
         self.committed = self.aborted = 0  # streamed transactions ended (counters)
 
     def start(self, xid: int, first: bool) -> None:
         """Stream Start: the messages until Stream Stop belong to `xid`."""
-        held = self.held.get(xid)
-        if held is None:
+        if xid not in self.held:
             if not first:
                 raise SourceError(
                     f"the server continued streamed transaction {xid} whose start this session never received",
                     hint="restart the bridge: a new session receives the transaction from its start",
                 )
-            held = self.held[xid] = Held(xid)
-        self.current = held
+            self.held[xid] = Held(xid)
 
-    def stop(self) -> None:
-        """Stream Stop: the block ended (the transaction goes on)."""
-        self.current = None
-
-    def add(self, message: bytes) -> None:
-        """A message of the current block, as streamed (its kind, its (sub)transaction's xid, its body)."""
-        held = self.current
+    def add(self, xid: int | None, message: bytes) -> None:
+        """A message of a block of top-level transaction `xid` (None: outside any block), as streamed (its
+        kind, its (sub)transaction's xid, its body)."""
+        held = self.held.get(xid) if xid is not None else None
         if held is None:
             raise SourceError("a streamed change arrived outside a Stream Start/Stop block")
         held.messages.append(message)
@@ -180,14 +178,11 @@ class StreamedTransactions:
         """The session ended: drop everything held (a new session receives it again from the server)."""
         for held in list(self.held.values()):
             self._end(held)
-        self.current = None
 
     def _end(self, held: Held) -> None:
         self.size -= held.size
         held.close()
         self.held.pop(held.xid, None)
-        if self.current is held:
-            self.current = None
 
     def _spill(self) -> None:
         """Move the messages of the transaction holding the most memory to its file."""

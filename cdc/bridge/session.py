@@ -170,7 +170,7 @@ class Session:
                 log.info("streamed transactions since start: %d committed, %d aborted, %d left open; "
                          "%d bytes spilled to disk",
                          streams.committed, streams.aborted, len(streams.held), streams.spilled_bytes)
-            streams.close()  # a new session receives what was held again, from the server
+            streams.close()  # a new session (and decoder) receives what was held again, from the server
 
     def _run(self) -> None:
         host, counters, t, batcher, tx, windows, targets = self.host, self.counters, self.timers, self.batcher, self.tx, self.windows, self.targets
@@ -216,8 +216,8 @@ class Session:
                 kind = raw[header]
                 if kind == INSERT or kind == UPDATE or kind == DELETE:
                     self.row_change(kind, raw)
-                elif kind in _HELD and streams.current is not None:
-                    streams.add(raw[header:])
+                elif kind in _HELD and decoder.streaming:
+                    streams.add(decoder.stream_xid, raw[header:])
                 else:
                     self.dispatch(kind, raw[header:])
             pending = batcher.pending
@@ -236,8 +236,9 @@ class Session:
         """A change read by the loop itself (after a wait), or one `burst` handed back (too short to
         hold its relid: decoding it names what is malformed)."""
         self.counters.changes_read += 1
-        if self.streams.current is not None:  # a change of a transaction still running: held
-            self.streams.add(raw[_XLOG_HEADER:])
+        decoder = self.decoder
+        if decoder.streaming:  # a change of a transaction still running: held
+            self.streams.add(decoder.stream_xid, raw[_XLOG_HEADER:])
             return
         if len(raw) < _XLOG_HEADER + 5:
             self.decode(raw[_XLOG_HEADER:])
@@ -269,7 +270,7 @@ class Session:
         elif isinstance(msg, pg.StreamStart):
             self.streams.start(msg.xid, msg.first_segment)
         elif isinstance(msg, pg.StreamStop):
-            self.streams.stop()
+            pass  # the block ended: the decoder, which keeps its bounds, knows
         elif isinstance(msg, pg.StreamCommit):
             self.stream_commit(msg)
         elif isinstance(msg, pg.StreamAbort):

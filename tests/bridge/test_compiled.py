@@ -861,8 +861,8 @@ def test_burst_queues_what_the_loop_queues_across_transactions(path):
         def get_copy_data(self, _async):
             return next(self.items)
 
-    class Streams:
-        current = None
+    class Streams:  # nothing held: the decoder is in no streamed block
+        pass
 
     maps = [rides_mapping(partitions={"count": 3}), rides_mapping(entity="e1")]
     txs = [(po.Begin(Lsn(0x2_0000_0100 * k), 810_000_000_000_000 + k, 4242 + k),

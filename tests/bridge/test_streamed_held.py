@@ -49,9 +49,8 @@ def test_commit_returns_what_an_unstreamed_transaction_carries(tmp_path, steps, 
             held.start(xid, first)
             model.setdefault(xid, [])
             message = streamed(kind, subxid, body)
-            held.add(message)
+            held.add(xid, message)
             model[xid].append((subxid, message))
-            held.stop()
         elif op == "abort":
             held.abort(xid, subxid)
             if xid in model:
@@ -75,8 +74,7 @@ def test_spilled_messages_come_back_before_those_still_in_memory(tmp_path):
     held.start(7, True)
     messages = [streamed("I", 7, bytes([n]) * 5) for n in range(10)]
     for m in messages:
-        held.add(m)
-    held.stop()
+        held.add(7, m)
     assert held.spilled_bytes > 0 and held.held[7].messages  # some on disk, the last ones in memory
     assert os.listdir(tmp_path) == []  # spill files have no name: nothing is left behind, even by kill -9
     assert list(held.commit(7)) == [plain(m) for m in messages]
@@ -92,11 +90,11 @@ def test_a_block_continuing_a_transaction_never_started_is_refused():
 def test_a_change_outside_a_block_is_refused():
     held = StreamedTransactions(1 << 20)
     with pytest.raises(SourceError, match="outside"):
-        held.add(streamed("I", 5, b"x"))
+        held.add(None, streamed("I", 5, b"x"))
 
 
 def test_a_spill_directory_that_cannot_be_written_names_the_fix(tmp_path):
     held = StreamedTransactions(0, str(tmp_path / "missing"))
     held.start(5, True)
     with pytest.raises(TransientError, match="batch.spill_dir"):
-        held.add(streamed("I", 5, b"x"))
+        held.add(5, streamed("I", 5, b"x"))

@@ -189,7 +189,7 @@ def _decode_type(dec: PgOutputDecoder, data: bytes) -> Type:
 def _decode_insert(dec: PgOutputDecoder, data: bytes) -> Insert:
     # The hot path: written out without helpers.
     have = len(data)
-    if dec._streaming:
+    if dec._stream_xid is not None:
         if have < 10:
             raise _short("insert", _XID_RELID_ACTION, 1, have)
         xid, relid, action = _unpack_xid_relid_action(data, 1)
@@ -210,7 +210,7 @@ def _decode_insert(dec: PgOutputDecoder, data: bytes) -> Insert:
 
 def _decode_update(dec: PgOutputDecoder, data: bytes) -> Update:
     have = len(data)
-    if dec._streaming:
+    if dec._stream_xid is not None:
         if have < 10:
             raise _short("update", _XID_RELID_ACTION, 1, have)
         xid, relid, action = _unpack_xid_relid_action(data, 1)
@@ -243,7 +243,7 @@ def _decode_update(dec: PgOutputDecoder, data: bytes) -> Update:
 
 def _decode_delete(dec: PgOutputDecoder, data: bytes) -> Delete:
     have = len(data)
-    if dec._streaming:
+    if dec._stream_xid is not None:
         if have < 10:
             raise _short("delete", _XID_RELID_ACTION, 1, have)
         xid, relid, action = _unpack_xid_relid_action(data, 1)
@@ -303,16 +303,15 @@ class PgOutputDecoder:
     and feed it every message.
     """
 
-    __slots__ = ("_streaming", "_stream_xid")
+    __slots__ = ("_stream_xid",)
 
     def __init__(self) -> None:
-        self._streaming = False
-        self._stream_xid: int | None = None
+        self._stream_xid: int | None = None  # the one record of whether a streamed block is open
 
     @property
     def streaming(self) -> bool:
         """True between a Stream Start and its Stream Stop."""
-        return self._streaming
+        return self._stream_xid is not None
 
     @property
     def stream_xid(self) -> int | None:

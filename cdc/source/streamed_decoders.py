@@ -40,7 +40,6 @@ from cdc.source.wire import (
 def _decode_stream_start(dec: StreamState, data: bytes) -> StreamStart:
     xid, first = _unpack(_STREAM_START, data, 1, "stream start")
     _end(data, 6, "stream start")
-    dec._streaming = True
     dec._stream_xid = xid
     return StreamStart(xid, first == 1)
 
@@ -50,7 +49,6 @@ _STREAM_STOP = StreamStop()
 
 def _decode_stream_stop(dec: StreamState, data: bytes) -> StreamStop:
     _end(data, 1, "stream stop")
-    dec._streaming = False
     dec._stream_xid = None
     return _STREAM_STOP
 

@@ -119,14 +119,14 @@ def _cstring(data: bytes, off: int, name: str, what: str) -> tuple[str, int]:
 
 
 class StreamState(Protocol):
-    """What these decoders read and set of `cdc.source.pgoutput.PgOutputDecoder`: whether a streamed block is open."""
+    """What these decoders read and set of `cdc.source.pgoutput.PgOutputDecoder`: the xid of the streamed
+    block open, None outside one."""
 
-    _streaming: bool
     _stream_xid: int | None
 
 
 def _xid_prefix(dec: StreamState, data: bytes, name: str) -> tuple[int | None, int]:
-    if not dec._streaming:
+    if dec._stream_xid is None:
         return None, 1
     return _unpack(_U32, data, 1, name)[0], 5
 

@@ -397,6 +397,10 @@ class Bridge:
             log.warning("backfill paused: %s", str(exc).strip())
             backfill.disabled = True
 
+    def memory_limited(self) -> bool:
+        """Whether Redis has a memory limit (maxmemory), as of the last look at its memory."""
+        return self.memory is not None and self.memory.ratio is not None
+
     def memory_paused(self) -> bool:
         """Whether Redis is too full to take more (False before a session watches its memory)."""
         if self.memory is None:

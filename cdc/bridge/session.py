@@ -44,7 +44,6 @@ from .batcher import Batcher
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .counters import Counters
 from .gate import TableGate
-from .guards import MemoryWatch
 from .held_transactions import StreamedTransactions
 from .inflight import InFlight
 from .snapshot import queue_chunk
@@ -97,7 +96,6 @@ class SessionHost(Protocol):
     gate: TableGate
     catalog: TypeCatalog
     streams: StreamedTransactions
-    memory: MemoryWatch | None  # None before a session connected to Redis
     stopping: bool
     until_caught_up: bool
     target_lsn: Lsn | None
@@ -108,6 +106,8 @@ class SessionHost(Protocol):
     def progressed(self) -> None: ...
 
     def verify_tables(self, catalog_conn: psycopg.Connection) -> None: ...
+
+    def memory_limited(self) -> bool: ...
 
     def memory_paused(self) -> bool: ...
 
@@ -393,8 +393,7 @@ class Session:
             return
         self.counters.batch_sizes.observe(batcher.pending)
         self.inflight.send(batcher, self.ack.ackable, int(self.tx.ts or 0), time.monotonic())
-        memory = self.host.memory
-        if memory is not None and memory.ratio is not None:
+        if self.host.memory_limited():
             # Redis has a memory limit: look again before the next batch, not in half a
             # second (a fast stream would overshoot the pause mark into refused writes)
             self.timers.guard = 0.0
@@ -429,7 +428,7 @@ class Session:
         host.last_heard = t.heard
         if now >= t.verify:
             self.verify()
-        if host.memory is not None and host.memory_paused():
+        if host.memory_paused():
             # hold what is queued (a batch at most); send nothing more until Redis has room
             self.settle()
             self.report()

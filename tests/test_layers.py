@@ -102,3 +102,11 @@ def test_the_check_finds_a_cycle_and_an_upward_import(tmp_path):
     graph = import_graph(root)
     assert cycles(graph) == [["cdc.bridge.a", "cdc.bridge.b"]]
     assert "cdc.cli.main" in graph["cdc.bridge.b"]
+
+
+def test_a_session_knows_the_bridge_running_it_only_through_session_host():
+    """Not even for annotations: what a session needs of its bridge is named by `SessionHost` (cdc/bridge/session.py)."""
+    tree = ast.parse((ROOT / "bridge" / "session.py").read_text())
+    named = {part for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             for part in [*(node.module or "").split("."), *(alias.name for alias in node.names)]}
+    assert "loop" not in named and "Bridge" not in named

@@ -16,10 +16,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import redis
+from redis.typing import KeyT, StreamIdT
 
 from ..ops.admin import init
 from ..bridge.loop import Bridge
@@ -134,12 +136,21 @@ def _show_entries(client: redis.Redis, mappings, bridge_thread: threading.Thread
         if not bridge_thread.is_alive():
             print("bridge stopped unexpectedly", file=sys.stderr)
             return False
-        for stream, entries in client.xread(streams, block=500, count=50) or []:
-            for entry_id, fields in entries:
-                streams[stream] = entry_id
-                data = fields.get("data", "")
-                print(f"{stream:<16} {entry_id:<16} op={fields['op']} key={fields['key']} {data[:100]}")
+        request: dict[KeyT, StreamIdT] = {stream: at for stream, at in streams.items()}
+        for stream, entry_id, fields in _entries(client.xread(request, block=500, count=50)):
+            streams[stream] = entry_id
+            data = fields.get("data", "")
+            print(f"{stream:<16} {entry_id:<16} op={fields['op']} key={fields['key']} {data[:100]}")
     return True
+
+
+def _entries(reply: object) -> Iterator[tuple[str, str, dict[str, str]]]:
+    """Each (stream, entry ID, fields) of an XREAD reply to a client decoding responses (RESP2: a list)."""
+    if not isinstance(reply, list):  # None: nothing arrived within the block time
+        return
+    for stream, entries in reply:
+        for entry_id, fields in entries:
+            yield stream, entry_id, fields
 
 
 def _shut_down(writer: RideWriter | None, bridge: Bridge | None, rd: LocalRedis, pg: LocalPostgres) -> None:
@@ -183,7 +194,8 @@ def start_positions(client: redis.Redis, streams: list[str]) -> dict[str, str]:
     positions = {}
     for stream in streams:
         last = client.xrevrange(stream, count=1)
-        positions[stream] = last[0][0] if last else "0-0"
+        entry_id = last[0][0] if last else None
+        positions[stream] = entry_id if isinstance(entry_id, str) else "0-0"  # the client decodes: a str
     return positions
 
 

@@ -357,6 +357,17 @@ class Consumer:
         for stream, ids in by_stream.items():
             self.metrics.handled[stream] += len(ids)
 
+    def _count_failure(self, stream: str, entry_id: str, text: str) -> int:
+        """Count one more failure of the handler on `entry_id` in Redis, with its error; the count so far."""
+        failures_key = keys.failures_key(stream, self.group)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hincrby(failures_key, entry_id, 1)
+        pipe.hset(failures_key, f"{entry_id}:error", text[:2000])
+        failures = int(pipe.execute()[0])
+        self.failed += 1
+        self.metrics.failures[stream] += 1
+        return failures
+
     def fail(self, entry: Entry, error: BaseException | str) -> None:
         """Record that the handler failed on `entry` (alone): it stays pending and is delivered again,
         until the handler has failed on it `max_deliveries` times; then it is dead-lettered.
@@ -365,13 +376,7 @@ class Consumer:
         entries delivered again only because they sat behind a failing one, or in a dead
         consumer's hands, never count, and a consumer that takes over continues the count."""
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        failures_key = keys.failures_key(entry.stream, self.group)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hincrby(failures_key, entry.id, 1)
-        pipe.hset(failures_key, f"{entry.id}:error", text[:2000])
-        failures = int(pipe.execute()[0])
-        self.failed += 1
-        self.metrics.failures[entry.stream] += 1
+        failures = self._count_failure(entry.stream, entry.id, text)
         self._pending_phase.add(entry.stream)
         if failures >= self.max_deliveries:
             self.dead_letter(entry.stream, entry.id, entry, failures, text)
@@ -597,13 +602,7 @@ class Consumer:
         the whole unit is dead-lettered. Otherwise it stays first in line, retried alone."""
         text = f"{type(error).__name__}: {error}"
         head = unit.head
-        failures_key = keys.failures_key(head.stream, self.group)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hincrby(failures_key, head.id, 1)
-        pipe.hset(failures_key, f"{head.id}:error", text[:2000])
-        failures = int(pipe.execute()[0])
-        self.failed += 1
-        self.metrics.failures[head.stream] += 1
+        failures = self._count_failure(head.stream, head.id, text)
         self._assembly.redelivered.add(head.id)  # a failure count to clear once it is done
         log.warning("handler failed on %s %s%s: %s", head.stream, head.id,
                     f" (a transaction of {len(unit.entries)} entries)" if unit.end is not None else "", error)

@@ -17,6 +17,7 @@ from cdc.source import pgoutput as po
 from cdc.source.lsn import Lsn
 from cdc.yamlsrc import load_yaml_documents
 from pgoutput_encoder import encode
+from test_session import Stream
 
 RIDE = "entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id}\n"
 NOTE = "entity: note\ntable: public.notes\nkey: [id]\nfields: {id: id}\npartitions: {count: 2}\nstream: 'cdc:note:{partition}'\n"
@@ -38,33 +39,12 @@ def transaction(final: int, xid: int, changes_: list[tuple[int, int]]) -> list[b
             + [xlog(po.Commit(0, Lsn(final), Lsn(final + 8), 800_000_000_000_000 + final))])
 
 
-class Stream:
-    backend_pid = 0
-
-    def __init__(self, bridge: Bridge, messages: list[bytes]) -> None:
-        self.bridge, self.messages = bridge, list(messages)
-
-    def read(self, timeout: float) -> bytes | None:
-        if self.messages:
-            return self.messages.pop(0)
-        self.bridge.stopping = True
-        return None
-
-    def get_copy_data(self, async_: int) -> tuple[int, bytes]:
-        if self.messages and self.messages[0] is not None:
-            raw = self.messages.pop(0)
-            return len(raw), raw
-        return 0, b""
-
-    def send_status(self, *args) -> None:
-        pass
-
-
 class Publisher:
     """Records every entry sent, per batch, as (stream, fields)."""
 
     def __init__(self) -> None:
         self.batches: list[list[tuple[str, list]]] = []
+        self.confirmed: set = set()  # what the replaying stream records beside each status
 
     def send(self, batches, flushed=None) -> None:
         self.batches.append([(b.stream, list(e)) for b in batches for e in b.entries])
@@ -107,7 +87,7 @@ def run(messages: list[bytes], max_entries: int, stream: str = TX_STREAM) -> Pub
     bridge = Bridge(settings, mappings)
     bridge.gate = Gate()
     publisher = Publisher()
-    bridge._stream(VouchedSession(bridge, Stream(bridge, messages), publisher, Catalog(), Lsn(0)))
+    bridge._stream(VouchedSession(bridge, Stream(bridge, messages, publisher), publisher, Catalog(), Lsn(0)))
     return publisher
 
 

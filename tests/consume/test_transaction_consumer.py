@@ -12,6 +12,7 @@ import pytest
 from cdc.consume import Consumer, TransactionalHandler
 from cdc.consume.transactions import IncompleteTransaction
 from cdc.demo.local import wait_for
+from redis_cluster import three_node_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -180,44 +181,11 @@ def test_entries_whose_end_was_acknowledged_are_handed_over_on_a_quiet_stream(se
     assert not failure and applied(env) == [(A, xid, 1), (B, xid, 2)] and pending(env) == 0
 
 
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 @pytest.fixture
 def cluster(servers_root):
-    """Three Redis Cluster nodes (as tests/sink/test_cluster.py starts them)."""
-    import subprocess
-    import time
-
-    import redis
-
-    from cdc.demo.local import LocalRedis, free_port
-
-    def cluster_port() -> int:  # its bus port (+10000) must be free too
-        return next(p for p in iter(free_port, None) if p < 55000 and _free(p + 10000))
-
-    nodes = []
-    for i in range(3):
-        root = servers_root / f"txcluster-{i}-{time.monotonic_ns()}"
-        nodes.append(LocalRedis(root, cluster_port(), extra=["--cluster-enabled", "yes", "--cluster-config-file",
-                                                             str(root / "nodes.conf"), "--cluster-node-timeout", "5000"]).start())
-    try:
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        for n in nodes:
-            wait_for(lambda n=n: redis.Redis(port=n.port).cluster("info")["cluster_state"] == "ok", 30, "the cluster")
+    """Three Redis Cluster nodes."""
+    with three_node_cluster(servers_root, "txcluster") as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 def test_on_a_cluster_an_end_seen_before_an_entry_on_another_node_waits_for_it(env, cluster):

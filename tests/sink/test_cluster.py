@@ -3,58 +3,23 @@ owning node, and a replay after a crash still appends nothing twice."""
 
 from __future__ import annotations
 
-import random
 import signal
-import socket
-import subprocess
 import time
 
 import pytest
-import redis
 from redis.cluster import RedisCluster
 
 from cdc import keys
-from cdc.demo.local import LocalRedis, wait_for
+from cdc.demo.local import wait_for
+from redis_cluster import three_node_cluster
 
 pytestmark = pytest.mark.integration
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    for _ in range(200):
-        port = random.randint(20000, 50000)
-        if all(_free(p) for p in (port, port + 10000)):
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 @pytest.fixture
 def cluster(servers_root):
-    nodes = []
-    for i in range(3):
-        root = servers_root / f"cluster-{i}-{time.monotonic_ns()}"
-        node = LocalRedis(root, cluster_port(), extra=["--cluster-enabled", "yes", "--cluster-config-file", str(root / "nodes.conf"),
-                                       "--cluster-node-timeout", "5000"])
-        nodes.append(node.start())
-    try:
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        for n in nodes:
-            wait_for(lambda n=n: redis.Redis(port=n.port).cluster("info")["cluster_state"] == "ok",
-                     30, f"cluster node {n.port} to be ok")
+    with three_node_cluster(servers_root) as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            n.stop()
 
 
 def test_bridge_publishes_exactly_once_across_a_three_node_cluster(env, cluster):

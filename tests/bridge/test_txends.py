@@ -10,14 +10,13 @@ import pytest
 from cdc import speedups
 from cdc.bridge import changes, session as session_module
 from cdc.bridge.loop import Bridge
-from cdc.bridge.session import Session
 from cdc.config import Settings
 from cdc.mapping.model import parse_mapping
 from cdc.source import pgoutput as po
 from cdc.source.lsn import Lsn
 from cdc.yamlsrc import load_yaml_documents
 from pgoutput_encoder import encode
-from test_session import Stream
+from test_session import Catalog, Gate, Stream, VouchedSession
 
 RIDE = "entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id}\n"
 NOTE = "entity: note\ntable: public.notes\nkey: [id]\nfields: {id: id}\npartitions: {count: 2}\nstream: 'cdc:note:{partition}'\n"
@@ -54,30 +53,6 @@ class Publisher:
 
     def record_flushed(self, lsn: int) -> None:
         pass
-
-
-class Catalog:
-    def execute(self, *args):
-        return self
-
-    def fetchone(self):
-        return (False,)
-
-    def fetchall(self):
-        return []
-
-
-class Gate:
-    def verify(self, conn) -> None:
-        pass
-
-    def relation(self, *args) -> None:
-        pass
-
-
-class VouchedSession(Session):
-    def verify(self) -> None:
-        self.ack.vouched(Lsn(2**62))
 
 
 def run(messages: list[bytes], max_entries: int, stream: str = TX_STREAM) -> Publisher:

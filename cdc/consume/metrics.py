@@ -73,8 +73,9 @@ def group_view(client: redis.Redis, stream: str, group: str, now: float) -> Grou
 class ConsumerMetrics:
     """The counters a `Consumer` keeps, the gauges refreshed for it, and their registry."""
 
-    def __init__(self, group: str) -> None:
+    def __init__(self, group: str, transactions: bool = False) -> None:
         self.group = group
+        self.transactions = transactions  # transaction mode: the wait for END records is exported
         self.handled: dict[str, int] = defaultdict(int)
         self.failures: dict[str, int] = defaultdict(int)
         self.dead_letters: dict[str, int] = defaultdict(int)
@@ -88,6 +89,8 @@ class ConsumerMetrics:
         #: where the consumer's loop is: starting, reading, retrying, stopped (set by Consumer.run, cdc consume)
         self.state = "starting"
         self.loop_at = time.monotonic()  # when the loop last came round
+        #: transaction mode: since when (monotonic) entries wait for an END record the bridge has not written yet
+        self.end_wait_since: float | None = None
         self.registry = self._registry()
 
     def tick(self) -> None:
@@ -128,7 +131,15 @@ class ConsumerMetrics:
         r.gauge("cdc_redis_data_loss", "1 while the bridge has a Redis data loss recorded (cdc status shows it; cdc recover repairs it)",
                 lambda: {(("slot", s),): v for s, v in self.data_loss.items()} or None)
         r.gauge("cdc_consumer_up", "1 while the consumer's loop is reading", lambda: int(self.state == "reading"))
+        r.gauge("cdc_consumer_end_wait_seconds", "transaction mode: how long the oldest entries read have waited for "
+                "their END record, which the bridge has not written yet (0: none waits)",
+                lambda: {(("group", self.group),): self.end_wait_s()} if self.transactions else None)
         return r
+
+    def end_wait_s(self) -> float:
+        """How long entries have waited for an END record the bridge has not written yet (0: none waits)."""
+        since = self.end_wait_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def refresh(self, client: redis.Redis, streams: Sequence[str], slot: str | None = None,
                 resets: Callable[[], int | None] | None = None) -> None:
@@ -202,10 +213,17 @@ class MetricsServer:
             return False, f"not ready: redis: {m.refresh_error}"
         if not m.refreshed_at or time.monotonic() - m.refreshed_at > 3 * self.refresh_s + 5:
             return False, "not ready: redis has not answered the backlog reading yet"
-        held = c.active_streams
+        held = [s for s in c.active_streams if s in c.streams]  # transaction mode: the transactions stream apart
         if not held:
             return False, f"not ready: holding none of its {len(c.streams)} stream(s) (another consumer of group {c.group} holds them)"
-        return True, f"ready: reading {len(held)} of {len(c.streams)} stream(s) for group {c.group}"
+        text = f"ready: reading {len(held)} of {len(c.streams)} stream(s)"
+        if not c.transactions:
+            return True, f"{text} for group {c.group}"
+        text += f" and the transactions stream {c.transactions} for group {c.group}"
+        waited = m.end_wait_s()
+        if waited > c.transaction_wait_ms / 1000:  # as the log says once: no loss, the bridge is behind
+            text += f"; waiting {waited:.0f}s for an END record the bridge has not written yet"
+        return True, text
 
     def close(self) -> None:
         self._stop.set()

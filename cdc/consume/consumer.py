@@ -525,11 +525,15 @@ class Consumer:
         and logged once per wait past `transaction_wait_ms`. `mark` b"": not read in this step."""
         head = assembly.unended
         self.metrics.end_wait_since = assembly.since if head is not None else None
-        if head is None or mark == b"" or f"{head.stream} {head.id}" == self._end_wait_told:
+        waiting = f"{head.stream} {head.id}" if head is not None else ""
+        if self._end_wait_told and waiting != self._end_wait_told:
+            log.info("%s waits no more: the bridge wrote past it", self._end_wait_told)
+            self._end_wait_told = ""
+        if head is None or mark == b"" or waiting == self._end_wait_told:
             return
         if time.monotonic() - (assembly.since or 0.0) <= self.transaction_wait_ms / 1000:
             return
-        self._end_wait_told = f"{head.stream} {head.id}"
+        self._end_wait_told = waiting
         written = (f"it has written no END record to {self.transactions} yet: check that its config sets "
                    f"transactions: {{stream: {self.transactions}}}" if mark is None else
                    f"its last END record in {self.transactions} is at commit LSN {split_position(mark)[0]}")

@@ -202,7 +202,7 @@ def test_entries_whose_end_the_bridge_has_not_written_yet_wait_for_it_however_lo
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/readyz", timeout=5) as reply:
             return reply.read().decode()
 
-    caplog.set_level(logging.WARNING, logger="cdc.consumer")
+    caplog.set_level(logging.INFO, logger="cdc.consumer")
     before = src.transaction((A, {"id": 1}), end=False)  # written before END records were turned on
     consumer, stop, thread, failure = running(env, wait_ms=500)
     server = consumer.serve_metrics(0, "127.0.0.1", refresh_s=0.1)
@@ -229,6 +229,7 @@ def test_entries_whose_end_the_bridge_has_not_written_yet_wait_for_it_however_lo
         write_end(2, {A: 1, B: 1})  # the bridge runs again
         wait_for(lambda: len(applied(env)) == 5 or failure, 30, "the transaction, whole")
         wait_for(lambda: "waiting" not in readyz() and pending(env) == 0, 10, "the wait to end")
+        assert sum("waits no more: the bridge wrote past it" in r.getMessage() for r in caplog.records) == 2
         assert not failure and applied(env)[3:] == [(A, cut, 4), (B, cut, 5)] and consumer.metrics.end_wait_s() == 0
     finally:
         stop.set()

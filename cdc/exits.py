@@ -34,7 +34,8 @@ EXIT_CODES = {
        "mark belongs",
     6: "Redis lost entries the slot was told it holds, or a mapped stream's history vanished (deleted, replaced by "
        "another type, or trimmed below what a consumer group had not consumed); for a transaction-mode consumer, a "
-       "source transaction whose entries did not all arrive in time (`IncompleteTransaction`)",
+       "source transaction whose END record was read and whose entries did not all arrive in time, or one of its "
+       "entries deleted while pending (`IncompleteTransaction`; an END the bridge has not written yet is waited for)",
     7: "`cdc reconcile` left drift (a dry run, or a refused reset)",
     75: "transient: a server unreachable or restarting, or another bridge holds the slot (`cdc run`; see `--standby`); "
         "running again may succeed",

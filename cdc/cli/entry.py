@@ -93,8 +93,10 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
                               "order, using the END records the bridge writes to STREAM (default: the config's "
                               "transactions.stream)")
     consume.add_argument("--transaction-wait-ms", type=int, default=c.TRANSACTION_WAIT_MS,
-                         help="--transactions: how long a transaction may stay incomplete before the consumer stops "
-                              f"rather than hand over part of it (default {c.TRANSACTION_WAIT_MS})")
+                         help="--transactions: how long a transaction whose END record was read may stay incomplete "
+                              "before the consumer stops rather than hand over part of it; entries whose END the bridge "
+                              "has not written yet are waited for as long as it takes, logged once past this "
+                              f"(default {c.TRANSACTION_WAIT_MS})")
 
 
 def _command_maker(sub):

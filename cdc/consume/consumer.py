@@ -53,7 +53,8 @@ BLOCK_MS = 1000
 CLAIM_IDLE_MS = 5_000
 MAX_DELIVERIES = 5
 LEASE_TTL_MS = 2_000
-#: transaction mode: how long a transaction may stay incomplete (entries on their way) before the consumer stops
+#: transaction mode: how long a transaction whose END record was read may stay incomplete (entries on their
+#: way) before the consumer stops; entries waiting for an END the bridge has not written yet are logged after it
 TRANSACTION_WAIT_MS = 10_000
 #: how often, at most, leases are renewed and free ones sought (and shared mode reaps)
 LEASE_POLL_S = 0.25
@@ -133,10 +134,11 @@ class Consumer:
         self.dead_lettered = 0
         self.claimed = 0
         #: counters for /metrics (served only when asked: `serve_metrics`)
-        self.metrics = ConsumerMetrics(group)
+        self.metrics = ConsumerMetrics(group, transactions=transactions is not None)
         self.transactions_handled = 0
         self._read_pending = False  # the last read() returned entries read again from the pending list
         self._assembly: TransactionAssembler | None = None  # transaction mode: what was read and not yet handled
+        self._end_wait_told = ""  # transaction mode: the entry whose wait for its END record was logged
 
     def __repr__(self) -> str:
         return (
@@ -406,6 +408,7 @@ class Consumer:
                     self.process(entries, handle)
         finally:
             self.metrics.state = "stopped"
+            self.metrics.end_wait_since = None
             self._assembly = None  # a run again (after a transient error) reads its pending entries again
             self._pending_phase.update(self.read_streams)
             for lease in self.leases.values():
@@ -489,20 +492,23 @@ class Consumer:
             if self._assembly is not assembly:
                 return
         if not assembly.ready:
-            mark = None
+            mark, marked = None, False
             if self.transactions not in self._pending_phase and assembly.waiting_for_end(time.monotonic(), 0.5):
                 mark = self.client.get(keys.mark_key(self.transactions))  # before the read: the END up to it are read then
+                marked = True
             entries = self.read(assembly.wanted(self.count))
             if self._assembly is not assembly:  # the lease was lost while reading
                 return
             assembly.add(entries, redelivered=self._read_pending)
-            if mark is not None and not self._read_pending and not assembly.ends:
+            marked = marked and not self._read_pending and not assembly.ends
+            if marked and mark is not None:
                 assembly.ends_written = split_position(mark)[0]
             superseded = assembly.superseded
             assembly.ready.extend(assembly.take(time.monotonic()))
             if assembly.superseded > superseded:
                 log.warning("%d incomplete transaction(s) before a cdc recover marker in %s acknowledged: the "
                             "rebuild replaced entries they counted", assembly.superseded - superseded, self.transactions)
+            self._watch_end_wait(assembly, mark if marked else b"")
             return
         batch, size = [], 0
         for unit in assembly.ready:
@@ -511,6 +517,29 @@ class Consumer:
             batch.append(unit)
             size += len(unit.entries)
         self._process_units(batch, handle)
+
+    def _watch_end_wait(self, assembly: TransactionAssembler, mark: bytes | None) -> None:
+        """Entries waiting for an END record the bridge has not written yet (the transactions stream's
+        high-water mark `mark`, read before this step's read, is below them: else they went alone) are no
+        loss: the END comes with the bridge's next batch, maybe after a restart. Shown in the metrics,
+        and logged once per wait past `transaction_wait_ms`. `mark` b"": not read in this step."""
+        head = assembly.unended
+        self.metrics.end_wait_since = assembly.since if head is not None else None
+        waiting = f"{head.stream} {head.id}" if head is not None else ""
+        if self._end_wait_told and waiting != self._end_wait_told:
+            log.info("%s waits no more: the bridge wrote past it", self._end_wait_told)
+            self._end_wait_told = ""
+        if head is None or mark == b"" or waiting == self._end_wait_told:
+            return
+        if time.monotonic() - (assembly.since or 0.0) <= self.transaction_wait_ms / 1000:
+            return
+        self._end_wait_told = waiting
+        written = (f"it has written no END record to {self.transactions} yet: check that its config sets "
+                   f"transactions: {{stream: {self.transactions}}}" if mark is None else
+                   f"its last END record in {self.transactions} is at commit LSN {split_position(mark)[0]}")
+        log.warning("transaction %d (commit LSN %d) of %s %s waits for its END record, which the bridge has not "
+                    "written yet (%s); waiting: it is handed over whole once the bridge writes it, when it runs again "
+                    "if it is stopped", head.xid, head.lsn, head.stream, head.id, written)
 
     def _process_units(self, batch: list[Unit], handle: Callable[[list[Entry]], None]) -> None:
         """Handle units together, then acknowledge them together; on an entry's failure, unit by unit,

@@ -31,6 +31,9 @@ log = logging.getLogger("cdc.consumer.metrics")
 REFRESH_S = 5.0
 #: /healthz fails once the consumer's loop has not come round for this long (s)
 STALL_S = 60.0
+#: when Redis cannot tell a group's lag (XINFO GROUPS lag is nil: entries were deleted or trimmed
+#: since the group's last delivery), the entries after it are counted, up to this many (pages of 1000)
+LAG_COUNT_LIMIT = 10_000
 HANDLER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -40,7 +43,7 @@ class GroupView:
 
     pending: int
     oldest_pending_idle_s: float
-    lag_entries: int | None  # None: Redis cannot tell (XINFO GROUPS lag is nil)
+    lag_entries: int | None  # None: unknown (Redis cannot tell, and more than LAG_COUNT_LIMIT entries to count)
     lag_seconds: float  # now - commit time (ts_ms) of the oldest entry not delivered to the group yet
 
 
@@ -59,22 +62,43 @@ def group_view(client: redis.Redis, stream: str, group: str, now: float) -> Grou
         if g["pending"]:
             first = client.xpending_range(stream, group, "-", "+", 1)
             idle = first[0]["time_since_delivered"] / 1000 if first else 0.0
-        lag = g.get("lag")
-        after = client.xrange(stream, min="(" + reply_text(g["last-delivered-id"]), count=1)
+        last = reply_text(g["last-delivered-id"])
+        after = client.xrange(stream, min="(" + last, count=1)
         waiting = 0.0
         if after:
             entry_id, fields = after[0]
             ts_ms = int(fields.get(b"ts_ms") or parse_stream_id(entry_id)[0])  # a marker has no ts_ms: its ID's time
             waiting = max(0.0, now - ts_ms / 1000)
+        lag = g.get("lag")
+        if lag is None:
+            lag = undelivered(client, stream, last) if after else 0
         return GroupView(int(g["pending"]), idle, None if lag is None else int(lag), waiting)
+    return None
+
+
+def undelivered(client: redis.Redis, stream: str, last: str) -> int | None:
+    """How many entries of `stream` come after `last`, counted where Redis cannot tell (XINFO GROUPS
+    lag nil): the whole stream when `last` is before its first entry, else up to `LAG_COUNT_LIMIT`
+    (None past it: unknown)."""
+    first = client.xrange(stream, count=1)
+    if first and parse_stream_id(first[0][0]) > parse_stream_id(last):
+        return int(client.xlen(stream))
+    counted, start = 0, "(" + last
+    while counted < LAG_COUNT_LIMIT:
+        page = client.xrange(stream, min=start, count=1000)
+        counted += len(page)
+        if len(page) < 1000:
+            return counted
+        start = "(" + reply_text(page[-1][0])
     return None
 
 
 class ConsumerMetrics:
     """The counters a `Consumer` keeps, the gauges refreshed for it, and their registry."""
 
-    def __init__(self, group: str) -> None:
+    def __init__(self, group: str, transactions: bool = False) -> None:
         self.group = group
+        self.transactions = transactions  # transaction mode: the wait for END records is exported
         self.handled: dict[str, int] = defaultdict(int)
         self.failures: dict[str, int] = defaultdict(int)
         self.dead_letters: dict[str, int] = defaultdict(int)
@@ -88,6 +112,8 @@ class ConsumerMetrics:
         #: where the consumer's loop is: starting, reading, retrying, stopped (set by Consumer.run, cdc consume)
         self.state = "starting"
         self.loop_at = time.monotonic()  # when the loop last came round
+        #: transaction mode: since when (monotonic) entries wait for an END record the bridge has not written yet
+        self.end_wait_since: float | None = None
         self.registry = self._registry()
 
     def tick(self) -> None:
@@ -119,8 +145,10 @@ class ConsumerMetrics:
                 self._gauge(lambda v: v.pending))
         r.gauge("cdc_consumer_oldest_pending_idle_seconds", "time since the group's oldest pending entry was delivered",
                 self._gauge(lambda v: v.oldest_pending_idle_s))
-        r.gauge("cdc_consumer_lag_entries", "entries not delivered to the group yet (XINFO GROUPS lag)",
-                self._gauge(lambda v: v.lag_entries))
+        r.gauge("cdc_consumer_lag_entries", "entries not delivered to the group yet (XINFO GROUPS lag, "
+                "counted when Redis cannot tell)", self._gauge(lambda v: v.lag_entries))
+        r.gauge("cdc_consumer_lag_unknown", "1 while cdc_consumer_lag_entries is left out: Redis cannot tell the "
+                "group's lag and more than 10000 entries wait", self._gauge(lambda v: int(v.lag_entries is None)))
         r.gauge("cdc_consumer_lag_seconds", "now minus the commit time of the oldest entry not delivered to the group yet",
                 self._gauge(lambda v: v.lag_seconds))
         r.counter("cdc_consumer_resets_total", "reconciliation resets that repaired this consumer's state (cdc_reconcile_runs)",
@@ -128,7 +156,15 @@ class ConsumerMetrics:
         r.gauge("cdc_redis_data_loss", "1 while the bridge has a Redis data loss recorded (cdc status shows it; cdc recover repairs it)",
                 lambda: {(("slot", s),): v for s, v in self.data_loss.items()} or None)
         r.gauge("cdc_consumer_up", "1 while the consumer's loop is reading", lambda: int(self.state == "reading"))
+        r.gauge("cdc_consumer_end_wait_seconds", "transaction mode: how long the oldest entries read have waited for "
+                "their END record, which the bridge has not written yet (0: none waits)",
+                lambda: {(("group", self.group),): self.end_wait_s()} if self.transactions else None)
         return r
+
+    def end_wait_s(self) -> float:
+        """How long entries have waited for an END record the bridge has not written yet (0: none waits)."""
+        since = self.end_wait_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def refresh(self, client: redis.Redis, streams: Sequence[str], slot: str | None = None,
                 resets: Callable[[], int | None] | None = None) -> None:
@@ -202,10 +238,17 @@ class MetricsServer:
             return False, f"not ready: redis: {m.refresh_error}"
         if not m.refreshed_at or time.monotonic() - m.refreshed_at > 3 * self.refresh_s + 5:
             return False, "not ready: redis has not answered the backlog reading yet"
-        held = c.active_streams
+        held = [s for s in c.active_streams if s in c.streams]  # transaction mode: the transactions stream apart
         if not held:
             return False, f"not ready: holding none of its {len(c.streams)} stream(s) (another consumer of group {c.group} holds them)"
-        return True, f"ready: reading {len(held)} of {len(c.streams)} stream(s) for group {c.group}"
+        text = f"ready: reading {len(held)} of {len(c.streams)} stream(s)"
+        if not c.transactions:
+            return True, f"{text} for group {c.group}"
+        text += f" and the transactions stream {c.transactions} for group {c.group}"
+        waited = m.end_wait_s()
+        if waited > c.transaction_wait_ms / 1000:  # as the log says once: no loss, the bridge is behind
+            text += f"; waiting {waited:.0f}s for an END record the bridge has not written yet"
+        return True, text
 
     def close(self) -> None:
         self._stop.set()

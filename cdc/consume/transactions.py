@@ -13,16 +13,22 @@ transactions stream, and gives back `Unit`s:
 - an entry whose END is already behind (its transaction was handed over, or ended before the
   group started on the transactions stream), alone: it is a redelivery the checkpoint skips;
 - an entry older than every END read while the transactions stream's high-water mark says no
-  END is missing (`ends_written`: entries written before transactions were turned on), alone;
+  END is missing (`ends_written`: entries written before transactions were turned on, or whose
+  END this group acknowledged already), alone;
 - a duplicate (a double send of an entry or an END), to acknowledge, never to hand over;
 - the marker `cdc recover` appends to the transactions stream (``op x``), to acknowledge: an END
   before it that stays incomplete counts entries the rebuild replaced, and is acknowledged too
   (the handler gets each rebuilt stream's own marker and resets there).
 
 Units come out in commit order (the transactions stream's order), and every stream's
-entries in that stream's order. A transaction that stays incomplete, or entries whose END
-never comes, past `wait_s` raise `IncompleteTransaction`: the consumer stops rather than
-hand over part of a transaction. Pure: entries in, units out, the clock given.
+entries in that stream's order. A transaction whose END was read and that stays incomplete
+past `wait_s` raises `IncompleteTransaction`: the bridge writes an END after every entry it
+counts, so an entry still missing then was removed (or is lost), and the consumer stops
+rather than hand over part of a transaction. Entries with no END read are not a loss while
+the bridge has not written past them (its END can come in the bridge's next batch, after a
+restart): they wait, as `unended`, for as long as it takes; the consumer compares the
+transactions stream's high-water mark with them (`ends_written`). Pure: entries in, units
+out, the clock given.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ STANDALONE_OPS = ("r", "x")
 
 
 class IncompleteTransaction(DataLossError):
-    """A transaction's entries did not all arrive in time, or entries never got their END record."""
+    """A transaction's END record was read and the entries it counts did not all arrive in time
+    (or an entry was deleted while pending)."""
 
 
 def covered(e: Entry) -> bool:
@@ -85,7 +92,9 @@ class TransactionAssembler:
         self.short = ""  # the stream the first END waits for entries of
         self.ends_written = 0  # every END up to this commit LSN was read (none buffered): older entries have none
         self.superseded = 0  # incomplete END records acknowledged because cdc recover rebuilt the streams after them
-        self._since: float | None = None
+        self.unended: Entry | None = None  # the first entry waiting for an END record not read yet (none buffered)
+        self.since: float | None = None  # when the wait for what holds the head up (`stalled_on`) began
+        self._stalled_on = ""  # the END record, or the entry, the head waits on
         self._ids: set[str] = set()  # (stream, ID) of what is buffered: a re-read entry is not taken twice
         self.ready: deque[Unit] = deque()  # units taken, not yet handled: the consumer's queue
         self.cursor: dict[str, str] = {}  # stream -> the last ID read again from the pending list
@@ -117,48 +126,43 @@ class TransactionAssembler:
 
     def waiting_for_end(self, now: float, after_s: float) -> bool:
         """True when entries have waited more than `after_s` for an END and none is buffered."""
-        return (not self.ends and self._since is not None and now - self._since > after_s
-                and any(buf and covered(buf[0]) for buf in self.buffers.values()))
+        return self.unended is not None and self.since is not None and now - self.since > after_s
 
     def pending(self) -> bool:
         """True while anything read is not yet handed over."""
         return bool(self.ends) or any(self.buffers.values())
 
     def take(self, now: float) -> list[Unit]:
-        """Every unit ready now, in order; `IncompleteTransaction` once the head waited past `wait_s`."""
+        """Every unit ready now, in order; `IncompleteTransaction` once a transaction whose END was read
+        waited past `wait_s` for the entries it counts (entries waiting for their END wait on)."""
         units = []
         while (unit := self._next()) is not None:
             for e in unit.records:
                 self._ids.discard(f"{e.stream} {e.id}")
             units.append(unit)
-        if units or not self.pending():
-            self._since = None
-        elif self._since is None:
-            self._since = now
-        elif now - self._since > self.wait_s:
-            raise IncompleteTransaction(f"{self.waiting} after waiting {self.wait_s:g}s",
-                                        hint=self._hint())
-        return units
-
-    def _hint(self) -> str:
-        if self.waiting.startswith("no END"):
-            return (f"set transactions: {{stream: {self.transactions}}} in the bridge's config and keep it running; "
-                    "a transaction-mode consumer hands over a transaction only with its END record")
-        return ("the missing entries were removed from their stream (trimmed or deleted by hand) or never written; "
+        if not self.pending():
+            self.since, self._stalled_on = None, ""
+            return units
+        head = self.ends[0] if self.ends else self.unended
+        stalled_on = f"{head.stream} {head.id}" if head is not None else ""
+        if units or self.since is None or stalled_on != self._stalled_on:  # progress, or a wait on something else
+            self.since, self._stalled_on = now, stalled_on
+        elif self.ends and now - self.since > self.wait_s:
+            raise IncompleteTransaction(f"{self.waiting} after waiting {self.wait_s:g}s", hint=(
+                "the missing entries were removed from their stream (trimmed or deleted by hand) or never written; "
                 "no part of the transaction is handed over: restore them, or skip the whole transaction knowingly "
-                "by acknowledging its END record and its entries for this group (XACK)")
+                "by acknowledging its END record and its entries for this group (XACK)"))
+        return units
 
     def _next(self) -> Unit | None:
         for stream, buf in self.buffers.items():
             unit = self._alone(stream, buf)
             if unit is not None:
                 return unit
+        self.unended = None
         if self.ends:
             return self._transaction(self.ends[0])
-        if any(self.buffers.values()):
-            stream, buf = next((s, b) for s, b in self.buffers.items() if b)
-            e = buf[0]
-            self.waiting = f"no END record in {self.transactions} for transaction {e.xid} (commit LSN {e.lsn}) of {stream} {e.id}"
+        self.unended = min((b[0] for b in self.buffers.values() if b), key=lambda e: e.position, default=None)
         return None
 
     def _alone(self, stream: str, buf: deque[Entry]) -> Unit | None:

@@ -152,3 +152,27 @@ def test_cdc_consume_serves_its_metrics_and_refuses_a_port_in_use(rides):
                                            "give --metrics-port a free port, or 0")
     proc.terminate()
     assert proc.wait(30) == 0, proc.log_path.read_text()
+
+
+def test_the_lag_is_counted_where_redis_cannot_tell_it_and_shown_unknown_past_the_limit(env):
+    """After an entry behind the group's last delivery was deleted, XINFO GROUPS lag is nil: the consumer
+    counts the entries itself, up to LAG_COUNT_LIMIT; past it, the lag is left out and said to be unknown."""
+    client, stream = env.redis, "cdc:ride"
+    ids = [client.xadd(stream, {"op": "c", "ts_ms": 1}) for _ in range(100)]
+    consumer = Consumer(client, [stream], "g", "c1")
+    consumer.create_group(ids[9].decode())  # ten delivered, as it were
+    client.xdel(stream, ids[49])
+    assert client.xinfo_groups(stream)[0]["lag"] is None, "Redis cannot tell"
+    server = consumer.serve_metrics(0, "127.0.0.1", refresh_s=0.1)
+    try:
+        wait_for(lambda: sample(server.port, "cdc_consumer_lag_entries") == 89, 10, "the lag counted")
+        assert sample(server.port, "cdc_consumer_lag_unknown") == 0
+        pipe = client.pipeline(transaction=False)
+        for _ in range(10_000):
+            pipe.xadd(stream, {"op": "c", "ts_ms": 1})
+        pipe.execute()
+        wait_for(lambda: sample(server.port, "cdc_consumer_lag_unknown") == 1, 10, "the lag unknown past the limit")
+        assert sample(server.port, "cdc_consumer_lag_entries") is None
+        assert sample(server.port, "cdc_consumer_lag_seconds") > 0, "always known"
+    finally:
+        server.close()

@@ -4,7 +4,9 @@ killed consumer loses and repeats nothing, and a group started at "$" cuts no tr
 
 from __future__ import annotations
 
+import logging
 import threading
+import urllib.request
 
 import orjson
 import pytest
@@ -179,6 +181,60 @@ def test_entries_whose_end_was_acknowledged_are_handed_over_on_a_quiet_stream(se
         stop.set()
         thread.join(10)
     assert not failure and applied(env) == [(A, xid, 1), (B, xid, 2)] and pending(env) == 0
+
+
+def test_entries_whose_end_the_bridge_has_not_written_yet_wait_for_it_however_long(setup, caplog):
+    """The bridge stopped (or crashed) between a batch holding a transaction's last entries and the next
+    with its END, or it wrote entries before its END records were turned on: no loss while the transactions
+    stream's high-water mark is below them. The consumer waits past --transaction-wait-ms, says so once in
+    its log, in /readyz and in cdc_consumer_end_wait_seconds, then hands the transaction over whole."""
+    env, src = setup
+    mark = "{%s}:hwm" % TX
+
+    def write_end(rows: int, counts: dict) -> None:  # as the bridge does: the END and its stream's mark together
+        env.redis.xadd(TX, src.fields("e", {"count": rows, "streams": counts}, rows, key={}))
+        env.redis.set(mark, f"{src.lsn:020d}{rows:010d}")
+
+    def told(text: str) -> bool:
+        return any(text in r.getMessage() for r in caplog.records)
+
+    def readyz() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/readyz", timeout=5) as reply:
+            return reply.read().decode()
+
+    caplog.set_level(logging.INFO, logger="cdc.consumer")
+    before = src.transaction((A, {"id": 1}), end=False)  # written before END records were turned on
+    consumer, stop, thread, failure = running(env, wait_ms=500)
+    server = consumer.serve_metrics(0, "127.0.0.1", refresh_s=0.1)
+    try:
+        wait_for(lambda: told(f"transaction {before} (commit LSN {src.lsn}) of {A}") or failure, 30, "the wait logged")
+        assert not failure and thread.is_alive() and applied(env) == []
+        assert told(f"the bridge has not written yet (it has written no END record to {TX} yet: check that its "
+                    f"config sets transactions: {{stream: {TX}}})")
+        wait_for(lambda: "waiting" in readyz(), 10, "/readyz to tell the wait")
+        assert readyz().startswith(f"ready: reading 2 of 2 stream(s) and the transactions stream {TX} for group g; "
+                                   "waiting ")
+        assert consumer.metrics.end_wait_s() > 0.5
+        first = src.transaction((A, {"id": 2}), (B, {"id": 3}), end=False)  # the bridge turned them on
+        write_end(2, {A: 1, B: 1})
+        wait_for(lambda: len(applied(env)) == 3 or failure, 30, "the entries from before alone, then the transaction")
+        assert applied(env) == [(A, before, 1), (A, first, 2), (B, first, 3)]
+
+        cut = src.transaction((A, {"id": 4}), (B, {"id": 5}), end=False)  # its END in the next batch: the bridge stops
+        lsn = src.lsn
+        wait_for(lambda: told(f"transaction {cut} (commit LSN {lsn}) of {A}") or failure, 30, "the second wait logged")
+        assert told(f"(its last END record in {TX} is at commit LSN {lsn - 100});")
+        assert not failure and thread.is_alive() and len(applied(env)) == 3, "nothing of it yet, and no loss"
+        assert sum("waits for its END record" in r.getMessage() for r in caplog.records) == 2, "once per wait"
+        write_end(2, {A: 1, B: 1})  # the bridge runs again
+        wait_for(lambda: len(applied(env)) == 5 or failure, 30, "the transaction, whole")
+        wait_for(lambda: "waiting" not in readyz() and pending(env) == 0, 10, "the wait to end")
+        assert sum("waits no more: the bridge wrote past it" in r.getMessage() for r in caplog.records) == 2
+        assert not failure and applied(env)[3:] == [(A, cut, 4), (B, cut, 5)] and consumer.metrics.end_wait_s() == 0
+    finally:
+        stop.set()
+        thread.join(10)
+        server.close()
 
 
 @pytest.fixture

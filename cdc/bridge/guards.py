@@ -316,14 +316,17 @@ def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, 
     A record without a recorded history (older deployments), or a newer timeline that branched off at or above
     Redis' record, is accepted and recorded (unless `record` is false: cdc check only reads).
     """
-    state = client.hgetall(keys.bridge_state_key(slot))
+    pipe = client.pipeline(transaction=False)  # one round trip
+    pipe.hgetall(keys.bridge_state_key(slot))
+    pipe.get(keys.flushed_key(slot))
+    pipe.hgetall(keys.source_key(slot))
+    state, raw, source = pipe.execute()
     if state.get(b"data_loss_diverged"):
         raise DataLossError(state.get(b"data_loss", b"").decode(), hint="run cdc recover, then cdc run")
-    raw = client.get(keys.flushed_key(slot))
     if raw is None or int(raw) == 0:  # nothing held (or cdc recover at work): check_redis_has_flushed judges
         return
     held = Lsn(int(raw))
-    recorded = {k.decode(): v.decode() for k, v in client.hgetall(keys.source_key(slot)).items()}
+    recorded = {k.decode(): v.decode() for k, v in source.items()}
     if "system_id" in recorded:
         found = divergence(recorded["system_id"], int(recorded["timeline"]), held, server)
     else:  # an older deployment: only the server's WAL position can tell

@@ -247,6 +247,7 @@ def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[Pub
         pipe.type(stream)
         pipe.get(keys.mark_key(stream))
     replies = pipe.execute(raise_on_error=False)
+    infos = _stream_infos(client, [s for i, s in enumerate(streams) if replies[2 * i] in (STREAM, STREAM.encode())])
     problems: list[PublishError] = []
     for i, (stream, entity) in enumerate(streams.items()):
         key_type, mark = replies[2 * i], replies[2 * i + 1]
@@ -266,8 +267,19 @@ def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[Pub
         if error is not None:
             problems.append(error)
         elif key_type.decode() == STREAM:
-            problems += [_unconsumed_loss(client, gone, entity, mark) for gone in removed_unconsumed(client, stream)]
+            problems += [_unconsumed_loss(client, gone, entity, mark)
+                         for gone in removed_unconsumed(client, stream, infos.get(stream))]
     return sorted(problems, key=lambda e: not isinstance(e, DataLossError))
+
+
+def _stream_infos(client: redis.Redis, streams: list[str]) -> dict[str, dict]:
+    """XINFO STREAM of each of `streams`, in one round trip (a stream deleted meanwhile: left out, and read
+    again where it is needed)."""
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xinfo_stream(stream)
+    replies = pipe.execute(raise_on_error=False) if streams else []
+    return {s: info for s, info in zip(streams, replies) if isinstance(info, dict)}
 
 
 def _unconsumed_loss(client: redis.Redis, gone: UnconsumedRemoved, entity: str, mark: bytes | None) -> DataLossError:

@@ -5,6 +5,9 @@ themselves (cheap on the hot path) and register functions that report them; `Reg
 `prometheus_client` custom collector that turns them into metric families at
 scrape time, and the library writes the exposition format. `serve()` runs a
 small HTTP server in a daemon thread with ``/metrics``, ``/healthz`` and ``/readyz``.
+
+`prometheus_client` and the HTTP server are imported at the first scrape or `serve()`: a bridge
+with ``http.port: 0`` counts without ever loading them.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import bisect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+if TYPE_CHECKING:
+    from http.server import ThreadingHTTPServer
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import HistogramMetricFamily, Metric
 
 __all__ = ["Histogram", "Registry", "serve"]
 
@@ -41,6 +47,8 @@ class Histogram:
         self.count += 1
 
     def family(self, name: str, help: str) -> HistogramMetricFamily:
+        from prometheus_client.core import HistogramMetricFamily
+
         buckets, running = [], 0
         for bound, n in zip(self.bounds, self.counts):
             running += n
@@ -55,16 +63,22 @@ def _le(bound: float) -> str:
     return str(int(bound)) if bound == int(bound) else repr(float(bound))
 
 
-_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
-
-
 class Registry:
     """Metric families, each a function returning {labels: value}, a value, None (left out) or a Histogram."""
 
     def __init__(self) -> None:
         self._families: list[tuple[str, str, str, Callable[[], object]]] = []
-        self.collectors = CollectorRegistry(auto_describe=False)
-        self.collectors.register(self)
+        self._collectors: CollectorRegistry | None = None
+
+    @property
+    def collectors(self) -> CollectorRegistry:
+        """The `prometheus_client` registry holding this collector (made at the first scrape)."""
+        if self._collectors is None:
+            from prometheus_client import CollectorRegistry
+
+            self._collectors = CollectorRegistry(auto_describe=False)
+            self._collectors.register(self)
+        return self._collectors
 
     def add(self, name: str, kind: str, help: str, read: Callable[[], object]) -> None:
         self._families.append((name, kind, help, read))
@@ -80,6 +94,9 @@ class Registry:
 
     def collect(self) -> Iterator[Metric]:
         """The `prometheus_client` collector protocol: every family, read now."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        families = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
         for name, kind, help, read in self._families:
             try:
                 value = read()
@@ -93,12 +110,14 @@ class Registry:
                 continue
             items = sorted(value.items()) if isinstance(value, Mapping) else [((), value)]
             label_names = [k for k, _ in items[0][0]] if items else []
-            family = _FAMILIES[kind](name, help, labels=label_names)
+            family = families[kind](name, help, labels=label_names)
             for labels, v in items:
                 family.add_metric([str(v) for _, v in labels], v)
             yield family
 
     def render(self) -> str:
+        from prometheus_client import generate_latest
+
         return generate_latest(self.collectors).decode()
 
 
@@ -114,6 +133,9 @@ def serve(
     alive: Callable[[], tuple[bool, str]] = _answers,
 ) -> ThreadingHTTPServer:
     """Serve /metrics, /healthz (`alive`: by default, the process answers) and /readyz (`ready`)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)

@@ -247,6 +247,7 @@ def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[Pub
         pipe.type(stream)
         pipe.get(keys.mark_key(stream))
     replies = pipe.execute(raise_on_error=False)
+    infos = _stream_infos(client, [s for i, s in enumerate(streams) if replies[2 * i] in (STREAM, STREAM.encode())])
     problems: list[PublishError] = []
     for i, (stream, entity) in enumerate(streams.items()):
         key_type, mark = replies[2 * i], replies[2 * i + 1]
@@ -266,8 +267,19 @@ def stream_problems(client: redis.Redis, streams: Mapping[str, str]) -> list[Pub
         if error is not None:
             problems.append(error)
         elif key_type.decode() == STREAM:
-            problems += [_unconsumed_loss(client, gone, entity, mark) for gone in removed_unconsumed(client, stream)]
+            problems += [_unconsumed_loss(client, gone, entity, mark)
+                         for gone in removed_unconsumed(client, stream, infos.get(stream))]
     return sorted(problems, key=lambda e: not isinstance(e, DataLossError))
+
+
+def _stream_infos(client: redis.Redis, streams: list[str]) -> dict[str, dict]:
+    """XINFO STREAM of each of `streams`, in one round trip (a stream deleted meanwhile: left out, and read
+    again where it is needed)."""
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xinfo_stream(stream)
+    replies = pipe.execute(raise_on_error=False) if streams else []
+    return {s: info for s, info in zip(streams, replies) if isinstance(info, dict)}
 
 
 def _unconsumed_loss(client: redis.Redis, gone: UnconsumedRemoved, entity: str, mark: bytes | None) -> DataLossError:
@@ -316,14 +328,17 @@ def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, 
     A record without a recorded history (older deployments), or a newer timeline that branched off at or above
     Redis' record, is accepted and recorded (unless `record` is false: cdc check only reads).
     """
-    state = client.hgetall(keys.bridge_state_key(slot))
+    pipe = client.pipeline(transaction=False)  # one round trip
+    pipe.hgetall(keys.bridge_state_key(slot))
+    pipe.get(keys.flushed_key(slot))
+    pipe.hgetall(keys.source_key(slot))
+    state, raw, source = pipe.execute()
     if state.get(b"data_loss_diverged"):
         raise DataLossError(state.get(b"data_loss", b"").decode(), hint="run cdc recover, then cdc run")
-    raw = client.get(keys.flushed_key(slot))
     if raw is None or int(raw) == 0:  # nothing held (or cdc recover at work): check_redis_has_flushed judges
         return
     held = Lsn(int(raw))
-    recorded = {k.decode(): v.decode() for k, v in client.hgetall(keys.source_key(slot)).items()}
+    recorded = {k.decode(): v.decode() for k, v in source.items()}
     if "system_id" in recorded:
         found = divergence(recorded["system_id"], int(recorded["timeline"]), held, server)
     else:  # an older deployment: only the server's WAL position can tell

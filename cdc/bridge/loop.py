@@ -333,17 +333,25 @@ class Bridge:
             catalog_conn.close()
 
     def _check_server(self, catalog_conn: psycopg.Connection) -> None:
-        """wal_level is logical; with --until-caught-up, the position to catch up to (once)."""
+        """wal_level is logical; with --until-caught-up, the position to catch up to (once). One round trip:
+        the position is read only once wal_level passed (CASE evaluates its branch only then)."""
+        catching_up = self.until_caught_up and self.target_lsn is None
         try:
             with self._bounded(catalog_conn, "checking settings"):
-                level = _value(catalog_conn, "SHOW wal_level")
+                row = catalog_conn.execute(
+                    "SELECT current_setting('wal_level'), CASE WHEN current_setting('wal_level') = 'logical' "
+                    "THEN pg_current_wal_lsn()::text END" if catching_up else "SELECT current_setting('wal_level'), NULL"
+                ).fetchone()
+                if row is None:  # pragma: no cover - a server that answers no row to this is broken
+                    raise SourceError("postgres answered no row to a settings query")
+                level, position = row
                 if level != "logical":
                     raise SourceError(
                         f"postgres wal_level is {level!r}, logical decoding needs 'logical'",
                         hint="set wal_level = logical in postgresql.conf and restart PostgreSQL",
                     )
-                if self.until_caught_up and self.target_lsn is None:
-                    self.target_lsn = Lsn.parse(_value(catalog_conn, "SELECT pg_current_wal_lsn()::text"))
+                if catching_up:
+                    self.target_lsn = Lsn.parse(position)
                     log.info("catching up to %s", self.target_lsn)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc

@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from importlib import metadata
 
 from ..errors import UsageError
 
-__all__ = ["ABOUT", "Formatter", "Parser", "check_position", "check_positive", "number", "version"]
+__all__ = ["ABOUT", "Formatter", "Parser", "VersionAction", "check_position", "check_positive", "number", "version"]
 
 #: per command: what it does (its --help description) and one example (its epilog)
 ABOUT: dict[str, tuple[str, str]] = {
@@ -55,10 +54,20 @@ ABOUT: dict[str, tuple[str, str]] = {
 
 
 def version() -> str:
+    from importlib import metadata  # read only when asked: every command would pay for its import
+
     try:
         return metadata.version("cdc")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+class VersionAction(argparse._VersionAction):
+    """``--version``, reading the installed version only when asked."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        self.version = f"cdc {version()}"
+        super().__call__(parser, namespace, values, option_string)
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):

@@ -1,7 +1,9 @@
 """The ``cdc`` command: its parser, logging and error reporting.
 
 Each subcommand's implementation lives with its concern (`cdc.cli.ops`,
-`cdc.cli.bridge`, `cdc.cli.consume`, `cdc.cli.reconcile`).
+`cdc.cli.bridge`, `cdc.cli.consume`, `cdc.cli.reconcile`) and is imported only when
+that command runs: the parser is whole (for --help and the generated reference), but
+`cdc run` loads neither the consumer nor the progress display nor Spark's job.
 
 Errors the operator can fix are printed as one line (``cdc: error: ...``) with
 an exit code per kind (see `cdc.errors`); logs are JSON lines on stderr.
@@ -10,6 +12,7 @@ an exit code per kind (see `cdc.errors`); logs are JSON lines on stderr.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -18,12 +21,9 @@ from collections.abc import Sequence
 import orjson
 
 from .. import redact
-from .bridge import cmd_backfill, cmd_run
-from .args import ABOUT, Formatter, Parser, number, version
-from .consume import cmd_consume, cmd_dlq, cmd_read, cmd_replay
+from .args import ABOUT, Formatter, Parser, VersionAction, number
+from ..consume import defaults as c
 from ..exits import RedactingFilter, report, silence_stdout
-from .ops import cmd_check, cmd_init, cmd_recover, cmd_schema, cmd_status, cmd_trim
-from .reconcile import cmd_reconcile
 
 __all__ = ["main"]
 
@@ -57,9 +57,7 @@ def _setup_logging(level: str, fmt: str) -> None:
 
 
 def _consume_options(consume: argparse.ArgumentParser) -> None:
-    """`cdc consume`'s options; each help names its default (cdc.consume.consumer holds them)."""
-    from ..consume import consumer as c
-
+    """`cdc consume`'s options; each help names its default (cdc.consume.defaults holds them)."""
     consume.add_argument("--entity", required=True, action="append",
                          help="the mapping whose streams to read (all its partitions); with --transactions, "
                               "give it once per entity whose transactions the consumer sees whole")
@@ -99,16 +97,33 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
                               f"(default {c.TRANSACTION_WAIT_MS})")
 
 
-def _command_maker(sub):
-    """`command(name, func, help, ...)`: adds one subcommand with its --config, description and example."""
+class Command:
+    """A subcommand's implementation, ``cmd_<name>`` of ``cdc.cli.<module>``, imported when the command runs."""
 
-    def command(name: str, func, help: str, parent=sub, about: tuple[str, str] | None = None,
-                config_default: str = "cdc.yaml") -> argparse.ArgumentParser:
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<Command cdc.cli.{self.module}.{self.name}>"
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"{__package__}.{self.module}"), self.name)(args)
+
+
+def _command_maker(sub):
+    """`command(name, module, help, ...)`: adds one subcommand with its --config, description and example;
+    ``cmd_<name>`` of ``cdc.cli.<module>`` runs it."""
+
+    def command(name: str, module: str, help: str, parent=sub, about: tuple[str, str] | None = None,
+                config_default: str = "cdc.yaml", func: str | None = None) -> argparse.ArgumentParser:
         description, example = about or ABOUT[name]
         p = parent.add_parser(name, help=help, description=description, epilog=f"example:\n  {example}",
                               formatter_class=Formatter)
         p.add_argument("--config", "-c", default=config_default, help="config file (default: cdc.yaml)")
-        p.set_defaults(func=func)
+        p.set_defaults(func=Command(module, func or f"cmd_{name}"))
         return p
 
     return command
@@ -119,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="cdc", description="PostgreSQL logical replication to Redis Streams, exactly once.",
                     epilog="example: cdc --log-format text check --config cdc.yaml\n"
                            "exit codes: see docs/reference/exit-codes.md", formatter_class=Formatter)
-    parser.add_argument("--version", action="version", version=f"cdc {version()}")
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="least severe log events shown on stderr")
     parser.add_argument("--log-format", default="json", choices=["json", "text"],
@@ -134,17 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_and_stream_commands(command) -> None:
     """init, recover, check, run, consume, trim."""
-    command("init", cmd_init, "create the publication and the logical slot (idempotent)")
-    command("recover", cmd_recover, "after Redis lost data: rebuild every mapped stream to replay to its table (bridge stopped)")
-    command("check", cmd_check, "validate the server and every mapping against the live schema")
-    run = command("run", cmd_run, "stream changes into Redis until SIGTERM/SIGINT")
+    command("init", "ops", "create the publication and the logical slot (idempotent)")
+    command("recover", "ops", "after Redis lost data: rebuild every mapped stream to replay to its table (bridge stopped)")
+    command("check", "ops", "validate the server and every mapping against the live schema")
+    run = command("run", "bridge", "stream changes into Redis until SIGTERM/SIGINT")
     run.add_argument("--until-caught-up", action="store_true", help="exit once everything committed before start is in Redis")
     run.add_argument("--standby", action="store_true",
                      help="when another bridge holds the slot, wait and take over once it is free (default: exit 75 "
                           "naming the holder)")
-    consume = command("consume", cmd_consume, "run a consumer of one entity's streams")
+    consume = command("consume", "consume", "run a consumer of one entity's streams")
     _consume_options(consume)
-    trim = command("trim", cmd_trim, "trim streams up to what every consumer group has consumed")
+    trim = command("trim", "ops", "trim streams up to what every consumer group has consumed")
     trim.add_argument("--entity", help="only this entity's streams")
     trim.add_argument("--max-len", type=int, help="hard cap on length (drops unconsumed entries, loudly; "
                                                    "default: trim.max_len, 0: none)")
@@ -154,11 +169,11 @@ def _setup_and_stream_commands(command) -> None:
 
 def _reading_commands(sub, command) -> None:
     """replay, read, dlq."""
-    replay = command("replay", cmd_replay, "start a group at, or rewind it to, a time or an entry ID")
+    replay = command("replay", "consume", "start a group at, or rewind it to, a time or an entry ID")
     replay.add_argument("--entity", required=True, help="the mapping whose streams the group reads")
     replay.add_argument("--group", required=True, help="the consumer group to create or rewind")
     replay.add_argument("--from", dest="start", required=True, help="ISO-8601 time (e.g. 2026-11-21T00:00:00Z), entry ID, 0 or $")
-    read = command("read", cmd_read, "print an entity's entries in a time or ID range as JSON lines")
+    read = command("read", "consume", "print an entity's entries in a time or ID range as JSON lines")
     read.add_argument("--entity", required=True, help="the mapping whose streams to read")
     read.add_argument("--from", dest="start", help="ISO-8601 time or entry ID (default: the beginning)")
     read.add_argument("--to", dest="end", help="ISO-8601 time or entry ID, inclusive (default: the end)")
@@ -174,8 +189,8 @@ def _reading_commands(sub, command) -> None:
         ("replay", "send dead letters back to their stream, for this group only", "dead-letter IDs (default: all)",
          "cdc dlq replay --config cdc.yaml --group billing 1795394575651-0"),
     ):
-        p = command(action, cmd_dlq, text, parent=actions, about=(f"{ABOUT['dlq'][0]} {action}: {text}.", example),
-                    config_default=argparse.SUPPRESS)
+        p = command(action, "consume", text, parent=actions, about=(f"{ABOUT['dlq'][0]} {action}: {text}.", example),
+                    config_default=argparse.SUPPRESS, func="cmd_dlq")
         p.add_argument("--group", required=True, help="the consumer group")
         if ids_help:
             p.add_argument("ids", nargs="+" if action == "show" else "*", help=ids_help)
@@ -185,15 +200,15 @@ def _reading_commands(sub, command) -> None:
 
 def _maintenance_commands(command) -> None:
     """backfill, schema, reconcile, status."""
-    backfill = command("backfill", cmd_backfill, "re-publish an entity's table (op r) while streaming continues")
+    backfill = command("backfill", "bridge", "re-publish an entity's table (op r) while streaming continues")
     backfill.add_argument("--entity", help="the entity to re-publish")
     backfill.add_argument("--where", help="a condition on the table's columns selecting part of it "
                                           "(a small SQL subset: docs/how-to/snapshots-and-backfills.md)")
     backfill.add_argument("--wait", action="store_true", help="show progress until every chunk is read")
     backfill.add_argument("--watch", action="store_true", help="follow the snapshots and backfills in progress")
-    schema = command("schema", cmd_schema, "print a JSON Schema per entity")
+    schema = command("schema", "ops", "print a JSON Schema per entity")
     schema.add_argument("--entity", help="only this entity")
-    reconcile = command("reconcile", cmd_reconcile, "recompute consumer state with Spark and reset it exactly")
+    reconcile = command("reconcile", "reconcile", "recompute consumer state with Spark and reset it exactly")
     reconcile.add_argument("--spec", action="append", help="only this spec (by name; repeatable)")
     reconcile.add_argument("--dry-run", action="store_true", help="report drift, change nothing")
     reconcile.add_argument("--master", help="Spark master URL (default: reconcile.master, local[*])")
@@ -201,7 +216,7 @@ def _maintenance_commands(command) -> None:
     reconcile.add_argument("--report", help="also write the JSON report to this file")
     reconcile.add_argument("--metrics-file", help="also write the run's outcome as Prometheus metrics to this file "
                                                   "(node_exporter's textfile format; name it *.prom)")
-    status = command("status", cmd_status, "show the slot, lag and streams")
+    status = command("status", "ops", "show the slot, lag and streams")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--stale-after-s", type=number, default=3600.0, help="list consumers idle this long as stale")
 

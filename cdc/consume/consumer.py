@@ -38,6 +38,7 @@ from ..sink.entry import Entry, parse_entry, reply_text, stream_id_for
 from ..sink.publisher import split_position
 from ..errors import CdcError
 from ..loader import check_signature
+from .defaults import BLOCK_MS, CLAIM_IDLE_MS, COUNT, LEASE_POLL_S, LEASE_TTL_MS, MAX_DELIVERIES, TRANSACTION_WAIT_MS
 from .failures import ENTRY, whose
 from .lease import Lease
 from .metrics import ConsumerMetrics, MetricsServer, serve_metrics
@@ -46,18 +47,6 @@ from .transactions import IncompleteTransaction, TransactionAssembler, Unit, cov
 __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
 
 log = logging.getLogger("cdc.consumer")
-
-#: defaults, chosen so that a group stalls about two seconds when one of its consumers dies
-COUNT = 100
-BLOCK_MS = 1000
-CLAIM_IDLE_MS = 5_000
-MAX_DELIVERIES = 5
-LEASE_TTL_MS = 2_000
-#: transaction mode: how long a transaction whose END record was read may stay incomplete (entries on their
-#: way) before the consumer stops; entries waiting for an END the bridge has not written yet are logged after it
-TRANSACTION_WAIT_MS = 10_000
-#: how often, at most, leases are renewed and free ones sought (and shared mode reaps)
-LEASE_POLL_S = 0.25
 
 
 class Fenced(CdcError):

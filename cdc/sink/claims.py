@@ -123,8 +123,13 @@ def _slot_taken(me: BridgeIdentity, theirs: str) -> ConfigError:
 
 
 def _read(client: redis.Redis) -> tuple[dict[str, str], dict[str, str]]:
-    registered = {_text(k): _text(v) for k, v in client.hgetall(keys.BRIDGE_SLOTS).items()}
-    owners = {_text(k): _text(v) for k, v in client.hgetall(keys.STREAM_OWNERS).items()}
+    """(slot -> its bridge's identity, stream -> the slot owning it), in one round trip (one hash slot)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.BRIDGE_SLOTS)
+    pipe.hgetall(keys.STREAM_OWNERS)
+    slots, streams = pipe.execute()
+    registered = {_text(k): _text(v) for k, v in slots.items()}
+    owners = {_text(k): _text(v) for k, v in streams.items()}
     return registered, owners
 
 

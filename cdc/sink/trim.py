@@ -133,10 +133,12 @@ class UnconsumedRemoved:
     pending: bool  # a delivered, unacknowledged entry is among them
 
 
-def removed_unconsumed(client: redis.Redis, stream: str) -> list[UnconsumedRemoved]:
+def removed_unconsumed(client: redis.Redis, stream: str, info: dict | None = None) -> list[UnconsumedRemoved]:
     """Entries some group still needed (pending, or not delivered yet) that are gone from the start of
-    `stream`, other than below where the bridge's cap or a recovery accounted for removals."""
-    info = client.xinfo_stream(stream)
+    `stream`, other than below where the bridge's cap or a recovery accounted for removals. `info`: the
+    stream's XINFO STREAM, if the caller read it already (for many streams, in one round trip)."""
+    if info is None:
+        info = client.xinfo_stream(stream)
     if not info.get("groups"):
         return []
     first = info.get("first-entry")

@@ -166,7 +166,7 @@ def test_internal_errors_are_one_line_with_exit_1(monkeypatch, capsys, tmp_path)
     def boom(args):
         raise RuntimeError("boom postgresql://u:pw-internal@h/db")
 
-    monkeypatch.setattr(cli.entry, "cmd_status", boom)
+    monkeypatch.setattr("cdc.cli.ops.cmd_status", boom)
     assert cli.main(["status", "--config", str(tmp_path / "x.yaml")]) == 1
     err = capsys.readouterr().err
     assert err == "cdc: error: internal error: RuntimeError: boom postgresql://u:***@h/db; set CDC_TRACEBACK=1 to see where\n"

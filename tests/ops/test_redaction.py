@@ -84,7 +84,7 @@ def test_pgpassword_is_hidden_too(monkeypatch, capsys, tmp_path):
     from cdc import cli
 
     monkeypatch.setenv("PGPASSWORD", "S3cret-pgpass")
-    monkeypatch.setattr(cli.entry, "cmd_status", lambda args: (_ for _ in ()).throw(RuntimeError("auth S3cret-pgpass")))
+    monkeypatch.setattr("cdc.cli.ops.cmd_status", lambda args: (_ for _ in ()).throw(RuntimeError("auth S3cret-pgpass")))
     assert cli.main(["status", "--config", str(tmp_path / "x.yaml")]) == 1
     assert "S3cret-pgpass" not in capsys.readouterr().err
 

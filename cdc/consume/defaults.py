@@ -1,0 +1,18 @@
+"""A consumer's tunables and their defaults, apart from the consumer: the command line states them in
+``cdc consume --help`` without loading the consumer (`cdc.consume.consumer` uses them)."""
+
+from __future__ import annotations
+
+__all__ = ["BLOCK_MS", "CLAIM_IDLE_MS", "COUNT", "LEASE_POLL_S", "LEASE_TTL_MS", "MAX_DELIVERIES", "TRANSACTION_WAIT_MS"]
+
+#: defaults, chosen so that a group stalls about two seconds when one of its consumers dies
+COUNT = 100
+BLOCK_MS = 1000
+CLAIM_IDLE_MS = 5_000
+MAX_DELIVERIES = 5
+LEASE_TTL_MS = 2_000
+#: transaction mode: how long a transaction whose END record was read may stay incomplete (entries on their
+#: way) before the consumer stops; entries waiting for an END the bridge has not written yet are logged after it
+TRANSACTION_WAIT_MS = 10_000
+#: how often, at most, leases are renewed and free ones sought (and shared mode reaps)
+LEASE_POLL_S = 0.25

@@ -16,11 +16,17 @@ the field's own Python converter and `orjson.dumps`, as the reference does.
 
 from cpython.buffer cimport PyBuffer_IsContiguous
 from cpython.memoryview cimport PyMemoryView_GET_BUFFER
+from cpython.object cimport PyObject
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeASCII, PyUnicode_DecodeUTF8
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void *op)
 
 import zlib
 
@@ -28,6 +34,8 @@ import orjson
 from psycopg import Error as _PgError
 
 from ..source import values as _values_module
+from ..source.framing import PG_EPOCH_UNIX_US
+from ..source.lsn import Lsn as _Lsn
 
 __all__ = ["route_raw", "burst", "refusal"]  # the interface: _changes.pyi
 
@@ -648,16 +656,36 @@ cdef bytes _names_list(Plan plan, list unchanged):
 
 
 cdef int _projected_partition = 0  # the partition of `_project`'s last fields
+cdef list _unchanged = []  # the fields `_project` found unchanged, emptied at each call
+
+cdef enum:
+    TAIL = 11  # what `_queue` appends to a target's fields: lsn, seq, xid, ts_ms and v with their values, the position
+
+
+cdef inline list _entry(Py_ssize_t head):
+    """An entry's list, sized for `head` fields and values and the `TAIL` (filled by `_set`, in order)."""
+    cdef list f = PyList_New(head + TAIL)
+    # bytes, str and int only: the list can be in no reference cycle, and the collector need not walk
+    # it (thousands wait in a batch, and walking them again and again cost more than building them)
+    PyObject_GC_UnTrack(<PyObject *>f)
+    return f
+
+
+cdef inline void _set(list f, Py_ssize_t i, object value):
+    Py_INCREF(value)
+    PyList_SET_ITEM(f, i, value)
 
 
 cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_kind, const char *data):
     """The entry's fields for one target (its partition in `_projected_partition`), None when the mapping
     skips the change, or False for the reference."""
     global _projected_partition
-    cdef Py_ssize_t base = _out.size
-    cdef list unchanged = [], parts
+    cdef Py_ssize_t base = _out.size, at
+    cdef list unchanged = _unchanged, parts, fields
     cdef int i, col
     cdef bint old_full = old_kind == b'O'
+    if PyList_GET_SIZE(unchanged):
+        del unchanged[:]
     for i in range(plan.n):
         col = plan.cols[i]
         if (kind != DELETE and col >= new.count) or (old is not None and col >= old.count):
@@ -672,18 +700,28 @@ cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_ki
             _out.size = base
             return False  # a key field left out: the reference raises
         data_json = _take(base)
-        if kind == INSERT:
-            fields = [b"op", b"c", b"key", key_json, b"data", data_json]
-        else:
-            fields = [b"op", b"u", b"key", key_json, b"data", data_json]
-            if plan.before and old is not None:
-                if old_full:
-                    _row(plan, old, data, None, None)
-                else:
-                    _key_row(plan, old, data, None)
-                fields += [b"before", _take(base)]
+        before_json = None
+        if kind == UPDATE and plan.before and old is not None:
+            if old_full:
+                _row(plan, old, data, None, None)
+            else:
+                _key_row(plan, old, data, None)
+            before_json = _take(base)
+        fields = _entry(6 + (2 if before_json is not None else 0) + (2 if unchanged else 0))
+        _set(fields, 0, b"op")
+        _set(fields, 1, b"c" if kind == INSERT else b"u")
+        _set(fields, 2, b"key")
+        _set(fields, 3, key_json)
+        _set(fields, 4, b"data")
+        _set(fields, 5, data_json)
+        at = 6
+        if before_json is not None:
+            _set(fields, 6, b"before")
+            _set(fields, 7, before_json)
+            at = 8
         if unchanged:
-            fields += [b"unchanged", _names_list(plan, unchanged)]
+            _set(fields, at, b"unchanged")
+            _set(fields, at + 1, _names_list(plan, unchanged))
         _projected_partition = _partition(plan, parts, plan.part_by) if parts is not None else 0
         return fields
     # DELETE
@@ -691,10 +729,19 @@ cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_ki
         return None
     parts = [] if plan.partitions != 1 else None
     _key_row(plan, old, data, parts)
-    fields = [b"op", b"d", b"key", _take(base)]
+    key_json = _take(base)
+    before_json = None
     if plan.before and old_full:
         _row(plan, old, data, None, None)
-        fields += [b"before", _take(base)]
+        before_json = _take(base)
+    fields = _entry(4 if before_json is None else 6)
+    _set(fields, 0, b"op")
+    _set(fields, 1, b"d")
+    _set(fields, 2, b"key")
+    _set(fields, 3, key_json)
+    if before_json is not None:
+        _set(fields, 4, b"before")
+        _set(fields, 5, before_json)
     _projected_partition = _partition(plan, parts, plan.part_by_plan) if parts is not None else 0
     return fields
 
@@ -710,20 +757,48 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
 
     The same as `cdc.bridge.changes.route_raw`.
     """
-    return _route(kind, raw, offset, targets, tx, batcher, windows, decoder,
-                  not windows.tables and not decoder.streaming, _tx_fields(tx))
+    cdef _State st = _State(tx, batcher)
+    try:
+        return _route(kind, raw, offset, targets, windows, decoder, not windows.tables and not decoder.streaming, st)
+    finally:
+        st.store()
 
 
-cdef class _TxFields:
-    """A transaction's position fields, read once per transaction (only `Transaction.begin*` changes them)."""
+cdef class _State:
+    """What the per-change work reads and moves of the transaction and the batcher, held here while a
+    burst runs: the transaction's position fields (only `Transaction.begin*` changes them) and its next
+    seq, the batcher's pending count and when its oldest entry came. `store` writes seq, pending and
+    first_at back before any Python code may look at them (the reference, `committed`, the loop), and
+    `load_*` reads them again after it ran."""
+    cdef object tx, batcher
     cdef object lsn, xid, ts
     cdef str prefix
+    cdef Py_ssize_t seq, pending
+    cdef double first_at
 
+    def __cinit__(self, tx, batcher):
+        self.tx = tx
+        self.batcher = batcher
+        self.load_tx()
+        self.load_batcher()
 
-cdef _TxFields _tx_fields(tx):
-    cdef _TxFields f = _TxFields.__new__(_TxFields)
-    f.lsn, f.xid, f.ts, f.prefix = tx.lsn, tx.xid, tx.ts, tx.prefix
-    return f
+    cdef int load_tx(self) except -1:
+        tx = self.tx
+        self.lsn, self.xid, self.ts, self.prefix = tx.lsn, tx.xid, tx.ts, tx.prefix
+        self.seq = tx.seq
+        return 0
+
+    cdef int load_batcher(self) except -1:
+        self.pending = self.batcher.pending
+        self.first_at = self.batcher.first_at
+        return 0
+
+    cdef int store(self) except -1:
+        self.tx.seq = self.seq
+        batcher = self.batcher
+        batcher.pending = self.pending
+        batcher.first_at = self.first_at
+        return 0
 
 
 cdef str _position(str prefix, Py_ssize_t seq):
@@ -740,17 +815,26 @@ cdef str _position(str prefix, Py_ssize_t seq):
     return PyUnicode_DecodeASCII(buf, n + 10, NULL)
 
 
-cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher, windows, decoder,
-                   bint plain, _TxFields txf):
+cdef object _route_reference(int kind, bytes raw, Py_ssize_t offset, list targets, windows, decoder, _State st):
+    """The reference takes the change: it sees the transaction and batcher as they are, and `st` what it did."""
+    st.store()
+    try:
+        return _reference(kind, raw, offset, targets, st.tx, st.batcher, windows, decoder)
+    finally:
+        st.seq = st.tx.seq
+        st.load_batcher()
+
+
+cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, windows, decoder, bint plain, _State st):
     """`route_raw`, called from `burst` without Python's call machinery; `plain`: no backfill window is
     open and the decoder is not inside a streamed block (read once per burst: only the loop's messages
-    change them)."""
+    change them). The transaction and batcher as `st` holds them."""
     cdef const unsigned char *data = <const unsigned char *>PyBytes_AS_STRING(raw)
     cdef Py_ssize_t have = PyBytes_GET_SIZE(raw), off
     cdef unsigned char action, old_kind = 0
     cdef Row old = None
     if not plain or offset + 6 > have:
-        return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
+        return _route_reference(kind, raw, offset, targets, windows, decoder, st)
     action = data[offset + 5]
     off = offset + 6
     if kind == INSERT:
@@ -780,7 +864,7 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
         else:
             off = _NOT_HANDLED
     if off != have:
-        return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
+        return _route_reference(kind, raw, offset, targets, windows, decoder, st)
     cdef Py_ssize_t ntargets = len(targets), i
     cdef bint projected = True
     cdef int only_partition = 0
@@ -820,40 +904,41 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, tx, bat
         _out.size = 0
         projected = False
     if not projected:
-        return _reference(kind, raw, offset, targets, tx, batcher, windows, decoder)
+        return _route_reference(kind, raw, offset, targets, windows, decoder, st)
     # every target is projected: now queue them, as `route_row` and `Batcher.add` do
     if outs is None:
-        _queue(<Plan>only_plan, only, only_partition, tx, txf, batcher)
+        _queue(<Plan>only_plan, only, only_partition, st)
     else:
         for i in range(ntargets):
             partition, out = <tuple>outs[i]
-            _queue(<Plan>(targets[i].plan), out, partition, tx, txf, batcher)
+            _queue(<Plan>(targets[i].plan), out, partition, st)
 
 
-cdef int _queue(Plan plan, object fields, int partition, tx, _TxFields txf, batcher) except -1:
-    """A target's change counted read and its entry, if any, queued with its position (`Batcher.add`)."""
-    cdef Py_ssize_t seq
+cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
+    """A target's change counted read and its entry, if any, completed with its position and queued
+    (`Batcher.add`): `fields` has room for them (`_entry`)."""
+    cdef Py_ssize_t seq = st.seq, at
     cdef list f
     plan.read[0] += 1
     if fields is None:
         return 0
     f = <list>fields
-    seq = tx.seq
-    f.append(b"lsn")  # one by one: no tuple per entry
-    f.append(txf.lsn)
-    f.append(b"seq")
-    f.append(seq)
-    f.append(b"xid")
-    f.append(txf.xid)
-    f.append(b"ts_ms")
-    f.append(txf.ts)
-    f.append(b"v")
-    f.append(plan.version)
-    f.append(_position(txf.prefix, seq))
+    at = PyList_GET_SIZE(f) - TAIL
+    _set(f, at, b"lsn")
+    _set(f, at + 1, st.lsn)
+    _set(f, at + 2, b"seq")
+    _set(f, at + 3, seq)
+    _set(f, at + 4, b"xid")
+    _set(f, at + 5, st.xid)
+    _set(f, at + 6, b"ts_ms")
+    _set(f, at + 7, st.ts)
+    _set(f, at + 8, b"v")
+    _set(f, at + 9, plan.version)
+    _set(f, at + 10, _position(st.prefix, seq))
     plan.batches[partition].entries.append(f)
-    if not batcher.pending:
-        batcher.first_at = batcher.clock()
-    batcher.pending += 1
+    if not st.pending:
+        st.first_at = st.batcher.clock()
+    st.pending += 1
     return 0
 
 
@@ -866,6 +951,45 @@ cdef inline double _now() noexcept:
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return <double>(<long long>ts.tv_sec * 1000000000LL + ts.tv_nsec) / 1e9
 
+
+
+cdef long long _EPOCH_US = PG_EPOCH_UNIX_US
+
+
+cdef str _digits(unsigned long long v, int width):
+    """`v` in decimal, zero-padded to `width` digits (`f"{v:0{width}d}"`)."""
+    cdef char buf[24]
+    cdef int i = 24
+    while True:
+        i -= 1
+        buf[i] = <char>(48 + v % 10)
+        v //= 10
+        if v == 0 and 24 - i >= width:
+            break
+    return PyUnicode_DecodeASCII(buf + i, 24 - i, NULL)
+
+
+cdef int _begin(_State st, unsigned long long final, long long commit_ts, unsigned long xid) except -1:
+    """`Transaction.begin_at` from a Begin's fields, written here: the same attributes, the same text."""
+    cdef long long us, ms
+    tx = st.tx
+    if commit_ts > 0x7FFFFFFFFFFFFFFF - _EPOCH_US or commit_ts < -0x7FFFFFFFFFFFFFFF + _EPOCH_US:
+        tx.begin_at(final, commit_ts, xid)  # cannot happen: the reference's arithmetic in Python ints
+        st.load_tx()
+        return 0
+    us = commit_ts + _EPOCH_US
+    ms = us / 1000
+    if us % 1000 and us < 0:  # `pg_ts_to_unix_ms` floors
+        ms -= 1
+    st.seq = 0
+    st.lsn = _digits(final, 1)
+    st.prefix = _digits(final, 20)
+    st.xid = _digits(xid, 1)
+    st.ts = _digits(<unsigned long long>ms, 1) if ms >= 0 else "-" + _digits(<unsigned long long>(-(ms + 1)) + 1, 1)
+    tx.open = True
+    tx.seq = 0
+    tx.lsn, tx.prefix, tx.xid, tx.ts = st.lsn, st.prefix, st.xid, st.ts
+    return 0
 
 
 def burst(stream, dict targets, tx, batcher, windows, decoder, committed, streams):
@@ -881,17 +1005,26 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
     malformed), when none is left, or when the batch is due (the rule of
     `Batcher.due`). Returns (changes read, that message or None).
     """
-    cdef Py_ssize_t count = 0, n, size, pending
-    cdef Py_ssize_t max_entries = batcher.max_entries
-    cdef double max_delay = batcher.max_delay
+    xid = decoder.stream_xid  # the block being received, if any: only the loop's messages start or stop one
+    cdef bint plain = not windows.tables and xid is None  # nor open or close a window
+    cdef _State st = _State(tx, batcher)
+    get = stream.get_copy_data
+    try:
+        return _burst(get, stream, targets, windows, decoder, committed, streams, st, plain, xid)
+    finally:
+        st.store()
+
+
+cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, streams, _State st, bint plain, xid):
+    """`burst`'s loop, with the transaction and batcher held in `st`."""
+    cdef Py_ssize_t count = 0, n, size
+    cdef Py_ssize_t max_entries = st.batcher.max_entries
+    cdef double max_delay = st.batcher.max_delay
     cdef const unsigned char *p
     cdef unsigned char kind
     cdef unsigned long relid
-    xid = decoder.stream_xid  # the block being received, if any: only the loop's messages start or stop one
     cdef bint streaming = xid is not None
-    cdef bint plain = not windows.tables and not streaming  # nor open or close a window
-    cdef _TxFields txf = _tx_fields(tx)  # read again after each Begin
-    get = stream.get_copy_data
+    tx = st.tx
     while count < 65536:
         try:
             n, data = get(1)
@@ -919,17 +1052,21 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
             relid = _u32(p + 26)
             tlist = targets.get(relid)
             if tlist:
-                _route(kind, raw, 25, tlist, tx, batcher, windows, decoder, plain, txf)
-            tx.seq += 1
+                _route(kind, raw, 25, tlist, windows, decoder, plain, st)
+            st.seq += 1
         elif kind == BEGIN and size == 25 + 21 and not streaming:
-            tx.begin_at(_u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
-            txf = _tx_fields(tx)
+            _begin(st, _u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
             continue
         elif kind == COMMIT and size == 25 + 26 and not streaming:
-            committed(tx.commit_at(_u64(p + 35)))
+            st.store()
+            tx.open = False  # `Transaction.commit_at`, inline
+            try:
+                committed(_Lsn(_u64(p + 35)))
+            finally:
+                st.seq = tx.seq
+                st.load_batcher()
         else:
             return count, raw
-        pending = batcher.pending
-        if pending and (pending >= max_entries or _now() - batcher.first_at >= max_delay):
+        if st.pending and (st.pending >= max_entries or _now() - st.first_at >= max_delay):
             return count, None
     return count, None

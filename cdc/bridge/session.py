@@ -313,8 +313,9 @@ class Session:
         self.counters.transactions += 1
         if self.ends is not None:
             self.ends.commit(self.tx)
-        # while a window is open, a replay must start before its low watermark
-        self.ack.committed(end, bool(self.windows.open), not self.batcher.pending and not self.inflight.busy)
+        # while a window is open, a replay must start before its low watermark (`inflight.sent`, not
+        # the `busy` property: this runs once per source transaction)
+        self.ack.committed(end, bool(self.windows.open), not self.batcher.pending and self.inflight.sent is None)
 
     def message(self, msg: pg.Message) -> None:
         if msg.prefix == WATERMARK_PREFIX:

@@ -43,6 +43,8 @@ log = logging.getLogger("cdc.publish")
 MULTI = hiredis.pack_command((b"MULTI",))
 EXEC = hiredis.pack_command((b"EXEC",))
 OK, QUEUED = b"+OK\r\n", b"+QUEUED\r\n"  # MULTI's reply, and each accepted command's
+#: the types of a reply that is no error (hiredis gives bulk and simple strings as bytes, numbers as int)
+_PLAIN_REPLIES = frozenset((bytes, int))
 #: how often one batch is filtered again after marks changed under it before giving up
 MAX_ABORTS = 20
 #: Redis' memory for a queued transaction per byte of its commands (measured on Redis 7.0: 2,000
@@ -268,10 +270,13 @@ class TransactionLane:
                 self._forget()
                 raise classify(exec_reply)
             if exec_reply is not None:
-                for reply in exec_reply:
-                    if isinstance(reply, Exception):
-                        self._forget()
-                        raise classify(reply)
+                # one reply per queued command (an entry ID per XADD): their types gathered in C, and
+                # looked at one by one only when one is not a plain reply
+                if not _PLAIN_REPLIES.issuperset(map(type, exec_reply)):
+                    for reply in exec_reply:
+                        if isinstance(reply, Exception):
+                            self._forget()
+                            raise classify(reply)
                 return plan.appended, after
             log.warning("a stream or its mark changed under the bridge (another writer, a recovery, a trim): "
                         "judging and filtering the batch again against what Redis holds")

@@ -865,10 +865,12 @@ def test_burst_queues_what_the_loop_queues_across_transactions(path):
         pass
 
     maps = [rides_mapping(partitions={"count": 3}), rides_mapping(entity="e1")]
-    txs = [(po.Begin(Lsn(0x2_0000_0100 * k), 810_000_000_000_000 + k, 4242 + k),
-            po.Commit(0, Lsn(0x2_0000_0100 * k), Lsn(0x2_0000_0180 * k), 0)) for k in (1, 2)]
+    # commit times after 2000, and before 1970 (negative Unix milliseconds, floored)
+    txs = [(po.Begin(Lsn(0x2_0000_0100 * k), ts, 4242 + k), po.Commit(0, Lsn(0x2_0000_0100 * k), Lsn(0x2_0000_0180 * k), 0))
+           for k, ts in ((1, 810_000_000_000_001), (2, 810_000_000_000_002), (3, -946_684_800_000_001))]
     changes_of = [[po.Insert(RELID, ("1", "a", "1.5")), po.Update(RELID, None, None, ("1", "b", "2"))],
-                  [po.Insert(RELID, ("2", "c", "3")), po.Delete(RELID, "K", ("1", None, None))]]
+                  [po.Insert(RELID, ("2", "c", "3")), po.Delete(RELID, "K", ("1", None, None))],
+                  [po.Insert(RELID, ("3", "d", "4"))]]
     raws = [HEADER + encode(m) for (begin, commit), chs in zip(txs, changes_of) for m in (begin, *chs, commit)]
     keepalive = b"k" + bytes(17)
 
@@ -890,13 +892,16 @@ def test_burst_queues_what_the_loop_queues_across_transactions(path):
         else:
             want_ends.append(tx.commit(decoder.decode(raw[OFFSET:])))
     want = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
+    want_state = [getattr(tx, name) for name in Transaction.__slots__], batcher.pending
 
     decoder, batcher, targets, tx = setup()
     ends = []
     stream = Stream(raws + [keepalive])
     count, raw = burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams)
     got = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
-    assert (count, raw) == (4, keepalive), "stops at a message it does not take, handing it back"
+    assert (count, raw) == (5, keepalive), "stops at a message it does not take, handing it back"
     assert burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams) == (0, None)
     assert got == want and ends == want_ends
-    assert {e[-1][1][:20] for e in got["cdc:e1"]} == {f"{0x2_0000_0100 * k:020d}" for k in (1, 2)}
+    assert ([getattr(tx, name) for name in Transaction.__slots__], batcher.pending) == want_state, \
+        "the transaction and the batcher as the reference leaves them"
+    assert {e[-1][1][:20] for e in got["cdc:e1"]} == {f"{0x2_0000_0100 * k:020d}" for k in (1, 2, 3)}

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cdc.errors import TransientError
 from cdc.sink.publisher import Publisher, StreamBatch, position, split_position
 from cdc.sink.lane import xadd_command
+from cdc.sink.node import coalesce
 
 MODES = ["transaction", "script"]
 
@@ -311,3 +312,12 @@ def test_a_redis_emptied_under_the_transaction_lane_is_a_data_loss(redis_server,
         assert client.keys("*") == []
     finally:
         pub.close()
+
+
+@given(st.lists(st.sampled_from([b"", b"*1\r\n$4\r\nPING\r\n", b"x" * 70_000, b"y" * 65_535, b"z" * 65_536]), max_size=8))
+def test_coalesce_sends_the_same_bytes_in_order_and_never_copies_a_large_command(commands):
+    writes = coalesce(commands)
+    assert b"".join(writes) == b"".join(commands)
+    large = [c for c in commands if len(c) >= 65_536]
+    assert [w for w in writes if any(w is c for c in large)] == large, "each large command written as it is"
+    assert len(writes) <= 2 * len(large) + 1

@@ -74,7 +74,8 @@ lint: install
 # crash, streamed transactions, END records), runs on both paths: every test in tests/bridge, tests/sink and
 # tests/source, and those elsewhere marked both_paths. A test whose outcome cannot depend on the path (operator
 # commands and their output, CLI and config parsing, claims of several bridges, metrics, deploy files, the consumers,
-# reconciliation, Sentinel, docs) runs once: outside those folders by default, inside them marked one_path.
+# reconciliation, Sentinel, docs, cdc.source's decoder and values, the twins compared side by side in one process)
+# runs once: outside those folders by default, inside them marked one_path.
 test: install test-deps reconcile-deps docs-deps lint
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest

@@ -74,6 +74,13 @@ def _mark_both_paths(items) -> None:
             item.add_marker(pytest.mark.both_paths)
 
 
+def per_path(compiled: int, pure: int) -> int:
+    """How many times a long both_paths test repeats its random rounds: `compiled` on the compiled path (the whole
+    suite), `pure` when the pure-Python path is asked for (make test's second pass, which checks the per-change
+    twin, not the rounds' variety again)."""
+    return pure if speedups.chosen() == "pure" else compiled
+
+
 def _skip_pg18(config, items) -> None:
     """Tests marked pg18 run in the --pg 18 pass only (they start PostgreSQL 18 servers of their own)."""
     if config.getoption("--pg") == "18":

@@ -24,7 +24,7 @@ import redis
 
 from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
 from cdc.source.lsn import Lsn
-from conftest import Env
+from conftest import Env, per_path
 from proxy import FreezableProxy
 from test_crash_recovery import RIDER_MAPPING, assert_streams_exact
 from workload import ResilientWorkload
@@ -32,7 +32,7 @@ from workload import ResilientWorkload
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RECEIVE_TIMEOUT_S = 3
-ROUNDS = 3  # each kind of fault, this many times, in a seeded random order
+ROUNDS = per_path(3, 1)  # each kind of fault, this many times, in a seeded random order
 #: how soon after a fault healed a change committed after it must be in Redis
 RECOVERY_BOUND_S = {"postgres freeze": RECEIVE_TIMEOUT_S + 5, "redis freeze": RECEIVE_TIMEOUT_S + 5}
 DEFAULT_BOUND_S = 8

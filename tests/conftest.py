@@ -49,7 +49,39 @@ def pytest_configure(config):
             raise pytest.UsageError(str(exc)) from None
 
 
+#: the test folders of the code with a compiled twin and of what drives changes through it (cdc/speedups.py):
+#: their tests are marked both_paths unless marked one_path
+BOTH_PATHS_FOLDERS = ("bridge", "sink", "source")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers added here
 def pytest_collection_modifyitems(config, items):
+    _mark_both_paths(items)
+    _skip_pg18(config, items)
+
+
+def _mark_both_paths(items) -> None:
+    """Which tests the pure-Python pass of make test runs (`-m both_paths`): those marked both_paths, and every
+    test in BOTH_PATHS_FOLDERS unless marked one_path. A module marked one_path names its exceptions both_paths."""
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        names = {mark.name for mark in item.iter_markers()}
+        if "both_paths" in names:
+            if "one_path" in {mark.name for mark in item.own_markers}:
+                raise pytest.UsageError(f"{item.nodeid} is marked one_path and, it or its module, both_paths: "
+                                        "mark the module one_path and the tests that need both paths both_paths")
+        elif "one_path" not in names and Path(item.path).relative_to(tests).parts[0] in BOTH_PATHS_FOLDERS:
+            item.add_marker(pytest.mark.both_paths)
+
+
+def per_path(compiled: int, pure: int) -> int:
+    """How many times a long both_paths test repeats its random rounds: `compiled` on the compiled path (the whole
+    suite), `pure` when the pure-Python path is asked for (make test's second pass, which checks the per-change
+    twin, not the rounds' variety again)."""
+    return pure if speedups.chosen() == "pure" else compiled
+
+
+def _skip_pg18(config, items) -> None:
     """Tests marked pg18 run in the --pg 18 pass only (they start PostgreSQL 18 servers of their own)."""
     if config.getoption("--pg") == "18":
         return

@@ -276,6 +276,7 @@ def test_a_partition_attached_holding_rows_stops_the_bridge_until_recover(meas):
     assert len(meas_now(meas)) == 3
 
 
+@pytest.mark.one_path
 def test_init_refuses_a_partition_mapped_while_its_parent_is_published(meas):
     meas.cdc("init", check=True)
     meas.write_mapping("part.yaml", "entity: part\ntable: public.meas_2025\nkey: [id, at]\nfields: {id: id, at: at}\n")

@@ -104,6 +104,7 @@ def test_a_low_watermark_whose_writer_died_never_pins_the_slot(env):
     assert proc.wait(30) == 0
 
 
+@pytest.mark.one_path
 def test_a_bridge_on_another_slot_neither_logs_nor_holds_for_a_backfill(env):
     """Two bridges on one database, two slots: watermarks of slot A (a live backfill, and a window
     that never closes) are none of B's business."""

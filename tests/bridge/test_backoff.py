@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cdc.bridge.backoff import Backoff
+
+pytestmark = pytest.mark.one_path
 
 
 def test_failures_in_a_row_back_off_up_to_the_maximum():

@@ -17,6 +17,7 @@ def setup_rides(env) -> None:
     env.init_rides("ride.yaml", "rider.yaml")
 
 
+@pytest.mark.one_path
 def test_init_is_idempotent_and_reports(env):
     env.apply_sql("10_rocket_rides.sql")
     env.copy_mappings("ride.yaml", "rider.yaml")
@@ -74,6 +75,7 @@ def test_inserts_updates_deletes_reach_streams_in_commit_order(env):
     assert env.confirmed_flush() >= max(lsns)
 
 
+@pytest.mark.one_path
 def test_the_bridge_says_once_at_start_which_hot_path_runs(env):
     setup_rides(env)
     env.execute("INSERT INTO riders (id, name, email, phone) VALUES (1, 'Ann', 'ann@example.com', '555-1234')")

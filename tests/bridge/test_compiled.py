@@ -44,6 +44,10 @@ from cdc.source.lsn import Lsn
 from cdc.source.values import TypeCatalog, TypeInfo
 from pgoutput_encoder import encode
 
+# both twins side by side in one process, whichever path the run picked: once is enough (make test's pure pass
+# runs only the tests marked both_paths: those that read the path the run picked)
+pytestmark = pytest.mark.one_path
+
 SALT_ENV = {"CDC_TEST_SALT": "p\u00e9pper"}
 HASH_KEY = "k\u00e9y-for-the-twin-tests".encode()
 RELID = 16500
@@ -841,6 +845,7 @@ def test_the_stub_states_the_compiled_interface_and_the_pure_twins_match_it(comp
         assert twin.__annotations__ == want, name
 
 
+@pytest.mark.both_paths
 def test_route_change_is_the_compiled_one_unless_pure_is_forced():
     if speedups._forced_pure():
         assert changes.route_change is changes.route_raw

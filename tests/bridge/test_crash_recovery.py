@@ -106,6 +106,7 @@ def test_redis_restart_and_postgres_restart_are_retried_without_loss(env):
     assert len(set(positions)) == len(positions)
 
 
+@pytest.mark.one_path
 def test_a_silently_dead_connection_is_detected_and_replaced(env):
     from proxy import FreezableProxy
 

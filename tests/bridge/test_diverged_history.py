@@ -23,7 +23,7 @@ from cdc.demo.local import wait_for
 from conftest import Env, read_stream
 from pg_pair import PrimaryStandby, env_on, running_pair
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18, pytest.mark.one_path]
 
 RIDER_MAPPING = """
 entity: rider

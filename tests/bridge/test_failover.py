@@ -29,7 +29,7 @@ from conftest import Env, read_stream
 from pg_pair import STANDBY_SLOT, PrimaryStandby, env_on, running_pair
 from workload import ResilientWorkload
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pg18, pytest.mark.one_path]
 
 RIDER_MAPPING = """
 entity: rider

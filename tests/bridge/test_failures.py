@@ -22,6 +22,7 @@ def rides(env):
     return env.init_rides("ride.yaml")
 
 
+@pytest.mark.one_path
 def test_missing_slot_says_run_init(env):
     env.apply_sql("10_rocket_rides.sql")
     env.copy_mappings("ride.yaml")
@@ -31,6 +32,7 @@ def test_missing_slot_says_run_init(env):
     assert f"replication slot '{env.slot}' does not exist" in line and "cdc init" in line
 
 
+@pytest.mark.one_path
 def test_role_without_replication_privilege(rides):
     rides.execute("CREATE ROLE reader LOGIN")
     rides.write_config(dsn=rides.postgres.dsn_for("reader", dbname=rides.dbname))
@@ -40,6 +42,7 @@ def test_role_without_replication_privilege(rides):
     assert "REPLICATION" in line
 
 
+@pytest.mark.one_path
 def test_unreachable_postgres_is_reported_as_transient(env):
     env.apply_sql("10_rocket_rides.sql")
     env.copy_mappings("ride.yaml")
@@ -49,6 +52,7 @@ def test_unreachable_postgres_is_reported_as_transient(env):
     assert "postgres unavailable" in one_error_line(result)
 
 
+@pytest.mark.one_path
 def test_wrong_wal_level_is_reported_with_the_fix(servers_root, env):
     server = LocalPostgres(servers_root / "replica-wal", settings={"wal_level": "replica"})
     server.start()
@@ -64,6 +68,7 @@ def test_wrong_wal_level_is_reported_with_the_fix(servers_root, env):
         server.stop("immediate")
 
 
+@pytest.mark.one_path
 def test_bad_mapping_names_file_and_line(rides):
     path = rides.write_mapping("broken.yaml", """\
         entity: broken
@@ -79,6 +84,7 @@ def test_bad_mapping_names_file_and_line(rides):
     assert f"{path}:6" in line and "unknown cast 'sideways'" in line and "casts are:" in line
 
 
+@pytest.mark.one_path
 def test_check_reports_every_problem_against_the_live_schema(rides):
     rides.write_mapping("ghost.yaml", """\
         entity: ghost
@@ -102,6 +108,7 @@ def test_check_reports_every_problem_against_the_live_schema(rides):
     assert "ok: entity ride" in result.stdout
 
 
+@pytest.mark.one_path
 def test_check_passes_on_valid_setup(rides):
     result = rides.cdc("check")
     assert result.returncode == 0, result.stderr

@@ -24,7 +24,7 @@ import redis
 
 from cdc.demo.local import LocalPostgres, LocalRedis, wait_for
 from cdc.source.lsn import Lsn
-from conftest import Env
+from conftest import Env, per_path
 from proxy import FreezableProxy
 from test_crash_recovery import RIDER_MAPPING, assert_streams_exact
 from workload import ResilientWorkload
@@ -32,7 +32,7 @@ from workload import ResilientWorkload
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RECEIVE_TIMEOUT_S = 3
-ROUNDS = 3  # each kind of fault, this many times, in a seeded random order
+ROUNDS = per_path(3, 1)  # each kind of fault, this many times, in a seeded random order
 #: how soon after a fault healed a change committed after it must be in Redis
 RECOVERY_BOUND_S = {"postgres freeze": RECEIVE_TIMEOUT_S + 5, "redis freeze": RECEIVE_TIMEOUT_S + 5}
 DEFAULT_BOUND_S = 8
@@ -196,6 +196,7 @@ def test_faults_at_random_moments_raise_no_false_alarm_and_lose_nothing(rig):
     assert sum(len(v) for v in workload.expected.values()) > 5000
 
 
+@pytest.mark.one_path
 def test_cuts_while_only_unpublished_tables_change_raise_no_false_alarm(env):
     """While only a table no mapping reads changes, the slot moves through keepalives alone, and a
     session can end before it recorded how far they took it. Cuts at random instants right after
@@ -253,6 +254,7 @@ def _new_walsender(env, old: int | None) -> int | None:
     return pid if pid and pid != old else None
 
 
+@pytest.mark.one_path
 def test_a_redis_restored_from_an_older_snapshot_is_a_real_loss_named_exactly(env, servers_root):
     """The other side of the rule: a real loss is still caught, with the range it lost."""
     snapshotted = LocalRedis(servers_root / "snapshot-redis", appendonly=False)

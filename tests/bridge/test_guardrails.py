@@ -35,6 +35,7 @@ def rides(env):
     return env.init_rides("ride.yaml", riders=1)
 
 
+@pytest.mark.one_path
 def test_metrics_health_and_readiness(rides):
     port = free_port()
     rides.write_config(f"http: {{host: 127.0.0.1, port: {port}}}\n")
@@ -79,6 +80,7 @@ def _metrics_health_and_readiness(rides, port: int) -> None:
     assert proc.wait(30) == 0
 
 
+@pytest.mark.one_path
 def test_redis_that_lost_data_is_detected_with_the_missing_range(rides, servers_root):
     volatile = LocalRedis(servers_root / "volatile-redis", appendonly=False)
     volatile.start()
@@ -150,6 +152,7 @@ def test_heartbeats_keep_a_quiet_slot_advancing(rides):
     assert proc.wait(30) == 0
 
 
+@pytest.mark.one_path
 def test_lost_slot_stops_with_the_way_to_recover(servers_root, env):
     server = LocalPostgres(servers_root / "small-wal", settings={"max_slot_wal_keep_size": "1MB", "max_wal_size": "32MB", "min_wal_size": "32MB"})
     server.start()
@@ -189,6 +192,7 @@ def test_lost_slot_stops_with_the_way_to_recover(servers_root, env):
         server.stop("immediate")
 
 
+@pytest.mark.one_path
 def test_wait_for_replicas_before_acknowledging(rides, servers_root):
     replica = LocalRedis(servers_root / "replica", extra=["--replicaof", "127.0.0.1", str(rides.redis_server.port)])
     replica.start()

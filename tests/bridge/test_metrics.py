@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdc.metrics import Histogram, Registry
+
+pytestmark = pytest.mark.one_path
 
 
 def test_families_render_in_the_prometheus_text_format(caplog):

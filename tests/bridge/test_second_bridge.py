@@ -14,7 +14,7 @@ from cdc.demo.local import free_port, wait_for
 
 from conftest import read_stream
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 from cdc import keys
 from several_bridges import RIDER_MAPPING, assert_exact, ride_and_rider_bridges, run_two_bridges, second_env
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
 
 def _refused(e, *words: str) -> None:

@@ -11,7 +11,7 @@ from cdc.errors import DataLossError
 from cdc.source.history import ServerHistory
 from cdc.source.lsn import Lsn
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
 SLOT = "hist"
 

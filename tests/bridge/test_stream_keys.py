@@ -152,6 +152,7 @@ def test_a_stream_deleted_while_running_or_stopped_is_a_data_loss_until_recovere
     assert env.cdc("check").returncode == 0
 
 
+@pytest.mark.one_path
 def test_a_stream_replaced_by_another_type_is_a_data_loss_and_recover_never_deletes_the_key(env):
     three_streams(env, "transaction")
     write(env, ENTITIES, range(1, 6))
@@ -176,6 +177,7 @@ def test_a_stream_replaced_by_another_type_is_a_data_loss_and_recover_never_dele
     exact(env)
 
 
+@pytest.mark.one_path
 def test_entries_a_group_had_not_consumed_removed_are_a_data_loss_unless_the_trim_cap_dropped_them(env):
     three_streams(env, "transaction")
     write(env, ("a",), range(1, 21))
@@ -209,6 +211,7 @@ def test_entries_a_group_had_not_consumed_removed_are_a_data_loss_unless_the_tri
     env.cdc("run", "--until-caught-up", check=True)
 
 
+@pytest.mark.one_path
 def test_a_mark_replaced_by_another_type_names_it_and_recover_rebuilds_behind_a_new_mark(env):
     three_streams(env, "transaction")
     write(env, ENTITIES, range(1, 6))
@@ -228,6 +231,7 @@ def test_a_mark_replaced_by_another_type_names_it_and_recover_rebuilds_behind_a_
     assert replay(entries, reset_at_marker=True) == table(env, "a")
 
 
+@pytest.mark.one_path
 def test_recover_refuses_a_mark_key_of_another_type_and_changes_nothing(env):
     three_streams(env, "transaction")
     write(env, ENTITIES, range(1, 3))

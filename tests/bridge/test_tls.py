@@ -8,7 +8,7 @@ import redis
 from cdc.demo.local import LocalPostgres, LocalRedis
 from certs import make_certs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
 
 def test_bridge_streams_over_tls_on_both_ends(servers_root, env):

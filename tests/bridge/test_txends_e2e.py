@@ -56,6 +56,7 @@ def assert_ends_match(client, streams: list[str]) -> list[dict]:
     return everything
 
 
+@pytest.mark.one_path
 @pytest.mark.parametrize("append, pure", [("transaction", ""), ("script", "1")])
 def test_transactions_get_one_end_each_with_their_counts(env, append, pure):
     env.apply_sql("10_rocket_rides.sql")
@@ -88,6 +89,7 @@ def test_transactions_get_one_end_each_with_their_counts(env, append, pure):
     assert len(ends) == 4 and ends[3]["data"]["count"] == 1, "the other path goes on after it, nothing twice"
 
 
+@pytest.mark.one_path
 def test_a_clashing_transactions_stream_is_a_config_error(env):
     env.apply_sql("10_rocket_rides.sql")
     env.copy_mappings("ride.yaml")
@@ -124,6 +126,7 @@ def test_kill_9_mid_stream_leaves_every_end_once_with_its_counts(env):
     assert any(e["data"]["count"] > 40 for e in ends), "a transaction spanning batches was counted whole"
 
 
+@pytest.mark.one_path
 def test_status_trim_and_recover_treat_the_transactions_stream_like_the_others(env):
     import orjson
 

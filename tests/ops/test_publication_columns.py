@@ -116,6 +116,7 @@ def test_init_sends_only_the_mapped_columns_and_updates_the_list_in_place(accoun
     env.execute(f'DROP OWNED BY "{owner}" CASCADE; DROP ROLE "{owner}"')
 
 
+@pytest.mark.both_paths
 def test_a_publication_sending_less_stops_the_bridge_and_check_until_init(accounts):
     env = accounts
     env.cdc("init", check=True)
@@ -164,6 +165,7 @@ def test_a_publication_sending_less_stops_the_bridge_and_check_until_init(accoun
     assert "sends column(s) secret of public.accounts that no mapping reads" in check.stdout + check.stderr
 
 
+@pytest.mark.both_paths
 def test_a_relation_lacking_a_mapped_column_stops_the_bridge(accounts):
     """The stream's own description of the table, not only the gate's reading, stops the bridge: the
     publication is narrowed and a row written in one transaction, before any gate reading sees it."""

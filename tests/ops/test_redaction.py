@@ -8,6 +8,7 @@ import io
 import json
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import quote, unquote
@@ -239,15 +240,18 @@ def test_no_command_shows_a_password_on_any_error_path(env, tmp_path):
         "TLS against a plain port": f"rediss://:{SECRET}@127.0.0.1:{env.redis_server.port}/0?ssl_cert_reqs=none",
     }
     runs = []
-    for what, dsn in bad_dsns.items():
-        env.config_path.write_text(f"postgres: {{dsn: {json.dumps(dsn)}, slot: {env.slot}}}\n"  # in the config file
-                                   f"redis: {{url: '{env.redis_server.url}'}}\nmappings: mappings/\nhttp: {{port: 0}}\n")
-        for command in _commands(env)[:8]:  # those that connect to PostgreSQL first
-            runs.append((f"config dsn {what}", command, _cdc(env, *command)))
-        secret = tmp_path / "dsn"
-        secret.write_text(dsn)
-        runs.append((f"file dsn {what}", ("check",), _cdc(env, "check", extra_env={"CDC_POSTGRES_DSN_FILE": str(secret)})))
-        runs.append((f"env dsn {what}", ("run",), _cdc(env, "run", extra_env={"CDC_POSTGRES_DSN": dsn})))
+    # each of a DSN's commands stops at its PostgreSQL connection, before anything they could share: side by side
+    with ThreadPoolExecutor(4) as pool:
+        for what, dsn in bad_dsns.items():
+            env.config_path.write_text(f"postgres: {{dsn: {json.dumps(dsn)}, slot: {env.slot}}}\n"  # in the config file
+                                       f"redis: {{url: '{env.redis_server.url}'}}\nmappings: mappings/\nhttp: {{port: 0}}\n")
+            secret = tmp_path / "dsn"
+            secret.write_text(dsn)
+            calls = [(f"config dsn {what}", command, None) for command in _commands(env)[:8]]  # those that connect to PostgreSQL first
+            calls += [(f"file dsn {what}", ("check",), {"CDC_POSTGRES_DSN_FILE": str(secret)}),
+                      (f"env dsn {what}", ("run",), {"CDC_POSTGRES_DSN": dsn})]
+            results = list(pool.map(lambda call: _cdc(env, *call[1], extra_env=call[2]), calls))
+            runs += [(label, command, result) for (label, command, _), result in zip(calls, results)]
     env.write_config()
     for what, url in bad_urls.items():
         for command in _commands(env):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cdc.sink.claims import BridgeIdentity, judge
+
+pytestmark = pytest.mark.one_path
 
 A = BridgeIdentity("a", "7001", "app", "pub_a")
 

@@ -115,6 +115,7 @@ def test_a_failed_stream_moves_neither_its_mark_nor_the_flushed_record_on_a_clus
         client.close()
 
 
+@pytest.mark.one_path  # the claims of several bridges; kill -9 recovery runs on both paths in the first test
 @pytest.mark.slow
 def test_two_bridges_on_disjoint_tables_stay_exact_through_kill_9_on_a_cluster(env, cluster, tmp_path):
     from several_bridges import assert_exact, ride_and_rider_bridges, run_two_bridges

@@ -8,11 +8,15 @@ hands to `xadd_command`, and the same exception for what cannot be packed.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc.sink import lane
 from test_compiled_resp import SETTINGS, compiled_resp, entries, streams
+
+# both twins side by side in one process, whichever path the run picked: once is enough
+pytestmark = pytest.mark.one_path
 
 position_digits = st.integers(0, 40).map(lambda n: f"{n:030d}")
 

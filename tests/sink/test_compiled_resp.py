@@ -20,6 +20,10 @@ from hypothesis import strategies as st
 from cdc import speedups
 from cdc.sink import lane
 
+# both twins side by side in one process, whichever path the run picked: once is enough (make test's pure pass
+# runs only the tests marked both_paths: those that read the path the run picked)
+pytestmark = pytest.mark.one_path
+
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -121,6 +125,7 @@ def test_the_command_is_what_hiredis_packs(stream, pairs):
     assert compiled_resp().xadd_command(stream, entry) == want == lane.xadd_command(stream, entry)
 
 
+@pytest.mark.both_paths
 def test_the_lane_packs_with_the_compiled_code_unless_pure_is_forced(monkeypatch):
     compiled = compiled_resp()
     if speedups._forced_pure():

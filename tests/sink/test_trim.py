@@ -9,7 +9,7 @@ import redis
 
 from cdc.sink.trim import TrimPolicy, trim_stream
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
 
 @pytest.fixture

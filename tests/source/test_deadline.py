@@ -10,7 +10,7 @@ import pytest
 from cdc.source.deadline import ConnectionSilent, bounded
 from proxy import FreezableProxy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
 
 @pytest.fixture

@@ -13,6 +13,10 @@ from hypothesis import strategies as st
 from cdc.source import framing as wp
 from cdc.source.lsn import Lsn
 
+# cdc.source.framing has no compiled twin and runs the same on both paths (the compiled code's own reading is held to
+# it by tests/bridge/test_compiled.py): once is enough
+pytestmark = pytest.mark.one_path
+
 # 2024-01-02 03:04:05.678901 UTC in microseconds since 2000-01-01 UTC.
 TS = 757479845678901
 TS_HEX = "0002b0ec85204f35"

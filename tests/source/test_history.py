@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cdc.source.history import ServerHistory, divergence, parse_history
 from cdc.source.lsn import Lsn
+
+pytestmark = pytest.mark.one_path
 
 HISTORY_3 = "1\t0/3000110\tno recovery target specified\n\n2\t0/5000000\tat restore point \"x\"\n"
 

@@ -15,6 +15,10 @@ from cdc.source.lsn import Lsn
 from cdc.source.pgoutput import UNCHANGED_TOAST, DecodeError, PgOutputDecoder
 from pgoutput_encoder import encode, is_streamed
 
+# cdc.source.pgoutput has no compiled twin and runs the same on both paths (the compiled code's own reading is held to
+# it by tests/bridge/test_compiled.py): once is enough
+pytestmark = pytest.mark.one_path
+
 # 2024-01-02 03:04:05.678901 UTC in microseconds since 2000-01-01 UTC.
 TS = 757479845678901
 TS_HEX = "0002b0ec85204f35"

@@ -28,7 +28,9 @@ from cdc.source.lsn import Lsn
 from cdc.source.pgoutput import UNCHANGED_TOAST, PgOutputDecoder
 from cdc.source.framing import pg_ts_to_unix_ms
 
-pytestmark = pytest.mark.integration
+# cdc.source.pgoutput has no compiled twin and runs the same on both paths (the compiled code's own reading is held to
+# it by tests/bridge/test_compiled.py): once is enough
+pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
 PG_BIN = pg_bin()  # the server the run was given (tests/conftest.py --pg)
 START_TIMEOUT = 60.0

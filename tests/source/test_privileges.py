@@ -6,6 +6,8 @@ import pytest
 
 from cdc.source.privileges import fix_for
 
+pytestmark = pytest.mark.one_path
+
 
 @pytest.mark.parametrize("message, need, fix", [
     ('permission denied for table rides', "SELECT", "run: GRANT SELECT ON TABLE rides TO cdc_bridge"),

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cdc.source.coverage import Publication, TableCoverage
 from cdc.source.pubcolumns import lacking, plan, sends_less, surplus
+
+pytestmark = pytest.mark.one_path
 
 PUB = Publication("cdc", exists=True)
 

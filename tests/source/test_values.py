@@ -23,6 +23,10 @@ from cdc.source.values import (
     type_name,
 )
 
+# cdc.source.values has no compiled twin and runs the same on both paths (the compiled code's own reading is held to
+# it by tests/bridge/test_compiled.py): once is enough
+pytestmark = pytest.mark.one_path
+
 INT2, INT4, INT8, OID = 21, 23, 20, 26
 FLOAT4, FLOAT8, NUMERIC, BOOL = 700, 701, 1700, 16
 TEXT, VARCHAR, BPCHAR, NAME, CHAR = 25, 1043, 1042, 19, 18

@@ -38,7 +38,9 @@ from cdc.source.values import (
 
 psycopg = pytest.importorskip("psycopg")
 
-pytestmark = pytest.mark.integration
+# cdc.source.values has no compiled twin and runs the same on both paths (the compiled code's own reading is held to
+# it by tests/bridge/test_compiled.py): once is enough
+pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
 PG_BIN = str(pg_bin())  # the server the run was given (tests/conftest.py --pg)
 SESSION_OPTIONS = (

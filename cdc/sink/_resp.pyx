@@ -10,6 +10,7 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.stdlib cimport malloc, realloc
 from libc.string cimport memcpy
+from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 
 __all__ = ["xadd_command", "pack_past"]  # the interface: _resp.pyi
 
@@ -134,16 +135,50 @@ cdef int _arg(object value) except -1:
     return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
 
 
+cdef enum:
+    NAME_SLOTS = 64  # names remembered packed (an entry's are the producer's few constants, reused)
+
+# a field name already packed as a bulk string, by the name object itself: the slot holds a reference
+# to the name, so no other object can take its address while it is there (bytes are immutable)
+cdef PyObject *_name_keys[NAME_SLOTS]  # static: all NULL at first
+cdef PyObject *_name_packed[NAME_SLOTS]
+
+
 cdef int _name(object name) except -1:
+    global _size
     cdef bytes b
+    cdef Py_ssize_t slot, n
+    cdef PyObject *packed
+    if type(name) is bytes and PyBytes_GET_SIZE(name) <= 64:
+        slot = (<size_t><PyObject *>name >> 4) % NAME_SLOTS
+        if _name_keys[slot] != <PyObject *>name:
+            b = b"$%d\r\n%b\r\n" % (PyBytes_GET_SIZE(name), name)
+            Py_XDECREF(_name_keys[slot])
+            Py_XDECREF(_name_packed[slot])
+            Py_INCREF(name)
+            Py_INCREF(b)
+            _name_keys[slot] = <PyObject *>name
+            _name_packed[slot] = <PyObject *>b
+        packed = _name_packed[slot]
+        n = PyBytes_GET_SIZE(<bytes>packed)
+        _reserve(n)
+        memcpy(_buf + _size, PyBytes_AS_STRING(<bytes>packed), n)
+        _size += n
+        return 0
     if type(name) is bytes:
         return _bulk(PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name))
     b = str(name).encode()
     return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
 
 
-cdef int _append_xadd(bytes stream, object entry) except -1:
-    """Append ``XADD stream * field value ...`` for `entry` to the buffer; 0 when the reference must pack it.
+cdef bytes _head(bytes stream):
+    """What follows each command's argument count: ``XADD``, the stream and ``*``, packed once per call."""
+    return b"$4\r\nXADD\r\n$%d\r\n%b\r\n$1\r\n*\r\n" % (PyBytes_GET_SIZE(stream), stream)
+
+
+cdef int _append_xadd(bytes head, object entry) except -1:
+    """Append ``XADD stream * field value ...`` for `entry` to the buffer (`head`: `_head(stream)`);
+    0 when the reference must pack it.
 
     An exception (a str that is not valid UTF-8) leaves part of a command in the
     buffer: the caller puts the buffer back and hands the entry to the reference,
@@ -158,11 +193,9 @@ cdef int _append_xadd(bytes stream, object entry) except -1:
     if count % 2 == 0:
         return 0
     _number(b'*', count + 2)  # XADD, stream, '*', then the pairs (the position is not sent)
-    _reserve(10)
-    memcpy(_buf + _size, b"$4\r\nXADD\r\n", 10)
-    _size += 10
-    _bulk(PyBytes_AS_STRING(stream), PyBytes_GET_SIZE(stream))
-    _bulk(b"*", 1)
+    _reserve(PyBytes_GET_SIZE(head))
+    memcpy(_buf + _size, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
+    _size += PyBytes_GET_SIZE(head)
     for i in range(0, count - 1, 2):
         name = (<list>entry)[i]
         if type(name) is not bytes and type(name) is not str:
@@ -179,7 +212,7 @@ def xadd_command(bytes stream, entry):
     global _size
     _size = 0
     try:
-        packed = _append_xadd(stream, entry)
+        packed = _append_xadd(_head(stream), entry)
     except Exception:
         packed = 0
     if not packed:
@@ -195,6 +228,7 @@ def pack_past(bytes stream, entries, str held):
     global _size
     cdef Py_ssize_t count = 0, start
     cdef list chunks = []
+    cdef bytes head = _head(stream)
     last = None
     _size = 0
     for entry in entries:
@@ -205,7 +239,7 @@ def pack_past(bytes stream, entries, str held):
         last = pos
         start = _size
         try:
-            packed = _append_xadd(stream, entry)
+            packed = _append_xadd(head, entry)
         except Exception:
             packed = 0
         if packed:

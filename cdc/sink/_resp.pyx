@@ -9,10 +9,10 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.stdlib cimport malloc, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
 
-__all__ = ["xadd_command", "pack_past"]  # the interface: _resp.pyi
+__all__ = ["xadd_command", "pack_past", "plain_array_end"]  # the interface: _resp.pyi
 
 
 cdef object _reference():
@@ -255,3 +255,48 @@ def pack_past(bytes stream, entries, str held):
             chunks.append(PyBytes_FromStringAndSize(_buf, _size))
         return b"".join(chunks), count, last
     return PyBytes_FromStringAndSize(_buf, _size), count, last
+
+
+cdef Py_ssize_t _eol(const char *p, Py_ssize_t n, Py_ssize_t at):
+    """Where the first CRLF at or after `at` starts, -1 when there is none."""
+    while at + 1 < n:
+        if p[at] == b'\r' and p[at + 1] == b'\n':
+            return at
+        at += 1
+    return -1
+
+
+def plain_array_end(bytes data, Py_ssize_t count):
+    """Where the RESP array of `count` replies at the start of `data` ends, when every one is a bulk
+    or simple string; -1 when it is anything else, -2 when `data` stops before that is known."""
+    cdef const char *p = PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data), at, eol, end, size, i, j
+    cdef bytes head
+    eol = _eol(p, n, 0)
+    if eol < 0:
+        return -2
+    head = b"*%d" % count
+    if eol != PyBytes_GET_SIZE(head) or memcmp(p, PyBytes_AS_STRING(head), eol) != 0:
+        return -1
+    at = eol + 2
+    for i in range(count):
+        eol = _eol(p, n, at)
+        if eol < 0:
+            return -2
+        if p[at] == b'+':
+            at = eol + 2
+            continue
+        if p[at] != b'$' or eol - at - 1 < 1 or eol - at - 1 > 18:
+            return -1
+        size = 0
+        for j in range(at + 1, eol):
+            if p[j] < b'0' or p[j] > b'9':
+                return -1
+            size = size * 10 + (p[j] - 48)
+        end = eol + 2 + size
+        if end + 2 > n:
+            return -2
+        if p[end] != b'\r' or p[end + 1] != b'\n':
+            return -1
+        at = end + 2
+    return at

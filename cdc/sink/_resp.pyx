@@ -10,7 +10,7 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.stdlib cimport malloc, realloc
 from libc.string cimport memcmp, memcpy
-from cpython.ref cimport PyObject, Py_INCREF, Py_XDECREF
+from cpython.ref cimport PyObject, Py_INCREF
 
 __all__ = ["xadd_command", "pack_past", "plain_array_end"]  # the interface: _resp.pyi
 
@@ -136,29 +136,40 @@ cdef int _arg(object value) except -1:
 
 
 cdef enum:
-    NAME_SLOTS = 64  # names remembered packed (an entry's are the producer's few constants, reused)
+    NAME_SLOTS = 256  # a table of field names packed (an entry's are the producer's few constants, reused)
+    NAME_LIMIT = 128  # names it takes at most (half full: probes stay short); the others are packed each time
 
-# a field name already packed as a bulk string, by the name object itself: the slot holds a reference
-# to the name, so no other object can take its address while it is there (bytes are immutable)
+# a field name already packed as a bulk string, found by the name object itself (open addressing): the
+# table holds a reference to each name, so no other object can take its address (bytes are immutable)
 cdef PyObject *_name_keys[NAME_SLOTS]  # static: all NULL at first
 cdef PyObject *_name_packed[NAME_SLOTS]
+cdef Py_ssize_t _names_held = 0
+
+
+cdef inline Py_ssize_t _name_slot(PyObject *name):
+    """The slot of `name` in the table, or the empty one where it would go."""
+    cdef size_t slot = ((<size_t>name >> 4) * <size_t>0x9E3779B97F4A7C15ULL) >> 56  # 8 bits: NAME_SLOTS
+    while _name_keys[slot] != NULL and _name_keys[slot] != name:
+        slot = (slot + 1) % NAME_SLOTS
+    return slot
 
 
 cdef int _name(object name) except -1:
-    global _size
+    global _size, _names_held
     cdef bytes b
     cdef Py_ssize_t slot, n
     cdef PyObject *packed
     if type(name) is bytes and PyBytes_GET_SIZE(name) <= 64:
-        slot = (<size_t><PyObject *>name >> 4) % NAME_SLOTS
-        if _name_keys[slot] != <PyObject *>name:
+        slot = _name_slot(<PyObject *>name)
+        if _name_keys[slot] == NULL:
+            if _names_held >= NAME_LIMIT:
+                return _bulk(PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name))
             b = b"$%d\r\n%b\r\n" % (PyBytes_GET_SIZE(name), name)
-            Py_XDECREF(_name_keys[slot])
-            Py_XDECREF(_name_packed[slot])
             Py_INCREF(name)
             Py_INCREF(b)
             _name_keys[slot] = <PyObject *>name
             _name_packed[slot] = <PyObject *>b
+            _names_held += 1
         packed = _name_packed[slot]
         n = PyBytes_GET_SIZE(<bytes>packed)
         _reserve(n)
@@ -286,8 +297,8 @@ def plain_array_end(bytes data, Py_ssize_t count):
         if p[at] == b'+':
             at = eol + 2
             continue
-        if p[at] != b'$' or eol - at - 1 < 1 or eol - at - 1 > 18:
-            return -1
+        if p[at] != b'$' or eol - at - 1 < 1 or eol - at - 1 > 18 or (p[at + 1] == b'0' and eol - at - 1 > 1):
+            return -1  # a length as Redis writes it: no leading 0
         size = 0
         for j in range(at + 1, eol):
             if p[j] < b'0' or p[j] > b'9':

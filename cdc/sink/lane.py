@@ -121,7 +121,8 @@ def plain_array_end(data: bytes, count: int) -> int:
         kind = data[at:at + 1]
         if kind == b"+":
             at = eol + 2
-        elif kind == b"$" and data[at + 1:eol].isdigit() and eol - at - 1 <= 18:
+        elif kind == b"$" and data[at + 1:eol].isdigit() and eol - at - 1 <= 18 and (
+                data[at + 1] != 48 or eol - at - 1 == 1):  # a length as Redis writes it: no leading 0
             end = eol + 2 + int(data[at + 1:eol])
             if end + 2 > len(data):
                 return -2

@@ -8,7 +8,8 @@ to this file.
 
 from collections.abc import Sequence
 
-__all__ = ["xadd_command", "pack_past"]
+__all__ = ["xadd_command", "pack_past", "plain_array_end"]
 
 def xadd_command(stream: bytes, entry: Sequence) -> bytes: ...
 def pack_past(stream: bytes, entries: Sequence[Sequence], held: str) -> tuple[bytes, int, str | None]: ...
+def plain_array_end(data: bytes, count: int) -> int: ...

@@ -9,9 +9,10 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.stdlib cimport malloc, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
+from cpython.ref cimport PyObject, Py_INCREF
 
-__all__ = ["xadd_command", "pack_past"]  # the interface: _resp.pyi
+__all__ = ["xadd_command", "pack_past", "plain_array_end"]  # the interface: _resp.pyi
 
 
 cdef object _reference():
@@ -134,16 +135,61 @@ cdef int _arg(object value) except -1:
     return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
 
 
+cdef enum:
+    NAME_SLOTS = 256  # a table of field names packed (an entry's are the producer's few constants, reused)
+    NAME_LIMIT = 128  # names it takes at most (half full: probes stay short); the others are packed each time
+
+# a field name already packed as a bulk string, found by the name object itself (open addressing): the
+# table holds a reference to each name, so no other object can take its address (bytes are immutable)
+cdef PyObject *_name_keys[NAME_SLOTS]  # static: all NULL at first
+cdef PyObject *_name_packed[NAME_SLOTS]
+cdef Py_ssize_t _names_held = 0
+
+
+cdef inline Py_ssize_t _name_slot(PyObject *name):
+    """The slot of `name` in the table, or the empty one where it would go."""
+    cdef size_t slot = ((<size_t>name >> 4) * <size_t>0x9E3779B97F4A7C15ULL) >> 56  # 8 bits: NAME_SLOTS
+    while _name_keys[slot] != NULL and _name_keys[slot] != name:
+        slot = (slot + 1) % NAME_SLOTS
+    return slot
+
+
 cdef int _name(object name) except -1:
+    global _size, _names_held
     cdef bytes b
+    cdef Py_ssize_t slot, n
+    cdef PyObject *packed
+    if type(name) is bytes and PyBytes_GET_SIZE(name) <= 64:
+        slot = _name_slot(<PyObject *>name)
+        if _name_keys[slot] == NULL:
+            if _names_held >= NAME_LIMIT:
+                return _bulk(PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name))
+            b = b"$%d\r\n%b\r\n" % (PyBytes_GET_SIZE(name), name)
+            Py_INCREF(name)
+            Py_INCREF(b)
+            _name_keys[slot] = <PyObject *>name
+            _name_packed[slot] = <PyObject *>b
+            _names_held += 1
+        packed = _name_packed[slot]
+        n = PyBytes_GET_SIZE(<bytes>packed)
+        _reserve(n)
+        memcpy(_buf + _size, PyBytes_AS_STRING(<bytes>packed), n)
+        _size += n
+        return 0
     if type(name) is bytes:
         return _bulk(PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name))
     b = str(name).encode()
     return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
 
 
-cdef int _append_xadd(bytes stream, object entry) except -1:
-    """Append ``XADD stream * field value ...`` for `entry` to the buffer; 0 when the reference must pack it.
+cdef bytes _head(bytes stream):
+    """What follows each command's argument count: ``XADD``, the stream and ``*``, packed once per call."""
+    return b"$4\r\nXADD\r\n$%d\r\n%b\r\n$1\r\n*\r\n" % (PyBytes_GET_SIZE(stream), stream)
+
+
+cdef int _append_xadd(bytes head, object entry) except -1:
+    """Append ``XADD stream * field value ...`` for `entry` to the buffer (`head`: `_head(stream)`);
+    0 when the reference must pack it.
 
     An exception (a str that is not valid UTF-8) leaves part of a command in the
     buffer: the caller puts the buffer back and hands the entry to the reference,
@@ -158,11 +204,9 @@ cdef int _append_xadd(bytes stream, object entry) except -1:
     if count % 2 == 0:
         return 0
     _number(b'*', count + 2)  # XADD, stream, '*', then the pairs (the position is not sent)
-    _reserve(10)
-    memcpy(_buf + _size, b"$4\r\nXADD\r\n", 10)
-    _size += 10
-    _bulk(PyBytes_AS_STRING(stream), PyBytes_GET_SIZE(stream))
-    _bulk(b"*", 1)
+    _reserve(PyBytes_GET_SIZE(head))
+    memcpy(_buf + _size, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
+    _size += PyBytes_GET_SIZE(head)
     for i in range(0, count - 1, 2):
         name = (<list>entry)[i]
         if type(name) is not bytes and type(name) is not str:
@@ -179,7 +223,7 @@ def xadd_command(bytes stream, entry):
     global _size
     _size = 0
     try:
-        packed = _append_xadd(stream, entry)
+        packed = _append_xadd(_head(stream), entry)
     except Exception:
         packed = 0
     if not packed:
@@ -195,6 +239,7 @@ def pack_past(bytes stream, entries, str held):
     global _size
     cdef Py_ssize_t count = 0, start
     cdef list chunks = []
+    cdef bytes head = _head(stream)
     last = None
     _size = 0
     for entry in entries:
@@ -205,7 +250,7 @@ def pack_past(bytes stream, entries, str held):
         last = pos
         start = _size
         try:
-            packed = _append_xadd(stream, entry)
+            packed = _append_xadd(head, entry)
         except Exception:
             packed = 0
         if packed:
@@ -221,3 +266,48 @@ def pack_past(bytes stream, entries, str held):
             chunks.append(PyBytes_FromStringAndSize(_buf, _size))
         return b"".join(chunks), count, last
     return PyBytes_FromStringAndSize(_buf, _size), count, last
+
+
+cdef Py_ssize_t _eol(const char *p, Py_ssize_t n, Py_ssize_t at):
+    """Where the first CRLF at or after `at` starts, -1 when there is none."""
+    while at + 1 < n:
+        if p[at] == b'\r' and p[at + 1] == b'\n':
+            return at
+        at += 1
+    return -1
+
+
+def plain_array_end(bytes data, Py_ssize_t count):
+    """Where the RESP array of `count` replies at the start of `data` ends, when every one is a bulk
+    or simple string; -1 when it is anything else, -2 when `data` stops before that is known."""
+    cdef const char *p = PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(data), at, eol, end, size, i, j
+    cdef bytes head
+    eol = _eol(p, n, 0)
+    if eol < 0:
+        return -2
+    head = b"*%d" % count
+    if eol != PyBytes_GET_SIZE(head) or memcmp(p, PyBytes_AS_STRING(head), eol) != 0:
+        return -1
+    at = eol + 2
+    for i in range(count):
+        eol = _eol(p, n, at)
+        if eol < 0:
+            return -2
+        if p[at] == b'+':
+            at = eol + 2
+            continue
+        if p[at] != b'$' or eol - at - 1 < 1 or eol - at - 1 > 18 or (p[at + 1] == b'0' and eol - at - 1 > 1):
+            return -1  # a length as Redis writes it: no leading 0
+        size = 0
+        for j in range(at + 1, eol):
+            if p[j] < b'0' or p[j] > b'9':
+                return -1
+            size = size * 10 + (p[j] - 48)
+        end = eol + 2 + size
+        if end + 2 > n:
+            return -2
+        if p[end] != b'\r' or p[end + 1] != b'\n':
+            return -1
+        at = end + 2
+    return at

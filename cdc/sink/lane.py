@@ -33,10 +33,10 @@ import hiredis
 
 from .. import speedups
 from ..errors import PublishError
-from .node import Node, classify
+from .node import PLAIN, Node, classify
 from .streamkeys import stream_key_error, vanished_mark_error
 
-__all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_entries"]
+__all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_entries", "plain_array_end"]
 
 log = logging.getLogger("cdc.publish")
 
@@ -104,9 +104,41 @@ def pack_past(stream: bytes, entries: Sequence[Sequence], held: str) -> tuple[by
     return b"".join(commands), len(commands), last
 
 
+def plain_array_end(data: bytes, count: int) -> int:
+    """Where the RESP array of `count` replies at the start of `data` ends, when every one of them is a
+    bulk or simple string (an EXEC's entry IDs and OKs); -1 when it is anything else (an error, nil, an
+    array of another length: the replies must be parsed), -2 when `data` stops before that is known."""
+    eol = data.find(b"\r\n")
+    if eol < 0:
+        return -2
+    if data[:eol] != b"*%d" % count:
+        return -1
+    at = eol + 2
+    for _ in range(count):
+        eol = data.find(b"\r\n", at)
+        if eol < 0:
+            return -2
+        kind = data[at:at + 1]
+        if kind == b"+":
+            at = eol + 2
+        elif kind == b"$" and data[at + 1:eol].isdigit() and eol - at - 1 <= 18 and (
+                data[at + 1] != 48 or eol - at - 1 == 1):  # a length as Redis writes it: no leading 0
+            end = eol + 2 + int(data[at + 1:eol])
+            if end + 2 > len(data):
+                return -2
+            if data[end:end + 2] != b"\r\n":
+                return -1
+            at = end + 2
+        else:
+            return -1
+    return at
+
+
 _compiled = speedups.load("cdc.sink._resp")
 #: `pack_past`, compiled where the extension is built (the same bytes)
 pack_entries = _compiled.pack_past if _compiled is not None else pack_past
+#: `plain_array_end`, compiled where the extension is built (the same answers)
+array_end = _compiled.plain_array_end if _compiled is not None else plain_array_end
 
 
 class _Plan:
@@ -255,7 +287,8 @@ class TransactionLane:
             q = plan.queued
             watched, streams, _ = plan.watched
             reads = 1 + (1 if watched else 0) + len(streams)  # WATCH, MGET, TYPE..
-            replies, accepted = self.node.receive(q + 2 + reads + len(plan.after), expect=OK + QUEUED * q)
+            replies, accepted = self.node.receive(q + 2 + reads + len(plan.after), expect=OK + QUEUED * q,
+                                                  plain=(q, array_end))
             if not accepted:  # some command was refused: find which
                 for reply in replies[: 1 + q]:
                     if isinstance(reply, Exception):
@@ -270,9 +303,10 @@ class TransactionLane:
                 self._forget()
                 raise classify(exec_reply)
             if exec_reply is not None:
-                # one reply per queued command (an entry ID per XADD): their types gathered in C, and
-                # looked at one by one only when one is not a plain reply
-                if not _PLAIN_REPLIES.issuperset(map(type, exec_reply)):
+                # one reply per queued command (an entry ID per XADD, an OK per SET): checked unparsed
+                # (`PLAIN`) when all are, else their types gathered in C, and looked at one by one only
+                # when one is not a plain reply
+                if exec_reply is not PLAIN and not _PLAIN_REPLIES.issuperset(map(type, exec_reply)):
                     for reply in exec_reply:
                         if isinstance(reply, Exception):
                             self._forget()

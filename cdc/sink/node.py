@@ -10,6 +10,8 @@ a caller can tell which command of a pipeline failed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import hiredis
 import redis
 from redis._parsers.base import BaseParser
@@ -28,12 +30,14 @@ from redis.exceptions import (
 
 from ..errors import PublishError, TransientError
 
-__all__ = ["Node", "classify", "coalesce"]
+__all__ = ["Node", "PLAIN", "classify", "coalesce"]
 
 TRANSIENT_REPLIES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "NOREPLICAS")
 #: every command the bridge's writes may send (its ACL user needs each; `cdc check` asks for them)
 WRITE_COMMANDS = ("multi", "exec", "watch", "mget", "type", "xadd", "set", "get", "wait", "ping", "evalsha", "script")
 _RECV_SIZE = 1 << 16
+#: in `Node.receive`'s replies, an array of bulk and simple strings checked without being parsed
+PLAIN = ("an array of bulk and simple strings, unparsed",)
 _COALESCE_BELOW = 1 << 16  # commands shorter than this are joined into one write (`coalesce`)
 
 
@@ -111,29 +115,36 @@ class Node:
             self.drop()
             raise classify(exc) from exc
 
-    def receive(self, n: int, expect: bytes = b"") -> tuple[list, bool]:
+    def receive(self, n: int, expect: bytes = b"", plain: tuple[int, Callable[[bytes, int], int]] | None = None
+                ) -> tuple[list, bool]:
         """Read `n` replies; error replies are returned, not raised.
 
         When the replies are expected to begin with the bytes `expect` (the OK and
         QUEUED of a transaction: thousands of replies the caller only needs to
         know were all accepted), those bytes are compared at once instead of being
         parsed one by one: the result is then the replies after them, and True.
-        Otherwise every reply is parsed and returned, with False.
+        Otherwise every reply is parsed and returned, with False. `plain`, (count,
+        `plain_array_end`), goes on past `expect` the same way: when the next reply is
+        an array of count bulk or simple strings (an EXEC's entry IDs), it is
+        checked in place and given as `PLAIN`, not parsed into count objects.
         """
         conn = self.connection()
         reader = self._reader
         try:
             skipped = False
+            replies: list = []
             if expect:
                 data = b""
                 while len(data) < len(expect) and data == expect[: len(data)]:
                     data += self._recv(conn)
                 skipped = data.startswith(expect)
-                reader.feed(data[len(expect):] if skipped else data)
                 if skipped:
                     n -= expect.count(b"\r\n")
+                    data = data[len(expect):]
+                    if plain is not None:
+                        data = self._plain(conn, data, plain, replies)
+                reader.feed(data)
             gets = reader.gets
-            replies: list = []
             append = replies.append
             while True:
                 while len(replies) < n:
@@ -150,6 +161,19 @@ class Node:
         except Exception as exc:
             self.drop()
             raise classify(exc) from exc
+
+    def _plain(self, conn, data: bytes, plain: tuple[int, Callable[[bytes, int], int]], replies: list) -> bytes:
+        """`data` after the array `plain` expects at its start (appending `PLAIN` to `replies`), or all of
+        it when the next reply is anything else; read on until that is known."""
+        count, array_end = plain
+        end = array_end(data, count)
+        while end == -2:
+            data += self._recv(conn)
+            end = array_end(data, count)
+        if end < 0:
+            return data
+        replies.append(PLAIN)
+        return data[end:]
 
     @staticmethod
     def _recv(conn) -> bytes:

@@ -143,3 +143,36 @@ def test_equal_names_of_other_types_pack_as_the_reference_packs_them():
     compiled = compiled_resp()
     for entry in ([1, b"a", "p"], [True, b"a", "p"], [1.0, b"a", "p"], [b"x", b"a", "p"], [[1], b"a", "p"]):
         assert outcome(compiled.xadd_command, b"quirk", entry) == outcome(lane.xadd_command, b"quirk", entry)
+
+
+def reply_item():
+    """One reply inside an EXEC's array, as Redis writes it: entry IDs and OKs, and what must be parsed."""
+    return st.one_of(st.binary(max_size=12).map(lambda b: b"$%d\r\n%s\r\n" % (len(b), b)),
+                     st.sampled_from([b"+OK\r\n", b"+QUEUED\r\n", b"$-1\r\n", b":7\r\n", b"*0\r\n",
+                                      b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
+                                      b"$1\r\n\r\n\r\n", b"$2\r\n\r\n\r\n", b"$03\r\nabc\r\n"]))
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(st.lists(reply_item(), max_size=6), st.integers(0, 7), st.integers(0, 200), st.binary(max_size=6))
+def test_an_exec_reply_is_checked_unparsed_only_when_all_its_replies_are_strings(items, count, cut, more):
+    """`plain_array_end`, compiled and pure, agree; an end is given only where hiredis reads exactly
+    `count` bulk or simple strings and ends there, and -2 (read on) only where hiredis needs more too."""
+    data = b"*%d\r\n" % len(items) + b"".join(items) + more
+    for sample in (data, data[:cut]):
+        got = lane.plain_array_end(sample, count)
+        assert compiled_resp().plain_array_end(sample, count) == got
+        reader = hiredis.Reader()
+        reader.feed(sample)
+        try:
+            parsed = reader.gets()
+        except hiredis.ProtocolError:
+            parsed = "bad"
+        if got >= 0:
+            assert type(parsed) is list and len(parsed) == count and all(type(r) is bytes for r in parsed)
+            rest = hiredis.Reader()
+            rest.feed(sample[:got])
+            assert rest.gets() == parsed and rest.gets() is False  # it ends exactly there
+        elif got == -2:
+            assert parsed is False  # hiredis too needs more
+        # -1: parsed as before, whatever it holds

@@ -59,9 +59,10 @@ def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]
         name = reply_text(g["name"])
         first_undelivered = next_stream_id(reply_text(g["last-delivered-id"]))
         candidates = [parse_stream_id(first_undelivered)]
-        if g["pending"]:
-            summary = client.xpending(stream, name)
-            candidates.append(parse_stream_id(reply_text(summary["min"])))
+        # None: what was pending got acknowledged since XINFO GROUPS (and the delivered ID read then is older)
+        low = client.xpending(stream, name)["min"] if g["pending"] else None
+        if low is not None:
+            candidates.append(parse_stream_id(reply_text(low)))
         point = min(candidates)
         needed.append(point)
         info[name] = f"{point[0]}-{point[1]}"
@@ -149,11 +150,11 @@ def removed_unconsumed(client: redis.Redis, stream: str, info: dict | None = Non
     found = []
     for g in client.xinfo_groups(stream):
         name, delivered = reply_text(g["name"]), reply_text(g["last-delivered-id"])
-        if g["pending"]:
-            low = reply_text(client.xpending(stream, name)["min"])
-            if parse_stream_id(low) < parse_stream_id(start):
-                found.append(UnconsumedRemoved(stream, name, low, start, None, True))
-                continue
+        # None: the group's consumers acknowledged what was pending since XINFO GROUPS (consumed, no loss)
+        low = client.xpending(stream, name)["min"] if g["pending"] else None
+        if low is not None and parse_stream_id(reply_text(low)) < parse_stream_id(start):
+            found.append(UnconsumedRemoved(stream, name, reply_text(low), start, None, True))
+            continue
         lag = g.get("lag")
         if lag is not None and parse_stream_id(delivered) < parse_stream_id(start) and lag > info["length"]:
             found.append(UnconsumedRemoved(stream, name, delivered, start, lag - info["length"], False))

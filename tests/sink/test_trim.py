@@ -7,7 +7,7 @@ import logging
 import pytest
 import redis
 
-from cdc.sink.trim import TrimPolicy, trim_stream
+from cdc.sink.trim import TrimPolicy, removed_unconsumed, trim_stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.one_path]
 
@@ -76,3 +76,36 @@ def test_a_hold_keeps_acknowledged_entries_until_released_or_expired(client):
     client.hset(holds_key("s"), "reconcile:x", f"{ids[3].decode()} {int(time.time() * 1000) - 1}")  # expired
     trim_stream(client, "s")
     assert client.xlen("s") == 0, "an expired hold holds nothing"
+
+
+class AckingBetweenReads:
+    """A client whose group's consumer acknowledges everything pending right after XINFO GROUPS answered,
+    as a live consumer can between that read and the XPENDING that follows it."""
+
+    def __init__(self, client, group: str) -> None:
+        self.client, self.group = client, group
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def xinfo_groups(self, stream):
+        groups = self.client.xinfo_groups(stream)
+        for p in self.client.xpending_range(stream, self.group, "-", "+", 1000):
+            self.client.xack(stream, self.group, p["message_id"])
+        return groups
+
+
+def test_entries_acknowledged_between_the_reads_are_no_loss_and_no_crash_nor_block_a_trim(client):
+    ids = add(client, 10)
+    client.xgroup_create("s", "g", id="0")
+    client.xreadgroup("g", "c", {"s": ">"}, count=3)  # 3 pending
+    client.xtrim("s", minid=ids[1], approximate=False)  # the first entry removed by hand, below where the group reads
+    assert [r.pending for r in removed_unconsumed(client, "s")] == [True], "a pending entry removed is a loss"
+    client.xgroup_destroy("s", "g")
+    client.xgroup_create("s", "g", id=ids[1])
+    client.xreadgroup("g", "c", {"s": ">"}, count=3)
+    assert removed_unconsumed(AckingBetweenReads(client, "g"), "s") == []
+    assert client.xpending("s", "g")["pending"] == 0
+    client.xreadgroup("g", "c", {"s": ">"}, count=3)  # 3 more pending, acknowledged while the trim looks
+    result = trim_stream(AckingBetweenReads(client, "g"), "s")
+    assert result.trimmed == 7 and client.xrange("s")[0][0] == ids[8], "trimmed up to what the group has not read"

@@ -48,6 +48,16 @@ class TrimResult:
     groups: dict = field(default_factory=dict)
 
 
+def oldest_pending(client: redis.Redis, stream: str, group: dict) -> str | None:
+    """The oldest entry `group` (its XINFO GROUPS reply) has pending, or None. None too when its consumers
+    acknowledged everything pending after XINFO GROUPS answered (XPENDING's summary then has no min): those
+    entries were consumed, never a loss."""
+    if not group["pending"]:
+        return None
+    low = client.xpending(stream, reply_text(group["name"]))["min"]
+    return None if low is None else reply_text(low)
+
+
 def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]:
     """The smallest ID any group still needs (None: no group, so nothing is known to be consumed)."""
     groups = client.xinfo_groups(stream)
@@ -59,10 +69,9 @@ def safe_trim_point(client: redis.Redis, stream: str) -> tuple[str | None, dict]
         name = reply_text(g["name"])
         first_undelivered = next_stream_id(reply_text(g["last-delivered-id"]))
         candidates = [parse_stream_id(first_undelivered)]
-        # None: what was pending got acknowledged since XINFO GROUPS (and the delivered ID read then is older)
-        low = client.xpending(stream, name)["min"] if g["pending"] else None
-        if low is not None:
-            candidates.append(parse_stream_id(reply_text(low)))
+        oldest = oldest_pending(client, stream, g)
+        if oldest is not None:  # (the delivered ID read with XINFO GROUPS is older than any acknowledged since)
+            candidates.append(parse_stream_id(oldest))
         point = min(candidates)
         needed.append(point)
         info[name] = f"{point[0]}-{point[1]}"
@@ -150,10 +159,9 @@ def removed_unconsumed(client: redis.Redis, stream: str, info: dict | None = Non
     found = []
     for g in client.xinfo_groups(stream):
         name, delivered = reply_text(g["name"]), reply_text(g["last-delivered-id"])
-        # None: the group's consumers acknowledged what was pending since XINFO GROUPS (consumed, no loss)
-        low = client.xpending(stream, name)["min"] if g["pending"] else None
-        if low is not None and parse_stream_id(reply_text(low)) < parse_stream_id(start):
-            found.append(UnconsumedRemoved(stream, name, reply_text(low), start, None, True))
+        low = oldest_pending(client, stream, g)
+        if low is not None and parse_stream_id(low) < parse_stream_id(start):
+            found.append(UnconsumedRemoved(stream, name, low, start, None, True))
             continue
         lag = g.get("lag")
         if lag is not None and parse_stream_id(delivered) < parse_stream_id(start) and lag > info["length"]:

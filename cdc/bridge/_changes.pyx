@@ -375,7 +375,7 @@ cdef class Plan:
     cdef bint c, u, d, before
     # the target's, fixed for its life (a rebind makes a new target): read here, not per change
     cdef object version
-    cdef list batches
+    cdef list entry_lists  # per partition: its batch's entries (`StreamBatch.entries`, the same list for its lifetime)
     cdef list read
 
     def __dealloc__(self):
@@ -877,7 +877,7 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, windows
             plan_obj = t.plan = _plan_for(t.projector)
             if plan_obj is not False:
                 (<Plan>plan_obj).version = t.version
-                (<Plan>plan_obj).batches = t.batches
+                (<Plan>plan_obj).entry_lists = [b.entries for b in t.batches]
                 (<Plan>plan_obj).read = t.read
     _out.size = 0
     try:
@@ -935,7 +935,7 @@ cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
     _set(f, at + 8, b"v")
     _set(f, at + 9, plan.version)
     _set(f, at + 10, _position(st.prefix, seq))
-    plan.batches[partition].entries.append(f)
+    (<list>plan.entry_lists[partition]).append(f)
     if not st.pending:
         st.first_at = st.batcher.clock()
     st.pending += 1

@@ -232,22 +232,20 @@ def xadd_command(bytes stream, entry):
 
 
 def pack_past(bytes stream, entries, str held):
-    """The ``XADD`` commands of the entries whose position (last item) is past `held`, joined.
-
-    Also how many there are and the last one's position (None when there is none).
+    """The ``XADD`` commands of the entries whose position (last item) is past `held`, joined, and
+    those entries' positions, in order.
     """
     global _size
-    cdef Py_ssize_t count = 0, start
+    cdef Py_ssize_t start
     cdef list chunks = []
+    cdef list positions = []
     cdef bytes head = _head(stream)
-    last = None
     _size = 0
     for entry in entries:
         pos = entry[len(entry) - 1]  # not entry[-1]: negative indices are off in this module
         if not pos > held:
             continue
-        count += 1
-        last = pos
+        positions.append(pos)
         start = _size
         try:
             packed = _append_xadd(head, entry)
@@ -264,8 +262,8 @@ def pack_past(bytes stream, entries, str held):
     if chunks:
         if _size:
             chunks.append(PyBytes_FromStringAndSize(_buf, _size))
-        return b"".join(chunks), count, last
-    return PyBytes_FromStringAndSize(_buf, _size), count, last
+        return b"".join(chunks), positions
+    return PyBytes_FromStringAndSize(_buf, _size), positions
 
 
 cdef Py_ssize_t _eol(const char *p, Py_ssize_t n, Py_ssize_t at):

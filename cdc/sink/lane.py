@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import hiredis
 
 from .. import speedups
-from ..errors import PublishError
+from ..errors import PublishError, TransientError
 from .node import PLAIN, Node, classify
 from .streamkeys import stream_key_error, vanished_mark_error
 
@@ -89,19 +89,35 @@ def xadd_command(stream: bytes, entry: Sequence) -> bytes:
     return template % tuple(args)
 
 
-def pack_past(stream: bytes, entries: Sequence[Sequence], held: str) -> tuple[bytes, int, str | None]:
-    """The ``XADD`` commands of the entries whose position (last item) is past `held`, joined.
-
-    Also how many there are and the last one's position (None when there is none).
+def pack_past(stream: bytes, entries: Sequence[Sequence], held: str) -> tuple[bytes, list[str]]:
+    """The ``XADD`` commands of the entries whose position (last item) is past `held`, joined, and
+    those entries' positions, in order.
     """
     commands = []
-    last = None
+    positions = []
     for entry in entries:
         pos = entry[-1]
         if pos > held:
             commands.append(xadd_command(stream, entry))
-            last = pos
-    return b"".join(commands), len(commands), last
+            positions.append(pos)
+    return b"".join(commands), positions
+
+
+def command_ends(packed: bytes, count: int) -> list[int]:
+    """Where each of the `count` RESP commands joined in `packed` ends (walked by their lengths)."""
+    ends = []
+    at = 0
+    for _ in range(count):
+        eol = packed.index(b"\r\n", at)
+        args = int(packed[at + 1:eol])  # *N
+        at = eol + 2
+        for _ in range(args):
+            eol = packed.index(b"\r\n", at)
+            at = eol + 2 + int(packed[at + 1:eol]) + 2  # $len, the bytes, \r\n
+        ends.append(at)
+    if at != len(packed):
+        raise ValueError(f"{len(packed) - at} bytes past {count} commands")
+    return ends
 
 
 def plain_array_end(data: bytes, count: int) -> int:
@@ -141,13 +157,40 @@ pack_entries = _compiled.pack_past if _compiled is not None else pack_past
 array_end = _compiled.plain_array_end if _compiled is not None else plain_array_end
 
 
+class _Part:
+    """One stream's share of a transaction: its entries past the mark `held`, packed (the entries
+    themselves are let go once packed, while still in the cache), with their positions, and how many
+    entries of the batch the filters left out (so that the part can be filtered again after an abort)."""
+
+    __slots__ = ("stream", "mark", "packed", "positions", "held", "dropped")
+
+    def __init__(self, stream: str, mark: str, packed: bytes, positions: list[str], held: str, dropped: int) -> None:
+        self.stream, self.mark, self.packed, self.positions = stream, mark, packed, positions
+        self.held, self.dropped = held, dropped
+
+    def past(self, held: str) -> _Part:
+        """The part filtered again against the mark `held` Redis holds now (after an aborted EXEC)."""
+        positions = self.positions
+        if held < self.held and self.dropped:
+            # entries left out against the higher mark may be due now, and they were not kept
+            raise TransientError(f"the mark {self.mark} moved back under the bridge (from {self.held} to "
+                                 f"{held or 'unset'}) while a batch was appended; the batch is read again from the slot")
+        keep = [i for i, pos in enumerate(positions) if pos > held]
+        if len(keep) == len(positions):
+            return _Part(self.stream, self.mark, self.packed, positions, held, self.dropped)
+        packed, ends = self.packed, command_ends(self.packed, len(positions))
+        starts = [0, *ends]
+        return _Part(self.stream, self.mark, b"".join([packed[starts[i]:ends[i]] for i in keep]),
+                     [positions[i] for i in keep], held, self.dropped + len(positions) - len(keep))
+
+
 class _Plan:
     """One pipeline sent on a lane and what its replies mean."""
 
-    __slots__ = ("group", "flushed", "after", "queued", "appended", "watched")
+    __slots__ = ("parts", "flushed", "after", "queued", "appended", "watched")
 
-    def __init__(self, group, flushed, after, queued, appended, watched) -> None:
-        self.group, self.flushed, self.after = group, flushed, after
+    def __init__(self, parts, flushed, after, queued, appended, watched) -> None:
+        self.parts, self.flushed, self.after = parts, flushed, after
         self.queued, self.appended, self.watched = queued, appended, watched
 
 
@@ -226,19 +269,32 @@ class TransactionLane:
         in the same transaction, and only forward: it is watched like the marks, so a
         stale writer can never set it back. `after` follows the transaction in the
         pipeline (WAIT, test faults), before the keys are watched again. The replies are read by `confirm()`.
+        The entries are packed before this returns, and not held: the caller may let them go.
         """
+        self._ready([(stream, mark) for stream, mark, _ in group], flushed)
+        marks = self.marks
+        parts = []
+        for stream, mark, entries in group:
+            held = marks[mark]
+            packed, positions = pack_entries(stream.encode(), entries, held)
+            parts.append(_Part(stream, mark, packed, positions, held, len(entries) - len(positions)))
+        self._send(parts, flushed, after)
+
+    def _ready(self, streams: Sequence[tuple[str, str]], flushed: tuple[str, int] | None) -> None:
+        """Connected, with the marks of `streams` (stream, mark key) and `flushed` known and watched, and
+        every stream key judged: refused before MULTI, nothing of the batch is appended."""
         self.node.connection()
         if self._watching_on != self.node.connects:  # a new connection watches nothing yet
             self._forget()
             self._watching_on = self.node.connects
-        new = [mark for _, mark, _ in group if mark not in self.marks]
+        new = [mark for _, mark in streams if mark not in self.marks]
         if flushed is not None and flushed[0] not in self.marks:
             new.append(flushed[0])
-        new_streams = [stream for stream, _, _ in group if stream not in self.types]
+        new_streams = [stream for stream, _ in streams if stream not in self.types]
         if new or new_streams:
             self._arm(new, new_streams)
         marks, types = self.marks, self.types
-        for stream, mark, _ in group:  # refused before MULTI: nothing of the batch is appended
+        for stream, mark in streams:
             if types[stream] != "stream":
                 try:
                     self.judge(stream, types[stream], marks[mark])
@@ -247,14 +303,17 @@ class TransactionLane:
                         raise
                     self._arm([mark], [stream])  # judged on what Redis holds now, not on a read before a fix
                     self.judge(stream, types[stream], marks[mark])
+
+    def _send(self, parts: list[_Part], flushed: tuple[str, int] | None, after: list[bytes]) -> None:
+        marks = self.marks
         commands = [MULTI]
         appended = []
         queued = 0  # commands inside MULTI/EXEC
-        for stream, mark, entries in group:
-            packed, count, last = pack_entries(stream.encode(), entries, marks[mark])
-            if last is not None:
-                commands.append(packed)
-                commands.append(hiredis.pack_command((b"SET", mark, last)))
+        for part in parts:
+            count = len(part.positions)
+            if count:
+                commands.append(part.packed)
+                commands.append(hiredis.pack_command((b"SET", part.mark, part.positions[-1])))
                 queued += count + 1
             appended.append(count)
         if flushed is not None and flushed[1] > int(marks[flushed[0]] or 0):
@@ -265,14 +324,14 @@ class TransactionLane:
         # duplicate XADDs) must not abort the next transaction
         commands += after
         if self._tail is None:
-            watched, streams = list(marks), list(types)
+            watched, streams = list(marks), list(self.types)
             self._tail = (watched, streams, self._watch_tail(watched, streams))
         commands.append(self._tail[2])
         size = sum(map(len, commands))
         if size > self._largest:
             self._largest = size
         self.node.send(commands)
-        self._plan = _Plan(group, flushed, after, queued, appended, self._tail)
+        self._plan = _Plan(parts, flushed, after, queued, appended, self._tail)
 
     def confirm(self) -> tuple[list[int], list]:
         """Read the replies of the last send: entries appended per stream, and the `after` replies.
@@ -314,6 +373,7 @@ class TransactionLane:
                 return plan.appended, after
             log.warning("a stream or its mark changed under the bridge (another writer, a recovery, a trim): "
                         "judging and filtering the batch again against what Redis holds")
-            self.send(plan.group, plan.flushed, plan.after)
+            self._ready([(part.stream, part.mark) for part in plan.parts], plan.flushed)
+            self._send([part.past(self.marks[part.mark]) for part in plan.parts], plan.flushed, plan.after)
         raise PublishError(f"stream marks kept changing during {MAX_ABORTS} attempts to append one batch",
                            hint="another process writes the same streams: stop every bridge but one on this slot")

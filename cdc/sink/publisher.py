@@ -56,6 +56,9 @@ def split_position(pos: str | bytes) -> tuple[int, int]:
 class StreamBatch:
     """Entries waiting for one stream: each its field/value list with its position appended.
 
+    ``entries`` is one list for the batch's lifetime (the compiled loop appends to it directly),
+    emptied in place by `clear`.
+
     ``sent`` counts the entries cleared away over the batch's lifetime and ``last`` is the
     position of the last of them, so ``sent + count`` is how many entries were ever queued:
     what the transaction END records (`cdc.bridge.txends`) count from, at no cost per entry.
@@ -81,11 +84,12 @@ class StreamBatch:
         self.entries.append(fields)
 
     def clear(self) -> None:
+        """Let the entries go (sent: the lanes packed them), keeping the list: the compiled loop holds it."""
         entries = self.entries
         if entries:
             self.sent += len(entries)
             self.last = entries[-1][-1]
-            self.entries = []
+            entries.clear()
 
 
 class _Sent:
@@ -249,7 +253,7 @@ class Publisher:
         later: list[tuple[str, str, list]] = []
         for b in batches:
             if b.count and b.stream == self.after_others and self._cluster is not None:
-                later.append((b.stream, b.mark, b.entries))
+                later.append((b.stream, b.mark, list(b.entries)))  # appended after the others confirm: kept
             elif b.count:
                 lane = self._lane(b.stream)
                 by_lane.setdefault(id(lane), (lane, []))[1].append((b.stream, b.mark, b.entries))

@@ -107,12 +107,12 @@ class ScriptLane:
             args.append(str(flushed[1]))
         script = [hiredis.pack_command((b"EVALSHA", APPEND_SHA, len(names), *names, len(group), *args))]
         self.node.send(script + after)
-        self._sent = (script, after, group)
+        self._sent = (script, after, [stream for stream, _, _ in group])  # the entries are let go
 
     def confirm(self) -> tuple[list[int], list]:
         if self._sent is None:
             return [], []
-        script, after, group = self._sent
+        script, after, streams = self._sent
         self._sent = None
         replies = self.node.receive(1 + len(after))[0]
         if isinstance(replies[0], NoScriptError):
@@ -122,7 +122,7 @@ class ScriptLane:
         reply = replies[0]
         if isinstance(reply, ResponseError) and str(reply).startswith("CDCKEY "):
             _, index, key_type, mark = str(reply).split(" ", 3)
-            stream = group[int(index) - 1][0]
+            stream = streams[int(index) - 1]
             self.judge(stream, key_type, "" if mark == "-" else mark)
         if isinstance(reply, Exception):
             raise classify(reply)

@@ -142,6 +142,33 @@ def test_a_mark_moved_by_someone_else_is_seen_before_the_next_append(redis_serve
 
 
 @pytest.mark.integration
+def test_a_mark_moved_back_under_an_append_has_the_batch_read_again(redis_server, client):
+    """The lane lets a batch's entries go once packed, keeping those past the mark. When the mark then
+    moves back under it (a recovery rewinding a stream), what it left out may be due: it appends none of
+    the batch and asks for it again (a new session reads it from the slot), where it once appended only
+    the rest. With nothing left out, it filters again and appends."""
+    pub = Publisher(redis_server.url)
+    try:
+        assert pub.publish([batch("s", [(100, 0), (100, 1)])]) == 2
+        client.set("{s}:hwm", position(50, 0))  # after the lane read the mark: its EXEC aborts
+        pub.send([batch("s", [(100, 1), (200, 0)])])  # (100, 1) left out against the mark the lane read
+        with pytest.raises(TransientError, match="moved back") as caught:
+            pub.confirm()
+        assert "read again from the slot" in str(caught.value)
+        assert positions_in(client, "s") == [(100, 0), (100, 1)]
+        assert client.get("{s}:hwm") == position(50, 0).encode()
+        # the batch read again: filtered against the mark Redis holds now
+        assert pub.publish([batch("s", [(100, 1), (200, 0)])]) == 2
+        assert positions_in(client, "s") == [(100, 0), (100, 1), (100, 1), (200, 0)]
+        client.set("{s}:hwm", position(250, 0))
+        client.set("{s}:hwm", position(150, 0))  # moved back, but the batch left nothing out
+        assert pub.publish([batch("s", [(300, 0)])]) == 1
+        assert positions_in(client, "s")[-1] == (300, 0)
+    finally:
+        pub.close()
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", MODES)
 def test_a_connection_cut_mid_batch_appends_all_or_nothing(redis_server, client, mode):
     """The connection dies after the batch was sent and before its reply: a new publisher replays it."""

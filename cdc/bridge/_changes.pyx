@@ -759,7 +759,8 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
     """
     cdef _State st = _State(tx, batcher)
     try:
-        return _route(kind, raw, offset, targets, windows, decoder, not windows.tables and not decoder.streaming, st)
+        return _route(kind, <const unsigned char *>PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw), raw, offset, targets,
+                      windows, decoder, not windows.tables and not decoder.streaming, st)
     finally:
         st.store()
 
@@ -825,16 +826,24 @@ cdef object _route_reference(int kind, bytes raw, Py_ssize_t offset, list target
         st.load_batcher()
 
 
-cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, windows, decoder, bint plain, _State st):
-    """`route_raw`, called from `burst` without Python's call machinery; `plain`: no backfill window is
-    open and the decoder is not inside a streamed block (read once per burst: only the loop's messages
-    change them). The transaction and batcher as `st` holds them."""
-    cdef const unsigned char *data = <const unsigned char *>PyBytes_AS_STRING(raw)
-    cdef Py_ssize_t have = PyBytes_GET_SIZE(raw), off
+cdef inline bytes _bytes_of(object src, const unsigned char *data, Py_ssize_t have):
+    """The message as bytes: `src` itself when it is, else a copy of its `have` bytes at `data`."""
+    if type(src) is bytes:
+        return <bytes>src
+    return PyBytes_FromStringAndSize(<const char *>data, have)
+
+
+cdef object _route(int kind, const unsigned char *data, Py_ssize_t have, object src, Py_ssize_t offset, list targets,
+                   windows, decoder, bint plain, _State st):
+    """`route_raw`, called from `burst` without Python's call machinery, on the `have` bytes at `data` that
+    `src` holds (bytes, or the buffer libpq's message is read from, copied only for the reference); `plain`:
+    no backfill window is open and the decoder is not inside a streamed block (read once per burst: only
+    the loop's messages change them). The transaction and batcher as `st` holds them."""
+    cdef Py_ssize_t off
     cdef unsigned char action, old_kind = 0
     cdef Row old = None
     if not plain or offset + 6 > have:
-        return _route_reference(kind, raw, offset, targets, windows, decoder, st)
+        return _route_reference(kind, _bytes_of(src, data, have), offset, targets, windows, decoder, st)
     action = data[offset + 5]
     off = offset + 6
     if kind == INSERT:
@@ -864,7 +873,7 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, windows
         else:
             off = _NOT_HANDLED
     if off != have:
-        return _route_reference(kind, raw, offset, targets, windows, decoder, st)
+        return _route_reference(kind, _bytes_of(src, data, have), offset, targets, windows, decoder, st)
     cdef Py_ssize_t ntargets = len(targets), i
     cdef bint projected = True
     cdef int only_partition = 0
@@ -904,7 +913,7 @@ cdef object _route(int kind, bytes raw, Py_ssize_t offset, list targets, windows
         _out.size = 0
         projected = False
     if not projected:
-        return _route_reference(kind, raw, offset, targets, windows, decoder, st)
+        return _route_reference(kind, _bytes_of(src, data, have), offset, targets, windows, decoder, st)
     # every target is projected: now queue them, as `route_row` and `Batcher.add` do
     if outs is None:
         _queue(<Plan>only_plan, only, only_partition, st)
@@ -1022,8 +1031,9 @@ cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, stream
     cdef double max_delay = st.batcher.max_delay
     cdef const unsigned char *p
     cdef unsigned char kind
-    cdef unsigned long relid
+    cdef unsigned long relid, last_relid = 0
     cdef bint streaming = xid is not None
+    last_targets = None  # the targets of `last_relid` (the dict changes only between bursts: a Relation is the loop's)
     tx = st.tx
     while count < 65536:
         try:
@@ -1035,24 +1045,28 @@ cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, stream
                 return count, None
             raise stream.failure(n)
         if type(data) is memoryview and PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(data), b'C'):
-            raw = PyBytes_FromStringAndSize(<char *>PyMemoryView_GET_BUFFER(data).buf,
-                                            PyMemoryView_GET_BUFFER(data).len)  # bytes(data), without the call
+            # read in place: libpq's buffer, held by `data` until the next read (copied only where kept)
+            p = <const unsigned char *>PyMemoryView_GET_BUFFER(data).buf
+            size = PyMemoryView_GET_BUFFER(data).len
         else:
-            raw = bytes(data)
-        size = PyBytes_GET_SIZE(raw)
-        p = <const unsigned char *>PyBytes_AS_STRING(raw)
+            data = bytes(data)
+            p = <const unsigned char *>PyBytes_AS_STRING(data)
+            size = PyBytes_GET_SIZE(data)
         if size < 30 or p[0] != 0x77:  # not XLogData with a change's relid: the loop's
-            return count, raw
+            return count, _bytes_of(data, p, size)
         kind = p[25]
         if kind == INSERT or kind == UPDATE or kind == DELETE:
             count += 1
             if streaming:
-                streams.add(xid, raw[25:])
+                streams.add(xid, PyBytes_FromStringAndSize(<const char *>p + 25, size - 25))
                 continue
             relid = _u32(p + 26)
-            tlist = targets.get(relid)
+            if relid != last_relid or last_targets is None:
+                last_targets = targets.get(relid)
+                last_relid = relid
+            tlist = last_targets
             if tlist:
-                _route(kind, raw, 25, tlist, windows, decoder, plain, st)
+                _route(kind, p, size, data, 25, tlist, windows, decoder, plain, st)
             st.seq += 1
         elif kind == BEGIN and size == 25 + 21 and not streaming:
             _begin(st, _u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
@@ -1066,7 +1080,7 @@ cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, stream
                 st.seq = tx.seq
                 st.load_batcher()
         else:
-            return count, raw
+            return count, _bytes_of(data, p, size)
         if st.pending and (st.pending >= max_entries or _now() - st.first_at >= max_delay):
             return count, None
     return count, None

@@ -20,7 +20,8 @@ from cpython.object cimport PyObject
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeASCII, PyUnicode_DecodeUTF8
+from cpython.unicode cimport (PyUnicode_1BYTE_DATA, PyUnicode_AsUTF8AndSize, PyUnicode_DecodeASCII, PyUnicode_DecodeUTF8,
+                              PyUnicode_New)
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -377,6 +378,7 @@ cdef class Plan:
     cdef object version
     cdef list entry_lists  # per partition: its batch's entries (`StreamBatch.entries`, the same list for its lifetime)
     cdef list read
+    cdef Py_ssize_t unread  # changes read not yet added to `read[0]` (`_add_reads`)
 
     def __dealloc__(self):
         free(self.cols)
@@ -774,6 +776,8 @@ cdef class _State:
     cdef object tx, batcher
     cdef object lsn, xid, ts
     cdef str prefix
+    cdef const char *prefix_p  # its ASCII bytes (NULL when it is not ASCII or too long: `_position` formats)
+    cdef Py_ssize_t prefix_n
     cdef Py_ssize_t seq, pending
     cdef double first_at
 
@@ -787,6 +791,16 @@ cdef class _State:
         tx = self.tx
         self.lsn, self.xid, self.ts, self.prefix = tx.lsn, tx.xid, tx.ts, tx.prefix
         self.seq = tx.seq
+        self._prefix_bytes()
+        return 0
+
+    cdef int _prefix_bytes(self) except -1:
+        cdef Py_ssize_t n
+        cdef const char *p = PyUnicode_AsUTF8AndSize(self.prefix, &n)
+        if n <= 48 and _ascii(<const unsigned char *>p, n):
+            self.prefix_p, self.prefix_n = p, n  # the str's own UTF-8 form: lives as long as `prefix`
+        else:
+            self.prefix_p, self.prefix_n = NULL, 0
         return 0
 
     cdef int load_batcher(self) except -1:
@@ -795,6 +809,8 @@ cdef class _State:
         return 0
 
     cdef int store(self) except -1:
+        if PyList_GET_SIZE(_unread):
+            _add_reads()
         self.tx.seq = self.seq
         batcher = self.batcher
         batcher.pending = self.pending
@@ -802,18 +818,19 @@ cdef class _State:
         return 0
 
 
-cdef str _position(str prefix, Py_ssize_t seq):
-    """`prefix + "%010d" % seq`, written here for the usual case (an ASCII prefix, 0 <= seq < 10**10)."""
-    cdef char buf[64]
-    cdef Py_ssize_t n, i
-    cdef const char *p = PyUnicode_AsUTF8AndSize(prefix, &n)
-    if seq < 0 or seq >= 10000000000 or n > 48 or not _ascii(<const unsigned char *>p, n):
-        return prefix + "%010d" % seq
-    memcpy(buf, p, n)
+cdef str _position(_State st, Py_ssize_t seq):
+    """`prefix + "%010d" % seq`, written in place for the usual case (an ASCII prefix, 0 <= seq < 10**10)."""
+    cdef Py_ssize_t n = st.prefix_n, i
+    cdef unsigned char *w
+    if seq < 0 or seq >= 10000000000 or st.prefix_p == NULL:
+        return st.prefix + "%010d" % seq
+    text = PyUnicode_New(n + 10, 127)
+    w = <unsigned char *>PyUnicode_1BYTE_DATA(text)
+    memcpy(w, st.prefix_p, n)
     for i in range(n + 9, n - 1, -1):
-        buf[i] = <char>(48 + seq % 10)
+        w[i] = <unsigned char>(48 + seq % 10)
         seq //= 10
-    return PyUnicode_DecodeASCII(buf, n + 10, NULL)
+    return text
 
 
 cdef object _route_reference(int kind, bytes raw, Py_ssize_t offset, list targets, windows, decoder, _State st):
@@ -923,12 +940,27 @@ cdef object _route(int kind, const unsigned char *data, Py_ssize_t have, object 
             _queue(<Plan>(targets[i].plan), out, partition, st)
 
 
+cdef list _unread = []  # the plans whose `unread` is not 0
+
+
+cdef int _add_reads() except -1:
+    """Add the changes counted in C to the targets' `read` counts (`_State.store`: before Python looks)."""
+    cdef Plan plan
+    for plan in _unread:
+        plan.read[0] += plan.unread
+        plan.unread = 0
+    del _unread[:]
+    return 0
+
+
 cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
     """A target's change counted read and its entry, if any, completed with its position and queued
     (`Batcher.add`): `fields` has room for them (`_entry`)."""
     cdef Py_ssize_t seq = st.seq, at
     cdef list f
-    plan.read[0] += 1
+    if not plan.unread:
+        _unread.append(plan)
+    plan.unread += 1
     if fields is None:
         return 0
     f = <list>fields
@@ -943,7 +975,7 @@ cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
     _set(f, at + 7, st.ts)
     _set(f, at + 8, b"v")
     _set(f, at + 9, plan.version)
-    _set(f, at + 10, _position(st.prefix, seq))
+    _set(f, at + 10, _position(st, seq))
     (<list>plan.entry_lists[partition]).append(f)
     if not st.pending:
         st.first_at = st.batcher.clock()
@@ -993,6 +1025,7 @@ cdef int _begin(_State st, unsigned long long final, long long commit_ts, unsign
     st.seq = 0
     st.lsn = _digits(final, 1)
     st.prefix = _digits(final, 20)
+    st._prefix_bytes()
     st.xid = _digits(xid, 1)
     st.ts = _digits(<unsigned long long>ms, 1) if ms >= 0 else "-" + _digits(<unsigned long long>(-(ms + 1)) + 1, 1)
     tx.open = True

@@ -7,7 +7,8 @@
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_Compare
 from libc.stdlib cimport malloc, realloc
 from libc.string cimport memcmp, memcpy
 from cpython.ref cimport PyObject, Py_INCREF
@@ -242,8 +243,14 @@ def pack_past(bytes stream, entries, str held):
     cdef bytes head = _head(stream)
     _size = 0
     for entry in entries:
-        pos = entry[len(entry) - 1]  # not entry[-1]: negative indices are off in this module
-        if not pos > held:
+        if type(entry) is list and PyList_GET_SIZE(entry):
+            pos = <object>PyList_GET_ITEM(entry, PyList_GET_SIZE(entry) - 1)
+        else:
+            pos = entry[len(entry) - 1]  # not entry[-1]: negative indices are off in this module
+        if type(pos) is str:
+            if PyUnicode_Compare(pos, held) <= 0:
+                continue
+        elif not pos > held:
             continue
         positions.append(pos)
         start = _size

@@ -661,6 +661,9 @@ cdef int _projected_partition = 0  # the partition of `_project`'s last fields
 cdef list _unchanged = []  # the fields `_project` found unchanged, emptied at each call
 
 cdef enum:
+    AGE_EVERY = 32  # as `cdc.bridge.changes.AGE_EVERY`
+
+cdef enum:
     TAIL = 11  # what `_queue` appends to a target's fields: lsn, seq, xid, ts_ms and v with their values, the position
 
 
@@ -1059,7 +1062,7 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
 
 cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, streams, _State st, bint plain, xid):
     """`burst`'s loop, with the transaction and batcher held in `st`."""
-    cdef Py_ssize_t count = 0, n, size
+    cdef Py_ssize_t count = 0, n, size, ticks = 0
     cdef Py_ssize_t max_entries = st.batcher.max_entries
     cdef double max_delay = st.batcher.max_delay
     cdef const unsigned char *p
@@ -1114,6 +1117,12 @@ cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, stream
                 st.load_batcher()
         else:
             return count, _bytes_of(data, p, size)
-        if st.pending and (st.pending >= max_entries or _now() - st.first_at >= max_delay):
-            return count, None
+        if st.pending:  # the rule of `Batcher.due`, the age looked at once per AGE_EVERY (`changes.burst`)
+            if st.pending >= max_entries:
+                return count, None
+            ticks += 1
+            if ticks == AGE_EVERY:
+                ticks = 0
+                if _now() - st.first_at >= max_delay:
+                    return count, None
     return count, None

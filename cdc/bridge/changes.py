@@ -38,6 +38,7 @@ _RELID = struct.Struct(">I").unpack_from
 _BEGIN_FIELDS = struct.Struct(">QqI").unpack_from  # final LSN, commit time, xid
 _END_LSN = struct.Struct(">Q").unpack_from
 _BURST_MAX = 65536  # changes per call, so the loop's timers are seen now and then
+AGE_EVERY = 32  # `burst` looks at the clock once per this many messages that leave a batch pending
 
 
 class Target:
@@ -114,11 +115,12 @@ def burst(stream: Any, targets: dict[int, list[Target]], tx: Transaction, batche
     does. Inside a streamed block (of a transaction still running) a change is
     counted and held in `streams` instead. Stops at the first other message
     (returned for the loop, which also decodes, and so names, anything malformed),
-    when none is left, or when the batch is due (the rule of `Batcher.due`).
-    Returns (changes read, that message or None). The reference for the compiled
+    when none is left, or when the batch is due (the rule of `Batcher.due`; its age is looked at
+    once every `AGE_EVERY` messages that leave it pending, as the clock costs more than a change's
+    bookkeeping). Returns (changes read, that message or None). The reference for the compiled
     `cdc.bridge._changes.burst`.
     """
-    count = 0
+    count = ticks = 0
     max_entries, max_delay, clock = batcher.max_entries, batcher.max_delay, time.monotonic
     xid = decoder.stream_xid  # the block being received, if any: only the loop's messages start or stop one
     streaming = xid is not None
@@ -154,8 +156,14 @@ def burst(stream: Any, targets: dict[int, list[Target]], tx: Transaction, batche
         else:
             return count, raw
         pending = batcher.pending
-        if pending and (pending >= max_entries or clock() - batcher.first_at >= max_delay):
-            return count, None
+        if pending:
+            if pending >= max_entries:
+                return count, None
+            ticks += 1
+            if ticks == AGE_EVERY:
+                ticks = 0
+                if clock() - batcher.first_at >= max_delay:
+                    return count, None
     return count, None
 
 

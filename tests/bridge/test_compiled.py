@@ -910,3 +910,30 @@ def test_burst_queues_what_the_loop_queues_across_transactions(path):
     assert ([getattr(tx, name) for name in Transaction.__slots__], batcher.pending) == want_state, \
         "the transaction and the batcher as the reference leaves them"
     assert {e[-1][1][:20] for e in got["cdc:e1"]} == {f"{0x2_0000_0100 * k:020d}" for k in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("path", ["pure", "compiled"])
+def test_burst_stops_at_a_full_batch_at_once_and_looks_at_its_age_every_age_every_messages(path):
+    """The rule of `Batcher.due` inside `burst`, both twins: a full batch ends the burst at the change that
+    filled it; a batch's age (the clock) is looked at once every `AGE_EVERY` messages leaving it pending."""
+    burst = changes.burst if path == "pure" else compiled_changes().burst
+
+    class Stream:
+        def __init__(self, raws):
+            self.items = iter([(len(r), memoryview(r)) for r in raws] + [(0, memoryview(b""))])
+
+        def get_copy_data(self, _async):
+            return next(self.items)
+
+    class Streams:
+        pass
+
+    begin = HEADER + encode(po.Begin(Lsn(0x100), 810_000_000_000_001, 7))
+    inserts = [HEADER + encode(po.Insert(RELID, (str(i), "a", "1.5"))) for i in range(100)]
+    for max_entries, max_delay, want in ((10**6, 0.0, changes.AGE_EVERY), (5, 0.0, 5), (10**6, 60.0, 100)):
+        decoder = po.PgOutputDecoder()
+        batcher = Batcher(max_entries=max_entries, max_delay_s=max_delay)
+        targets = changes.bind(decoder.decode(encode(RIDES)), [rides_mapping()], TypeCatalog(), batcher, {"e0": [0]})
+        stream = Stream([begin, *inserts])
+        assert burst(stream, {RELID: targets}, Transaction(), batcher, Windows(), decoder, None, Streams) == (want, None)
+        assert batcher.pending == want

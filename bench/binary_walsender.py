@@ -13,14 +13,13 @@ Usage: python bench/binary_walsender.py [--rows 200000] [--rounds 3] [--types in
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import psycopg
 
-from servers import bench_servers  # noqa: E402
+from servers import bench_servers, cpu_seconds  # noqa: E402
 from cdc.demo.local import wait_for  # noqa: E402
 
 COLUMN_VALUES = {
@@ -34,14 +33,6 @@ COLUMN_VALUES = {
     "uuid": "md5(g::text)::uuid",
     "text": "'name-' || g",
 }
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
 def table_sql(name: str, types: list[str]) -> tuple[str, str]:
     """(CREATE TABLE, INSERT of generate_series(1, %s)) for a table of `types`."""
     columns = ", ".join(f"c{i} {t}" for i, t in enumerate(types))

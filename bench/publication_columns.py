@@ -14,7 +14,6 @@ Usage: python bench/publication_columns.py [--changes 1000000] [--workloads smal
 from __future__ import annotations
 
 import argparse
-import os
 import select
 import subprocess
 import sys
@@ -26,16 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from servers import bench_servers, cdc_command  # noqa: E402
+from servers import bench_servers, cdc_command, cpu_seconds as cpu_s  # noqa: E402
 from throughput import MAPPINGS, SCHEMA, workload_large, workload_small  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
-
 
 def drain(dsn: str, slot: str, publication: str) -> tuple[float, int]:
     """(walsender CPU seconds, bytes of XLogData) to read every pending change of `slot`."""

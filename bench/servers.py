@@ -44,6 +44,49 @@ def peak_rss(proc: subprocess.Popen) -> list[int]:
     return peak
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process' CPU so far (utime + stime from /proc/PID/stat), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+class WalsenderCpu:
+    """The CPU a slot's walsender spends for a reader: sampled every 20 ms from when the slot turns active
+    until its walsender exits (or `stop`); `stop()` returns the last sample, in seconds."""
+
+    def __init__(self, dsn: str, slot: str) -> None:
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(dsn, slot), daemon=True)
+        self._thread.start()
+
+    def _sample(self, dsn: str, slot: str) -> None:
+        import psycopg
+
+        pid = None
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while pid is None and not self._stop.is_set():
+                pid = conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                                   (slot,)).fetchone()[0]
+                if pid is None:
+                    time.sleep(0.01)
+        while pid is not None:
+            try:
+                self.seconds = cpu_seconds(pid)
+            except OSError:
+                return  # the walsender exited: its last sample stands
+            if self._stop.wait(0.02):
+                pid = None
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.seconds
+
+
 def compile_package() -> None:
     """Byte-compile cdc, as installing it does: from a checkout under PYTHONDONTWRITEBYTECODE=1, every `cdc`
     process would compile the modules it imports (about 0.1 s of CPU for `cdc run`), and the benchmarks count a

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import redis
 
-from cdc.demo.local import LocalRedis, wait_for
+from cdc.demo.local import LocalRedis, ServerExited, wait_for
 
 
 def cluster_port() -> int:
@@ -32,16 +32,28 @@ def _free(port: int) -> bool:
             return False
 
 
+def _start_node(servers_root, name: str) -> LocalRedis:
+    """A cluster node on a free port pair; a port taken between the check and the start (another test's
+    server starting at once) is given up for another."""
+    for attempt in range(5):
+        root = servers_root / f"{name}-{time.monotonic_ns()}"
+        node = LocalRedis(root, cluster_port(), extra=["--cluster-enabled", "yes", "--cluster-config-file",
+                                                       str(root / "nodes.conf"), "--cluster-node-timeout", "5000"])
+        try:
+            return node.start()
+        except ServerExited:
+            if attempt == 4 or not node.port_taken():
+                raise
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
 def three_node_cluster(servers_root, prefix: str = "cluster") -> Iterator[list[LocalRedis]]:
     """Three nodes, the hash slots spread over them, every node ok."""
-    nodes = []
-    for i in range(3):
-        root = servers_root / f"{prefix}-{i}-{time.monotonic_ns()}"
-        node = LocalRedis(root, cluster_port(), extra=["--cluster-enabled", "yes", "--cluster-config-file", str(root / "nodes.conf"),
-                                                       "--cluster-node-timeout", "5000"])
-        nodes.append(node.start())
+    nodes: list[LocalRedis] = []
     try:
+        for i in range(3):
+            nodes.append(_start_node(servers_root, f"{prefix}-{i}"))
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
         for n in nodes:

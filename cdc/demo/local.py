@@ -118,8 +118,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(check, timeout: float, what: str, interval: float = 0.05):
-    """Poll `check()` until it returns a truthy value; raise TimeoutError naming `what`."""
+class ServerExited(RuntimeError):
+    """A server process this module started exited while it was awaited."""
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 0.05, fatal: tuple[type[Exception], ...] = ()):
+    """Poll `check()` until it returns a truthy value; raise TimeoutError naming `what`. An exception of a
+    `fatal` type raised by `check` ends the wait at once (any other means: not yet)."""
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None
     while True:
@@ -127,6 +132,8 @@ def wait_for(check, timeout: float, what: str, interval: float = 0.05):
             result = check()
             if result:
                 return result
+        except fatal:
+            raise
         except Exception as exc:  # the condition is not met yet
             last_exc = exc
         if time.monotonic() >= deadline:
@@ -304,6 +311,7 @@ class LocalRedis:
         tls_files: tuple[Path, Path, Path] | None = None,
     ) -> None:
         self.root = Path(root)
+        self.chosen_port = port is None  # a free port found here: another is found if it is taken meanwhile
         self.port = port or free_port()
         self.appendonly = appendonly
         self.extra = extra or []
@@ -318,6 +326,17 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "LocalRedis":
+        for attempt in range(5):
+            try:
+                return self._start()
+            except ServerExited:
+                if not self.chosen_port or attempt == 4 or not self.port_taken():
+                    raise
+                (self.root / "redis.log").unlink()
+                self.port = free_port()  # taken between the check and the start
+        raise AssertionError("unreachable")
+
+    def _start(self) -> "LocalRedis":
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found: install it with apt-get install redis-server")
@@ -333,12 +352,17 @@ class LocalRedis:
             args += ["--tls-port", str(self.port), "--tls-ca-cert-file", str(ca), "--tls-cert-file", str(cert),
                      "--tls-key-file", str(key), "--tls-auth-clients", "yes"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        wait_for(self.ready, 30, f"redis on port {self.port}")
+        wait_for(self.ready, 30, f"redis on port {self.port}", fatal=(ServerExited,))
         return self
+
+    def port_taken(self) -> bool:
+        """Whether the server's log says its port (or a cluster's bus port) was taken."""
+        log = self.root / "redis.log"
+        return log.exists() and "Address already in use" in log.read_text(errors="replace")
 
     def ready(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.root / 'redis.log'}")
+            raise ServerExited(f"redis-server exited with {self.proc.returncode}; see {self.root / 'redis.log'}")
         with socket.create_connection(("127.0.0.1", self.port), timeout=1) as raw:
             if self.tls_files:
                 return True  # accepting connections; a TLS client proves the rest

@@ -69,6 +69,31 @@ def test_status_shows_slot_and_streams(env):
 
 
 @pytest.mark.slow
+def test_a_local_redis_whose_free_port_was_taken_meanwhile_starts_on_another(servers_root, monkeypatch):
+    """The demo's Redis (and the tests'): a port found free can be taken before the server binds it; the
+    server then exits at once, its log says why, and another free port is used. A port given is kept."""
+    import socket
+
+    from cdc.demo import local
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        real = local.free_port
+        ports = iter([port])
+        monkeypatch.setattr(local, "free_port", lambda: next(ports, None) or real())
+        redis_server = local.LocalRedis(servers_root / "taken-redis", appendonly=False).start()
+        try:
+            assert redis_server.port != port and redis_server.ready()
+        finally:
+            redis_server.stop()
+        given = local.LocalRedis(servers_root / "given-redis", port, appendonly=False)
+        with pytest.raises(local.ServerExited, match="redis-server exited with 1"):
+            given.start()
+        assert given.port_taken()
+
+
 def test_demo_streams_every_stream_refuses_a_second_run_stops_cleanly_and_runs_again(servers_root):
     root = servers_root / "demo"
     cmd = [sys.executable, "-m", "cdc.demo", "--root", str(root), "--rate", "20"]

@@ -4,6 +4,7 @@ owning node, and a replay after a crash still appends nothing twice."""
 from __future__ import annotations
 
 import signal
+import socket
 import time
 
 import pytest
@@ -20,6 +21,27 @@ pytestmark = pytest.mark.integration
 def cluster(servers_root):
     with three_node_cluster(servers_root) as nodes:
         yield nodes
+
+
+def test_a_node_whose_port_was_taken_meanwhile_starts_on_another(servers_root, monkeypatch):
+    """Between the check that a port is free and the server's start, another process can take it: the
+    server exits at once (not after the 30 s wait for it), its log says why, and the cluster's helper
+    starts the node on another port."""
+    import redis_cluster
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", redis_cluster.cluster_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port, redis_cluster.cluster_port()])
+        monkeypatch.setattr(redis_cluster, "cluster_port", lambda: next(ports))
+        started = time.monotonic()
+        node = redis_cluster._start_node(servers_root, "taken")
+        try:
+            assert node.port != port and node.ready()
+            assert time.monotonic() - started < 20
+        finally:
+            node.stop()
 
 
 def test_bridge_publishes_exactly_once_across_a_three_node_cluster(env, cluster):

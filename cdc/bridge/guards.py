@@ -320,13 +320,20 @@ def record_divergence(client: redis.Redis, slot: str, error: DataLossError, foun
     client.hset(keys.bridge_state_key(slot), "data_loss_diverged", 1)
 
 
-def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, *, record: bool = True) -> None:
+def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, *,
+                         reread: Callable[[], ServerHistory] | None, record: bool = True) -> None:
     """Stop (exit 6, recorded for cdc status) when Redis holds positions the server's history lacks: another
     system, an older timeline, or a newer one that branched off below Redis' record (`cdc.source.history`);
     or when such a divergence was recorded (by cdc init) and cdc recover has not repaired it yet.
 
     A record without a recorded history (older deployments), or a newer timeline that branched off at or above
     Redis' record, is accepted and recorded (unless `record` is false: cdc check only reads).
+
+    `server` was read before Redis' record, and a bridge streaming the slot meanwhile (the one `cdc check` or
+    `cdc init` runs beside, or the one a restarted bridge takes over from) may have moved the record past the
+    WAL position `server` saw. So a divergence is judged again on `reread()`, a reading of the server taken
+    after the record: every position a bridge records is WAL the server had written before that reading.
+    `reread` None: `server` was read after the record.
     """
     pipe = client.pipeline(transaction=False)  # one round trip
     pipe.hgetall(keys.bridge_state_key(slot))
@@ -339,10 +346,9 @@ def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, 
         return
     held = Lsn(int(raw))
     recorded = {k.decode(): v.decode() for k, v in source.items()}
-    if "system_id" in recorded:
-        found = divergence(recorded["system_id"], int(recorded["timeline"]), held, server)
-    else:  # an older deployment: only the server's WAL position can tell
-        found = divergence(server.system_id, server.timeline, held, server)
+    found = _diverged(recorded, held, server)
+    if found is not None and reread is not None:
+        found = _diverged(recorded, held, reread())
     if found is not None:
         error = diverged_error(slot, found)
         record_divergence(client, slot, error, found)
@@ -352,6 +358,12 @@ def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, 
             log.info("source timeline %s -> %d: it branched off at or above %s, which redis holds; nothing diverged",
                      recorded.get("timeline"), server.timeline, held)
         record_source(client, slot, server)
+
+
+def _diverged(recorded: dict[str, str], held: Lsn, server: ServerHistory) -> Divergence | None:
+    if "system_id" in recorded:
+        return divergence(recorded["system_id"], int(recorded["timeline"]), held, server)
+    return divergence(server.system_id, server.timeline, held, server)  # an older deployment: only the WAL can tell
 
 
 def check_redis_has_flushed(client: redis.Redis, slot: str, confirmed: Lsn, streams: Mapping[str, str] | None = None,

@@ -302,7 +302,7 @@ class Bridge:
             server = read_history(pgs.dsn)  # once per session: whose history Redis' positions belong to
             try:
                 self.claim(client, server)  # nothing another bridge on this Redis writes or reads
-                check_source_history(client, pgs.slot, server)
+                check_source_history(client, pgs.slot, server, reread=lambda: read_history(pgs.dsn))
                 held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn, self.stream_entities)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
                                           reserve=publisher.memory_reserve)

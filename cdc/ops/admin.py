@@ -251,7 +251,8 @@ def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False, s
         if server is not None:
             below = created and confirmed < current
             # stops on a divergence (recorded), else records the history (not yet when the new slot is below)
-            check_source_history(client, slot, server, record=not below)
+            check_source_history(client, slot, server, record=not below,
+                                 reread=lambda: read_history(settings.postgres.dsn))
             if below:
                 found = Divergence(confirmed, current, f"slot {slot!r} was created at {confirmed}, below the position "
                                    "redis holds, which this server's WAL never reached: a promoted standby or a restored "

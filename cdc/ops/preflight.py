@@ -435,7 +435,8 @@ def _check_claims(client, settings: Settings, streams: dict[str, str], server: S
 def _check_history(client, settings: Settings, server: ServerHistory, report: CheckReport) -> bool:
     """True when Redis holds positions the server's history lacks (cdc run refuses, exit 6; recorded for status)."""
     try:
-        check_source_history(client, settings.postgres.slot, server, record=False)
+        check_source_history(client, settings.postgres.slot, server, record=False,
+                             reread=lambda: read_history(settings.postgres.dsn))
     except DataLossError as exc:
         report.problems.append(exc)
         return True

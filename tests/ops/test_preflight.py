@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cdc.demo.local import free_port
+from cdc import keys
+from cdc.demo.local import free_port, wait_for
+from workload import MixedWorkload
 
 pytestmark = pytest.mark.integration
 
@@ -234,3 +236,30 @@ def test_a_spill_directory_that_cannot_be_written_is_refused_by_check_and_run(ri
     ok = rides.cdc("check")
     assert ok.returncode == 0, ok.stderr
     assert f"spill to {missing}" in ok.stdout
+
+
+@pytest.mark.slow
+def test_checks_beside_a_streaming_bridge_find_nothing_diverged(env):
+    """`cdc check` while the bridge streams, as an operator runs it: it reads the server's WAL position, then
+    Redis' record, which the bridge moves past that position in between. No check may report a divergence, nor
+    record one that would stop the bridge's next start."""
+    env.init_rides("ride.yaml", config="batch: {max_entries: 40, max_delay_ms: 1}\n")
+    workload = MixedWorkload(env.dsn, transactions=100_000, seed=3, rate=400)
+    workload.start()
+    bridge = env.start_bridge()
+    flushed = keys.flushed_key(env.slot)
+    try:
+        wait_for(lambda: int(env.redis.get(flushed) or 0) > 0 or bridge.poll() is not None, 30, "the bridge to record")
+        for _ in range(12):
+            result = env.cdc("check")
+            assert "diverged" not in result.stdout + result.stderr and "WAL is at" not in result.stderr, result.stderr
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert not env.redis.hget(keys.bridge_state_key(env.slot), "data_loss"), "a check recorded a loss"
+        assert bridge.poll() is None
+    finally:
+        workload.stopped.set()
+        workload.join(30)
+    assert workload.error is None, workload.error
+    bridge.terminate()
+    assert bridge.wait(30) == 0
+    env.cdc("run", "--until-caught-up", check=True)

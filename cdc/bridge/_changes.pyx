@@ -26,6 +26,8 @@ from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
+from ..sink._resp cimport Packed
+
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void *op)
 
@@ -377,6 +379,7 @@ cdef class Plan:
     # the target's, fixed for its life (a rebind makes a new target): read here, not per change
     cdef object version
     cdef list entry_lists  # per partition: its batch's entries (`StreamBatch.entries`, the same list for its lifetime)
+    cdef list packers  # per partition: its batch's `StreamBatch.packed` (None, or the same object for its lifetime)
     cdef list read
     cdef Py_ssize_t unread  # changes read not yet added to `read[0]` (`_add_reads`)
 
@@ -836,6 +839,23 @@ cdef str _position(_State st, Py_ssize_t seq):
     return text
 
 
+cdef int _pack(Packed packer, list f, Py_ssize_t pairs, _State st, Py_ssize_t seq) except -1:
+    """`packer.append_fields` for the entry `f` at position `prefix + "%010d" % seq`, written on the stack for
+    the usual case (`_position`'s)."""
+    cdef char chars[64]
+    cdef Py_ssize_t n = st.prefix_n, i
+    cdef const char *p
+    if seq < 0 or seq >= 10000000000 or st.prefix_p == NULL:
+        text = _position(st, seq)  # held while its characters are read
+        p = PyUnicode_AsUTF8AndSize(text, &n)
+        return packer.append_fields(f, pairs, p, n)
+    memcpy(chars, st.prefix_p, n)
+    for i in range(n + 9, n - 1, -1):
+        chars[i] = <char>(48 + seq % 10)
+        seq //= 10
+    return packer.append_fields(f, pairs, chars, n + 10)
+
+
 cdef object _route_reference(int kind, bytes raw, Py_ssize_t offset, list targets, windows, decoder, _State st):
     """The reference takes the change: it sees the transaction and batcher as they are, and `st` what it did."""
     st.store()
@@ -907,6 +927,7 @@ cdef object _route(int kind, const unsigned char *data, Py_ssize_t have, object 
             if plan_obj is not False:
                 (<Plan>plan_obj).version = t.version
                 (<Plan>plan_obj).entry_lists = [b.entries for b in t.batches]
+                (<Plan>plan_obj).packers = [b.packed for b in t.batches]
                 (<Plan>plan_obj).read = t.read
     _out.size = 0
     try:
@@ -960,7 +981,7 @@ cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
     """A target's change counted read and its entry, if any, completed with its position and queued
     (`Batcher.add`): `fields` has room for them (`_entry`)."""
     cdef Py_ssize_t seq = st.seq, at
-    cdef list f
+    cdef list f, entries
     if not plan.unread:
         _unread.append(plan)
     plan.unread += 1
@@ -978,8 +999,14 @@ cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
     _set(f, at + 7, st.ts)
     _set(f, at + 8, b"v")
     _set(f, at + 9, plan.version)
-    _set(f, at + 10, _position(st, seq))
-    (<list>plan.entry_lists[partition]).append(f)
+    entries = <list>plan.entry_lists[partition]
+    packer = plan.packers[partition]
+    if packer is not None and PyList_GET_SIZE(entries) == 0:  # packed while in the cache, then let go
+        _set(f, at + 10, None)  # the position is given to the packer as characters
+        _pack(<Packed>packer, f, at + 10, st, seq)
+    else:  # after entries someone else queued: behind them, in order
+        _set(f, at + 10, _position(st, seq))
+        entries.append(f)
     if not st.pending:
         st.first_at = st.batcher.clock()
     st.pending += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ..sink.lane import Packed
 from ..sink.publisher import StreamBatch
 from .positions import Transaction
 
@@ -19,9 +20,10 @@ __all__ = ["Batcher"]
 class Batcher:
     """One batch per stream, the count of entries pending across them, and the size and age rules."""
 
-    __slots__ = ("batches", "pending", "sent", "first_at", "max_entries", "max_delay", "clock")
+    __slots__ = ("batches", "pending", "sent", "first_at", "max_entries", "max_delay", "clock", "packer")
 
-    def __init__(self, max_entries: int, max_delay_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_entries: int, max_delay_s: float, clock: Callable[[], float] = time.monotonic,
+                 packer: Callable[[bytes], Packed] | None = None) -> None:
         self.batches: dict[str, StreamBatch] = {}
         self.pending = 0  # entries added since the last `clear`
         self.sent = 0  # entries cleared away over the batcher's lifetime (`sent + pending`: ever added)
@@ -29,12 +31,14 @@ class Batcher:
         self.max_entries = max_entries
         self.max_delay = max_delay_s
         self.clock = clock
+        #: each batch's `StreamBatch.packed` (None: batches keep entry lists until sent)
+        self.packer = packer
 
     def batch(self, stream: str) -> StreamBatch:
         """The batch of `stream` (the same object for the bridge's lifetime)."""
         batch = self.batches.get(stream)
         if batch is None:
-            batch = self.batches[stream] = StreamBatch(stream)
+            batch = self.batches[stream] = StreamBatch(stream, self.packer)
         return batch
 
     def add(self, batch: StreamBatch, fields: list, version: int, tx: Transaction) -> None:

@@ -30,6 +30,7 @@ from ..config import Settings
 from ..errors import SourceError
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector
+from ..sink.lane import packer
 from ..sink.publisher import Publisher
 from ..source import pgoutput as pg
 from ..source.catalog import load_types, table_shape
@@ -141,7 +142,10 @@ class Session:
         self.decode = self.decoder.decode
         self.targets: dict[int, list[Target]] = {}
         batch = settings.batch
-        self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0)
+        # the compiled loop packs entries as it queues them for a transaction lane (the script lane
+        # sends entry lists)
+        self.batcher = Batcher(batch.max_entries, batch.max_delay_ms / 1000.0,
+                               packer=packer if settings.redis.append == "transaction" else None)
         self.messages = [(m.message_prefix, m.version, self.batcher.batch(m.stream_key()))
                          for m in host.message_mappings if m.message_prefix is not None]
         self.tx = Transaction()

@@ -43,7 +43,7 @@ def end_record(tx: Transaction, seq: int, streams: dict[str, int]) -> list:
 
 
 def _queued(batch: StreamBatch) -> int:
-    return batch.sent + len(batch.entries)
+    return batch.sent + batch.count
 
 
 class TransactionEnds:
@@ -86,12 +86,12 @@ class TransactionEnds:
         streams: dict[str, int] = {}
         last = ""
         for b in batcher.batches.values():
-            queued = b.sent + len(b.entries)
+            queued = b.sent + b.count
             n = queued - b.base
             if n:
                 b.base = queued
                 streams[b.stream] = n
-                pos = b.entries[-1][-1] if b.entries else b.last
+                pos = b.last_position
                 if pos > last:
                     last = pos
         seq = int(last[20:]) + 1

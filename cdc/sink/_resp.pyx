@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""`xadd_command` and `pack_past` of `cdc.sink.lane`, compiled: entries packed as RESP commands.
+"""`xadd_command`, `pack_past` and `Packed` of `cdc.sink.lane`, compiled: entries packed as RESP commands.
 
 `cdc.sink.lane` is the specification; this gives the same bytes
 (tests/sink/test_compiled_resp.py compares them on generated entries).
@@ -8,12 +8,12 @@
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_Compare
-from libc.stdlib cimport malloc, realloc
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_Compare, PyUnicode_DecodeUTF8
+from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy
 from cpython.ref cimport PyObject, Py_INCREF
 
-__all__ = ["xadd_command", "pack_past", "plain_array_end"]  # the interface: _resp.pyi
+__all__ = ["xadd_command", "pack_past", "plain_array_end", "Packed"]  # the interface: _resp.pyi
 
 
 cdef object _reference():
@@ -197,18 +197,24 @@ cdef int _append_xadd(bytes head, object entry) except -1:
     which encodes every name before any value, so which one it reports is its own
     to say.
     """
-    global _size
-    cdef Py_ssize_t count, i
+    cdef Py_ssize_t count
     if type(entry) is not list:
         return 0
     count = len(<list>entry)
     if count % 2 == 0:
         return 0
-    _number(b'*', count + 2)  # XADD, stream, '*', then the pairs (the position is not sent)
+    return _append_pairs(head, <list>entry, count - 1)
+
+
+cdef int _append_pairs(bytes head, list entry, Py_ssize_t pairs) except -1:
+    """`_append_xadd` for the first `pairs` items of `entry` (field, value, ...; an even count)."""
+    global _size
+    cdef Py_ssize_t i
+    _number(b'*', pairs + 3)  # XADD, stream, '*', then the pairs (the position is not sent)
     _reserve(PyBytes_GET_SIZE(head))
     memcpy(_buf + _size, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
     _size += PyBytes_GET_SIZE(head)
-    for i in range(0, count - 1, 2):
+    for i in range(0, pairs, 2):
         name = (<list>entry)[i]
         if type(name) is not bytes and type(name) is not str:
             # the reference keys its formats on the names, and equal names of other
@@ -316,3 +322,241 @@ def plain_array_end(bytes data, Py_ssize_t count):
             return -1
         at = end + 2
     return at
+
+
+# -- Packed: a stream's entries packed as they are queued ---------------------------------------
+
+cdef char *_saved_buf = NULL
+cdef Py_ssize_t _saved_cap = 0
+
+
+cdef inline void _use(Packed p) noexcept:
+    """The packer writes at the end of `p`'s commands (`_done` gives the buffer back)."""
+    global _buf, _cap, _size, _saved_buf, _saved_cap
+    _saved_buf, _saved_cap = _buf, _cap
+    _buf, _cap, _size = p.buf, p.cap, p.size
+
+
+cdef inline void _done(Packed p, bint keep) noexcept:
+    """`p` takes its buffer back (grown, perhaps), with what was written when `keep`."""
+    global _buf, _cap, _size
+    p.buf, p.cap = _buf, _cap
+    if keep:
+        p.size = _size
+    _buf, _cap, _size = _saved_buf, _saved_cap, 0
+
+
+cdef inline int _grow(char **buf, Py_ssize_t *cap, Py_ssize_t want) except -1:
+    cdef Py_ssize_t n = cap[0]
+    cdef char *grown
+    if want <= n:
+        return 0
+    while n < want:
+        n *= 2
+    grown = <char *>realloc(buf[0], n)
+    if grown == NULL:
+        raise MemoryError()
+    buf[0], cap[0] = grown, n
+    return 0
+
+
+cdef bint _after(const char *a, Py_ssize_t an, const char *b, Py_ssize_t bn) noexcept:
+    """`a > b`, for UTF-8 text: code point order is byte order."""
+    cdef Py_ssize_t n = an if an < bn else bn
+    cdef int c = memcmp(a, b, n)
+    return c > 0 or (c == 0 and an > bn)
+
+
+cdef bint _ascending(Packed p) noexcept:
+    """Each position after the one before (then past a mark the first is past, all are)."""
+    cdef Py_ssize_t i, ps = 0, pe, prev_s = 0, prev_e = -1
+    for i in range(p.count_):
+        pe = p.ends[2 * i + 1]
+        if prev_e >= 0 and not _after(p.pos + ps, pe - ps, p.pos + prev_s, prev_e - prev_s):
+            return False
+        prev_s, prev_e, ps = ps, pe, pe
+    return True
+
+
+cdef class Positions:
+    """The positions of a `Packed`'s entries as they were when taken, a sequence of str read when asked."""
+    cdef bytes chars
+    cdef bytes ends  # per entry: where its position ends in `chars` (Py_ssize_t each)
+    cdef Py_ssize_t count
+
+    def __cinit__(self, Packed packed):
+        cdef Py_ssize_t i
+        cdef Py_ssize_t *ends
+        self.count = packed.count_
+        self.chars = PyBytes_FromStringAndSize(packed.pos, packed.pos_size)
+        self.ends = PyBytes_FromStringAndSize(NULL, self.count * sizeof(Py_ssize_t))
+        ends = <Py_ssize_t *>PyBytes_AS_STRING(self.ends)
+        for i in range(self.count):
+            ends[i] = packed.ends[2 * i + 1]
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, Py_ssize_t i):
+        cdef Py_ssize_t *ends = <Py_ssize_t *>PyBytes_AS_STRING(self.ends)
+        cdef Py_ssize_t start
+        if i < 0:
+            i += self.count
+        if i < 0 or i >= self.count:
+            raise IndexError("position index out of range")
+        start = ends[i - 1] if i else 0
+        return PyUnicode_DecodeUTF8(PyBytes_AS_STRING(self.chars) + start, ends[i] - start, NULL)
+
+    def __eq__(self, other):
+        return list(self) == list(other) if isinstance(other, (list, Positions)) else NotImplemented
+
+    def __repr__(self):
+        return f"Positions({list(self)!r})"
+
+
+cdef enum:
+    KEEP = 64 * 1024  # bytes a cleared `Packed` keeps for the next batch, at least, in each buffer
+
+
+cdef inline void _shrink(char **buf, Py_ssize_t *cap, Py_ssize_t used) noexcept:
+    cdef char *smaller
+    if cap[0] > KEEP and used < cap[0] // 4:
+        smaller = <char *>realloc(buf[0], cap[0] // 2)
+        if smaller != NULL:
+            buf[0], cap[0] = smaller, cap[0] // 2
+
+
+cdef class Packed:
+    """A stream's entries as ``XADD stream * field value ...`` commands packed when appended, with their
+    positions: the entries themselves are let go at once, while still in the cache (`cdc.sink.lane.Packed`)."""
+
+    def __cinit__(self, bytes stream):
+        self.stream = stream
+        self.head = _head(stream)
+        self.buf = <char *>malloc(4096)
+        self.cap = 4096
+        self.pos = <char *>malloc(1024)
+        self.pos_cap = 1024
+        self.slots = 64
+        self.ends = <Py_ssize_t *>malloc(2 * self.slots * sizeof(Py_ssize_t))
+        if self.buf == NULL or self.pos == NULL or self.ends == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.buf)
+        free(self.pos)
+        free(self.ends)
+
+    cdef int append_entry(self, list entry) except -1:
+        """Pack `entry` (field, value, ..., then its position, a str) at the end (taken as it is now)."""
+        cdef Py_ssize_t n
+        cdef const char *p
+        if PyList_GET_SIZE(entry) == 0:
+            raise IndexError("an entry without a position")
+        position = <object>PyList_GET_ITEM(entry, PyList_GET_SIZE(entry) - 1)
+        if type(position) is not str:
+            raise TypeError(f"an entry's position is a str, not {type(position).__name__}")
+        p = PyUnicode_AsUTF8AndSize(position, &n)
+        return self.append_fields(entry, PyList_GET_SIZE(entry) - 1, p, n)
+
+    cdef int append_fields(self, list entry, Py_ssize_t pairs, const char *pos, Py_ssize_t size) except -1:
+        """Pack the first `pairs` items of `entry` (field, value, ...) at the end, the entry at position
+        `pos` (`size` bytes of UTF-8): the compiled loop gives its position without making it a str."""
+        cdef Py_ssize_t start = self.size
+        cdef Py_ssize_t *grown
+        cdef bytes command
+        cdef int packed = 0
+        if self.count_ == self.slots:
+            grown = <Py_ssize_t *>realloc(self.ends, 4 * self.slots * sizeof(Py_ssize_t))
+            if grown == NULL:
+                raise MemoryError()
+            self.ends, self.slots = grown, self.slots * 2
+        if pairs % 2 == 0:
+            _use(self)
+            try:
+                packed = _append_pairs(self.head, entry, pairs)
+            except Exception:
+                packed = 0
+            finally:
+                _done(self, packed)
+        if not packed:  # the reference packs this one (and raises what it raises)
+            command = _reference()(self.stream, entry[:pairs] + [PyUnicode_DecodeUTF8(pos, size, NULL)])
+            _grow(&self.buf, &self.cap, start + PyBytes_GET_SIZE(command))
+            memcpy(self.buf + start, PyBytes_AS_STRING(command), PyBytes_GET_SIZE(command))
+            self.size = start + PyBytes_GET_SIZE(command)
+        _grow(&self.pos, &self.pos_cap, self.pos_size + size)
+        memcpy(self.pos + self.pos_size, pos, size)
+        self.pos_size += size
+        self.ends[2 * self.count_] = self.size
+        self.ends[2 * self.count_ + 1] = self.pos_size
+        self.count_ += 1
+        return 0
+
+    def append(self, list entry):
+        """Pack `entry` (field, value, ..., then its position) at the end."""
+        self.append_entry(entry)
+
+    @property
+    def count(self):
+        return self.count_
+
+    @property
+    def last(self):
+        """The last entry's position ('' when there is none)."""
+        cdef Py_ssize_t start = self.ends[2 * self.count_ - 3] if self.count_ > 1 else 0
+        if not self.count_:
+            return ""
+        return PyUnicode_DecodeUTF8(self.pos + start, self.ends[2 * self.count_ - 1] - start, NULL)
+
+    def past(self, str held):
+        """The commands of the entries whose position is past `held`, joined, and their positions."""
+        cdef Py_ssize_t i, cs = 0, ps = 0, ce, pe, hn
+        cdef list positions
+        cdef list kept
+        cdef const char *h = PyUnicode_AsUTF8AndSize(held, &hn)
+        if not self.count_:
+            return b"", []
+        if _after(self.pos, self.ends[1], h, hn) and _ascending(self):
+            # past the mark from the first on (the usual case): every one, their positions read when asked
+            return PyBytes_FromStringAndSize(self.buf, self.size), Positions(self)
+        positions, kept = [], []
+        for i in range(self.count_):
+            ce, pe = self.ends[2 * i], self.ends[2 * i + 1]
+            position = PyUnicode_DecodeUTF8(self.pos + ps, pe - ps, NULL)
+            if PyUnicode_Compare(position, held) > 0:
+                positions.append(position)
+                kept.append(cs)
+                kept.append(ce)
+            cs, ps = ce, pe
+        if len(positions) == self.count_:
+            return PyBytes_FromStringAndSize(self.buf, self.size), positions
+        chunks = []
+        for i in range(0, len(kept), 2):
+            cs, ce = kept[i], kept[i + 1]
+            chunks.append(PyBytes_FromStringAndSize(self.buf + cs, ce - cs))
+        return b"".join(chunks), positions
+
+    def copy(self):
+        """Another `Packed` holding the same entries."""
+        cdef Packed other = Packed(self.stream)
+        _grow(&other.buf, &other.cap, self.size)
+        _grow(&other.pos, &other.pos_cap, self.pos_size)
+        if self.slots > other.slots:
+            free(other.ends)
+            other.ends = <Py_ssize_t *>malloc(2 * self.slots * sizeof(Py_ssize_t))
+            if other.ends == NULL:
+                raise MemoryError()
+            other.slots = self.slots
+        memcpy(other.buf, self.buf, self.size)
+        memcpy(other.pos, self.pos, self.pos_size)
+        memcpy(other.ends, self.ends, 2 * self.count_ * sizeof(Py_ssize_t))
+        other.size, other.pos_size, other.count_ = self.size, self.pos_size, self.count_
+        return other
+
+    def clear(self):
+        """Let every entry go. The buffers are kept for the next ones, and halved (down to `KEEP` bytes) each
+        time they were less than a quarter full: a stream whose batches shrank, or that went quiet, gives
+        back what a batch of many or huge entries made them grow to."""
+        _shrink(&self.buf, &self.cap, self.size)
+        _shrink(&self.pos, &self.pos_cap, self.pos_size)
+        self.size = self.pos_size = self.count_ = 0

@@ -36,7 +36,7 @@ from ..errors import PublishError, TransientError
 from .node import PLAIN, Node, classify
 from .streamkeys import stream_key_error, vanished_mark_error
 
-__all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_entries", "plain_array_end"]
+__all__ = ["TransactionLane", "xadd_command", "pack_past", "pack_entries", "plain_array_end", "Packed", "packer"]
 
 log = logging.getLogger("cdc.publish")
 
@@ -103,6 +103,48 @@ def pack_past(stream: bytes, entries: Sequence[Sequence], held: str) -> tuple[by
     return b"".join(commands), positions
 
 
+class Packed:
+    """A stream's entries packed as ``XADD`` commands as they are appended, with their positions.
+
+    The specification keeps the entries and packs them when asked; the compiled twin packs each at once
+    and lets the entry go while it is still in the cache. Either way `past` is `pack_past` of the entries
+    appended since the last `clear`, as they were when appended.
+    """
+
+    def __init__(self, stream: bytes) -> None:
+        self.stream = stream
+        self._entries: list[list] = []
+
+    def append(self, entry: list) -> None:
+        """Pack `entry` (field, value, ..., then its position, a str) at the end."""
+        if type(entry[-1]) is not str:
+            raise TypeError(f"an entry's position is a str, not {type(entry[-1]).__name__}")
+        self._entries.append(list(entry))
+
+    @property
+    def count(self) -> int:
+        return len(self._entries)
+
+    @property
+    def last(self) -> str:
+        """The last entry's position ('' when there is none)."""
+        return self._entries[-1][-1] if self._entries else ""
+
+    def past(self, held: str) -> tuple[bytes, Sequence[str]]:
+        """The commands of the entries whose position is past `held`, joined, and their positions."""
+        return pack_past(self.stream, self._entries, held)
+
+    def copy(self) -> Packed:
+        """Another `Packed` holding the same entries."""
+        other = Packed(self.stream)
+        other._entries = list(self._entries)
+        return other
+
+    def clear(self) -> None:
+        """Let every entry go."""
+        self._entries.clear()
+
+
 def command_ends(packed: bytes, count: int) -> list[int]:
     """Where each of the `count` RESP commands joined in `packed` ends (walked by their lengths)."""
     ends = []
@@ -118,6 +160,24 @@ def command_ends(packed: bytes, count: int) -> list[int]:
     if at != len(packed):
         raise ValueError(f"{len(packed) - at} bytes past {count} commands")
     return ends
+
+
+def command_args(packed: bytes) -> list[list[bytes]]:
+    """The arguments of each RESP command joined in `packed` (``XADD stream * field value ...``: its list)."""
+    commands = []
+    at = 0
+    while at < len(packed):
+        eol = packed.index(b"\r\n", at)
+        count = int(packed[at + 1:eol])  # *N
+        at = eol + 2
+        args = []
+        for _ in range(count):
+            eol = packed.index(b"\r\n", at)
+            size = int(packed[at + 1:eol])  # $len
+            args.append(packed[eol + 2:eol + 2 + size])
+            at = eol + 2 + size + 2
+        commands.append(args)
+    return commands
 
 
 def plain_array_end(data: bytes, count: int) -> int:
@@ -155,6 +215,9 @@ _compiled = speedups.load("cdc.sink._resp")
 pack_entries = _compiled.pack_past if _compiled is not None else pack_past
 #: `plain_array_end`, compiled where the extension is built (the same answers)
 array_end = _compiled.plain_array_end if _compiled is not None else plain_array_end
+#: the compiled `Packed`, where the extension is built: batches pack their entries as they are queued
+#: (the pure `Packed` would only keep them; without it batches keep their entries until sent)
+packer = _compiled.Packed if _compiled is not None else None
 
 
 class _Part:
@@ -164,7 +227,7 @@ class _Part:
 
     __slots__ = ("stream", "mark", "packed", "positions", "held", "dropped")
 
-    def __init__(self, stream: str, mark: str, packed: bytes, positions: list[str], held: str, dropped: int) -> None:
+    def __init__(self, stream: str, mark: str, packed: bytes, positions: Sequence[str], held: str, dropped: int) -> None:
         self.stream, self.mark, self.packed, self.positions = stream, mark, packed, positions
         self.held, self.dropped = held, dropped
 
@@ -261,9 +324,10 @@ class TransactionLane:
         n = 1 + (1 if mark_keys else 0) + len(streams)
         self._learn(mark_keys, streams, self.node.receive(n)[0])
 
-    def send(self, group: Sequence[tuple[str, str, list]], flushed: tuple[str, int] | None,
+    def send(self, group: Sequence[tuple[str, str, list, Packed | None]], flushed: tuple[str, int] | None,
              after: list[bytes]) -> None:
-        """Send one transaction appending each (stream, mark key, entries) past its mark.
+        """Send one transaction appending each (stream, mark key, entries, packed) past its mark: the
+        entries `packed` holds (if any), then those of the list.
 
         `flushed` (key, LSN), the record of how far Redis holds the source, is moved
         in the same transaction, and only forward: it is watched like the marks, so a
@@ -271,13 +335,22 @@ class TransactionLane:
         pipeline (WAIT, test faults), before the keys are watched again. The replies are read by `confirm()`.
         The entries are packed before this returns, and not held: the caller may let them go.
         """
-        self._ready([(stream, mark) for stream, mark, _ in group], flushed)
+        self._ready([(stream, mark) for stream, mark, _, _ in group], flushed)
         marks = self.marks
         parts = []
-        for stream, mark, entries in group:
+        for stream, mark, entries, packed in group:
             held = marks[mark]
-            packed, positions = pack_entries(stream.encode(), entries, held)
-            parts.append(_Part(stream, mark, packed, positions, held, len(entries) - len(positions)))
+            total = len(entries)
+            if packed is not None and packed.count:
+                total += packed.count
+                commands, positions = packed.past(held)
+                if entries:
+                    more, later = pack_entries(stream.encode(), entries, held)
+                    commands += more
+                    positions = [*positions, *later]
+            else:
+                commands, positions = pack_entries(stream.encode(), entries, held)
+            parts.append(_Part(stream, mark, commands, positions, held, total - len(positions)))
         self._send(parts, flushed, after)
 
     def _ready(self, streams: Sequence[tuple[str, str]], flushed: tuple[str, int] | None) -> None:

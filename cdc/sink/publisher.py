@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import hiredis
 import redis
@@ -34,7 +34,7 @@ from .node import Node, classify
 from .redisconn import connect_redis
 from .script import ScriptLane
 from .streamkeys import stream_key_error
-from .lane import TransactionLane
+from .lane import Packed, TransactionLane, command_args
 
 __all__ = ["APPEND_MODES", "Publisher", "StreamBatch", "position", "split_position"]
 
@@ -64,19 +64,41 @@ class StreamBatch:
     what the transaction END records (`cdc.bridge.txends`) count from, at no cost per entry.
     """
 
-    __slots__ = ("stream", "mark", "entries", "sent", "last", "base")
+    __slots__ = ("stream", "mark", "entries", "packed", "sent", "last", "base")
 
-    def __init__(self, stream: str) -> None:
+    def __init__(self, stream: str, packer: Callable[[bytes], Packed] | None = None) -> None:
         self.stream = stream
         self.mark = keys.mark_key(stream)
         self.entries: list[list] = []
+        #: with a `packer`, the compiled loop packs entries here as it queues them (`cdc.sink.lane.Packed`),
+        #: while `entries` is empty: the batch is `packed`'s entries, then those of the list, in that order
+        self.packed = packer(stream.encode()) if packer is not None else None
         self.sent = 0
         self.last = ""
         self.base = 0  # entries queued before the transaction being read (`cdc.bridge.txends`)
 
     @property
     def count(self) -> int:
-        return len(self.entries)
+        packed = self.packed
+        return len(self.entries) + (packed.count if packed is not None else 0)
+
+    @property
+    def last_position(self) -> str:
+        """The position of the last entry queued, or of the last one sent when none is."""
+        if self.entries:
+            return self.entries[-1][-1]
+        packed = self.packed
+        return packed.last if packed is not None and packed.count else self.last
+
+    def queued(self) -> list[list]:
+        """Every entry queued, in order, as (field, value, ..., position) lists: those `packed` holds as
+        the bytes it sends (values included), then those of the list as they are."""
+        packed = self.packed
+        if packed is None or not packed.count:
+            return list(self.entries)
+        commands, positions = packed.past("")
+        unpacked = [[*args[3:], pos] for args, pos in zip(command_args(commands), positions)]
+        return unpacked + self.entries
 
     def add(self, pos: str, fields: list) -> None:
         """Queue an entry; `fields` (field, value, ...) is taken over, not copied."""
@@ -85,11 +107,17 @@ class StreamBatch:
 
     def clear(self) -> None:
         """Let the entries go (sent: the lanes packed them), keeping the list: the compiled loop holds it."""
-        entries = self.entries
-        if entries:
-            self.sent += len(entries)
-            self.last = entries[-1][-1]
+        entries, packed = self.entries, self.packed
+        if entries or packed is not None and packed.count:
+            self.sent += self.count
+            self.last = self.last_position
             entries.clear()
+        if packed is not None:
+            packed.clear()  # also when empty: its buffers shrink back while the stream is quiet
+
+
+def _count(entries: list, packed: Packed | None) -> int:
+    return len(entries) + (packed.count if packed is not None else 0)
 
 
 class _Sent:
@@ -249,14 +277,16 @@ class Publisher:
         """
         if self._inflight is not None:
             raise RuntimeError("confirm() the previous send first")
-        by_lane: dict[int, tuple[object, list[tuple[str, str, list]]]] = {}
-        later: list[tuple[str, str, list]] = []
+        by_lane: dict[int, tuple[object, list[tuple[str, str, list, Packed | None]]]] = {}
+        later: list[tuple[str, str, list, Packed | None]] = []
         for b in batches:
             if b.count and b.stream == self.after_others and self._cluster is not None:
-                later.append((b.stream, b.mark, list(b.entries)))  # appended after the others confirm: kept
+                # appended after the others confirm: kept
+                later.append((b.stream, b.mark, list(b.entries), b.packed.copy() if b.packed is not None and b.packed.count
+                              else None))
             elif b.count:
                 lane = self._lane(b.stream)
-                by_lane.setdefault(id(lane), (lane, []))[1].append((b.stream, b.mark, b.entries))
+                by_lane.setdefault(id(lane), (lane, []))[1].append((b.stream, b.mark, b.entries, b.packed))
         double = self.double_send and random.random() < self.double_send
         sent: list[_Sent] = []
         for lane, group in by_lane.values():
@@ -265,19 +295,21 @@ class Publisher:
                 record = (self.flushed_key, int(flushed))
             after = self._wait()
             if double:
-                duplicates = [hiredis.pack_command((b"XADD", stream, b"*", *e[:-1])) for stream, _, entries in group
-                              for e in entries]
-                log.warning("fault injection: sending a batch of %d entries twice", len(duplicates))
+                duplicates = [command for stream, _, entries, packed in group for command in
+                              ([packed.past("")[0]] if packed is not None and packed.count else [])
+                              + [hiredis.pack_command((b"XADD", stream, b"*", *e[:-1])) for e in entries]]
+                log.warning("fault injection: sending a batch of %d entries twice",
+                            sum(_count(entries, packed) for _, _, entries, packed in group))
                 after += duplicates
             try:
                 lane.send(group, record, after)
             except Exception:  # refused (a stream key judged) or cut: the lanes sent already still answer
                 self._drain(sent)
                 raise
-            sent.append(_Sent(lane, [len(entries) for _, _, entries in group]))
+            sent.append(_Sent(lane, [_count(entries, packed) for _, _, entries, packed in group]))
         self._inflight = (sent, flushed if self._cluster is not None else None, later)
 
-    def _append_after_others(self, group: list[tuple[str, str, list]]) -> int:
+    def _append_after_others(self, group: list[tuple[str, str, list, Packed | None]]) -> int:
         """Append the held-back stream's entries, now that every other lane confirmed its own; the entries
         appended."""
         lane = self._lane(group[0][0])
@@ -285,7 +317,7 @@ class Publisher:
         appended, after = lane.confirm()
         self._check_tail(after[: 1 if self.wait_replicas else 0])
         added = sum(appended)
-        self.entries_skipped += sum(len(entries) for _, _, entries in group) - added
+        self.entries_skipped += sum(_count(entries, packed) for _, _, entries, packed in group) - added
         return added
 
     @staticmethod

@@ -96,18 +96,21 @@ class ScriptLane:
         """A script call needs no room beyond what it appends."""
         return 0
 
-    def send(self, group: Sequence[tuple[str, str, list]], flushed: tuple[str, int] | None,
+    def send(self, group: Sequence[tuple[str, str, list, object]], flushed: tuple[str, int] | None,
              after: list[bytes]) -> None:
         """One script call appending every stream's entries past its mark and moving `flushed` (key, LSN)
-        forward only, or nothing at all; then `after`."""
-        names = [k for stream, mark, _ in group for k in (stream, mark)]
-        args = [_packb(entries) for _, _, entries in group]
+        forward only, or nothing at all; then `after`. The entries are lists: batches sent by script are
+        never packed (their `packed` is None)."""
+        if any(packed is not None and packed.count for _, _, _, packed in group):
+            raise ValueError("the script lane takes entry lists, not packed commands")
+        names = [k for stream, mark, _, _ in group for k in (stream, mark)]
+        args = [_packb(entries) for _, _, entries, _ in group]
         if flushed is not None:
             names.append(flushed[0])
             args.append(str(flushed[1]))
         script = [hiredis.pack_command((b"EVALSHA", APPEND_SHA, len(names), *names, len(group), *args))]
         self.node.send(script + after)
-        self._sent = (script, after, [stream for stream, _, _ in group])  # the entries are let go
+        self._sent = (script, after, [stream for stream, _, _, _ in group])  # the entries are let go
 
     def confirm(self) -> tuple[list[int], list]:
         if self._sent is None:

@@ -39,6 +39,7 @@ from cdc.bridge.batcher import Batcher
 from cdc.bridge.positions import Transaction
 from cdc.errors import ConfigError
 from cdc.mapping.model import parse_mapping
+from cdc.sink import lane
 from cdc.source import pgoutput as po
 from cdc.source.lsn import Lsn
 from cdc.source.values import TypeCatalog, TypeInfo
@@ -792,8 +793,10 @@ def test_cdc_impl_compiled_where_it_is_not_built_stops_at_start(tmp_path):
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
+    # the compiled loop packs into the compiled packer's batches: without it, neither imports
     assert lines[0].startswith("cdc: error: environment variable CDC_IMPL=compiled: the compiled hot path is not "
-                               "built (cdc.sink._resp: ")
+                               "built (cdc.bridge._changes: import of cdc.sink._resp halted")
+    assert "; cdc.sink._resp: import of cdc.sink._resp halted" in lines[0]
     assert lines[0].endswith("; install a C compiler, then reinstall the package, e.g. make install; "
                              "or set CDC_IMPL=pure, or unset it to run the pure path")
 
@@ -822,9 +825,11 @@ def test_the_stub_states_the_compiled_interface_and_the_pure_twins_match_it(comp
     stub_path = Path(importlib.util.find_spec(pure_name).origin).with_name(compiled_name.rpartition(".")[2] + ".pyi")
     tree = ast.parse(stub_path.read_text())
     stub = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    classes = {c.name: {f.name for f in c.body if isinstance(f, ast.FunctionDef)} for c in tree.body
+               if isinstance(c, ast.ClassDef)}
     (exported,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                    and n.targets[0].id == "__all__"]
-    assert sorted(exported) == sorted(stub)
+    assert sorted(exported) == sorted([*stub, *classes])
     pure = importlib.import_module(pure_name)
     try:
         compiled = importlib.import_module(compiled_name)
@@ -832,7 +837,12 @@ def test_the_stub_states_the_compiled_interface_and_the_pure_twins_match_it(comp
         compiled = None  # the pure twins are still held to the stub
     if compiled is not None:
         routines = {n for n, v in vars(compiled).items() if not n.startswith("_") and inspect.isroutine(v)}
-        assert sorted(compiled.__all__) == sorted(stub) and routines == set(stub)
+        assert sorted(compiled.__all__) == sorted([*stub, *classes]) and routines == set(stub)
+    for name, members in classes.items():  # each class's public members, compiled and pure alike
+        twins = [importlib.import_module(pure_name)] + ([compiled] if compiled is not None else [])
+        for module in twins:
+            cls = getattr(module, name)
+            assert {m for m in members if not m.startswith("_")} <= {m for m in dir(cls) if not m.startswith("_")}
     for name, node in stub.items():
         params = [a.arg for a in node.args.args]
         if compiled is not None:
@@ -853,11 +863,16 @@ def test_route_change_is_the_compiled_one_unless_pure_is_forced():
         assert changes.route_change is compiled_changes().route_raw
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["lists", "packed"])
 @pytest.mark.parametrize("path", ["pure", "compiled"])
-def test_burst_queues_what_the_loop_queues_across_transactions(path):
+def test_burst_queues_what_the_loop_queues_across_transactions(path, packed):
     """`burst`, both twins (libpq's memoryviews, Begins and Commits inline, each transaction's position
-    fields, the message that ends it handed back), against the reference routing one message at a time."""
+    fields, the message that ends it handed back), against the reference routing one message at a time;
+    `packed`: into batches that pack their entries as they are queued (`StreamBatch.packed`), the same
+    commands and positions as the reference's entries packed."""
     burst = changes.burst if path == "pure" else compiled_changes().burst
+    if packed and lane.packer is None:
+        pytest.skip("the compiled packer is not built")
 
     class Stream:  # libpq's reads: (size, memoryview), then (0, ...) when none is left
         def __init__(self, raws):
@@ -879,9 +894,9 @@ def test_burst_queues_what_the_loop_queues_across_transactions(path):
     raws = [HEADER + encode(m) for (begin, commit), chs in zip(txs, changes_of) for m in (begin, *chs, commit)]
     keepalive = b"k" + bytes(17)
 
-    def setup():
+    def setup(packer=None):
         decoder = po.PgOutputDecoder()
-        batcher = Batcher(max_entries=10**6, max_delay_s=60.0)  # burst reads the real clock
+        batcher = Batcher(max_entries=10**6, max_delay_s=60.0, packer=packer)  # burst reads the real clock
         targets = changes.bind(decoder.decode(encode(RIDES)), maps, TypeCatalog(), batcher, {"e0": [0], "e1": [0]})
         return decoder, batcher, targets, Transaction()
 
@@ -897,19 +912,63 @@ def test_burst_queues_what_the_loop_queues_across_transactions(path):
         else:
             want_ends.append(tx.commit(decoder.decode(raw[OFFSET:])))
     want = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
+    want_packed = {s: [(lane.xadd_command(s.encode(), e), e[-1]) for e in b.entries] for s, b in batcher.batches.items()}
     want_state = [getattr(tx, name) for name in Transaction.__slots__], batcher.pending
 
-    decoder, batcher, targets, tx = setup()
+    decoder, batcher, targets, tx = setup(lane.packer if packed else None)
     ends = []
     stream = Stream(raws + [keepalive])
     count, raw = burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams)
     got = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
+    if packed:
+        assert {s: [(lane.xadd_command(s.encode(), e), e[-1]) for e in b.queued()] for s, b in batcher.batches.items()} \
+            == want_packed
+        assert {s: b.count for s, b in batcher.batches.items()} == {s: len(e) for s, e in want.items()}
+        if path == "compiled":
+            assert not any(got.values()), "every entry packed as it was queued"
+            got = want  # what the packing saw is compared above, as bytes
     assert (count, raw) == (5, keepalive), "stops at a message it does not take, handing it back"
     assert burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams) == (0, None)
     assert got == want and ends == want_ends
     assert ([getattr(tx, name) for name in Transaction.__slots__], batcher.pending) == want_state, \
         "the transaction and the batcher as the reference leaves them"
     assert {e[-1][1][:20] for e in got["cdc:e1"]} == {f"{0x2_0000_0100 * k:020d}" for k in (1, 2, 3)}
+
+
+def test_entries_queued_into_a_list_keep_the_compiled_ones_behind_them_in_order():
+    """A batch's packed entries come first, then its list: once anything else queued into the list (the
+    reference, a snapshot chunk, an END record), the compiled loop queues behind it there, never before it
+    in `packed`, so the batch stays in queue order; a cleared batch packs again."""
+    if lane.packer is None:
+        pytest.skip("the compiled packer is not built")
+    route = compiled_changes().route_raw
+    decoder = po.PgOutputDecoder()
+    batcher = Batcher(1000, 60.0, clock=Clock(), packer=lane.packer)
+    targets = changes.bind(decoder.decode(encode(RIDES)), [rides_mapping()], TypeCatalog(), batcher, {"e0": [0]})
+    tx = Transaction()
+    tx.begin(po.Begin(Lsn(0x1000), 0, 7))
+    batch = batcher.batch("cdc:e0")
+
+    def change(ride: str) -> None:
+        raw = HEADER + encode(po.Insert(RELID, (ride, "a", "1.5")))
+        route(raw[OFFSET], raw, OFFSET, targets, tx, batcher, Windows(), decoder)
+        tx.seq += 1
+
+    def ids() -> list[str]:
+        return [orjson.loads(e[e.index(b"key") + 1])["id"] for e in batch.queued()]
+
+    change("1")
+    batcher.add(batch, [b"key", b'{"id": "python"}'], 1, tx)  # `Batcher.add`: the Python path queues
+    tx.seq += 1
+    change("2")
+    assert ids() == [1, "python", 2] and (batch.packed.count, len(batch.entries)) == (1, 2)
+    assert [e[-1] for e in batch.queued()] == sorted(e[-1] for e in batch.queued())
+    assert batch.count == batcher.pending == 3 and batch.last_position == batch.entries[-1][-1]
+    last = batch.last_position
+    batcher.clear()
+    assert (batch.sent, batch.last, batch.count, batch.queued()) == (3, last, 0, [])
+    change("3")
+    assert (batch.packed.count, batch.entries, ids()) == (1, [], [3])
 
 
 @pytest.mark.parametrize("path", ["pure", "compiled"])

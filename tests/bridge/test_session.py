@@ -70,10 +70,10 @@ class Publisher:
 
     def send(self, batches, flushed=None) -> None:
         assert not self.unconfirmed, "one batch in flight at most"
-        entries = [e for b in batches for e in b.entries]
-        self.batches.append([e[e.index(b"seq") + 1] for e in entries])
+        entries = [e for b in batches for e in b.queued()]
+        self.batches.append([int(e[e.index(b"seq") + 1]) for e in entries])
         self.keys += [orjson.loads(e[e.index(b"key") + 1])["id"] for e in entries]
-        self.unconfirmed = [(int(e[e.index(b"lsn") + 1]), e[e.index(b"seq") + 1]) for e in entries]
+        self.unconfirmed = [(int(e[e.index(b"lsn") + 1]), int(e[e.index(b"seq") + 1])) for e in entries]
 
     def confirm(self) -> int:
         self.confirmed.update(self.unconfirmed)

@@ -176,3 +176,71 @@ def test_an_exec_reply_is_checked_unparsed_only_when_all_its_replies_are_strings
         elif got == -2:
             assert parsed is False  # hiredis too needs more
         # -1: parsed as before, whatever it holds
+
+
+def ordered_positions():
+    """Positions as the bridge writes them (commit LSN, seq; increasing in a batch), and odd ones."""
+    return st.one_of(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 10**10 - 1)).map(
+        lambda p: f"{p[0]:020d}{p[1]:010d}"), text)
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(streams, st.lists(st.tuples(entries(), ordered_positions()), max_size=8), st.lists(ordered_positions(), max_size=4))
+@example(b"s", [([b"a", b"1", "p"], "00000000000000000100" + "0000000000")], ["00000000000000000100" + "0000000000"])
+@example(b"s", [([b"bad", "\ud800", "p"], "1"), ([b"a", b"1", "p"], "2")], ["1", ""])
+@example(b"s", [([b"a", b"1", "p"], "5"), ([b"a", b"2", "p"], "3"), ([b"a", b"3", "p"], "6")], ["4", "2"])
+def test_packed_entries_are_what_the_reference_packs_from_the_entries(stream, appended, helds):
+    """The compiled `Packed` packs each entry as it is appended and lets it go; the pure one keeps the
+    entries and packs them when asked: the same commands and positions past any mark, the same count and
+    last position, and an entry neither can pack is refused alike, leaving what was appended before."""
+    compiled = compiled_resp().Packed(stream)
+    pure = lane.Packed(stream)
+    for entry, pos in appended:
+        entry = [*entry[:-1], pos]
+        outcomes = []
+        for packed in (compiled, pure):
+            try:
+                packed.append(list(entry))
+                outcomes.append(None)
+            except Exception as exc:
+                outcomes.append((type(exc), str(exc)))
+        if outcomes[1] is not None and outcomes[0] is None:
+            # the reference only packs when asked: it refuses there; the compiled one refused at once
+            pytest.fail(f"the compiled Packed took what the reference cannot pack: {entry!r}")
+        if outcomes[0] is not None:
+            assert outcomes[0] == outcome(lane.xadd_command, stream, entry)
+            if outcomes[1] is None:
+                pure._entries.pop()  # the reference would refuse it when packing: it was never appended
+        entry[0:0] = [b"mutated", b"after"]  # appended as it was: a later change to the list is not seen
+    assert compiled.count == pure.count and compiled.last == pure.last
+    for held in ["", *helds]:
+        assert compiled.past(held) == pure.past(held)
+    copy = compiled.copy()
+    compiled.clear()
+    assert (compiled.count, compiled.last, compiled.past("")) == (0, "", (b"", []))
+    assert copy.past("") == pure.past("") and copy.count == pure.count
+    compiled.append([b"a", b"b", "p"])
+    assert compiled.past("") == (lane.xadd_command(stream, [b"a", b"b", "p"]), ["p"]), "cleared: filled again"
+
+
+def test_a_packed_entry_needs_a_str_position_alike():
+    for packed in (compiled_resp().Packed(b"s"), lane.Packed(b"s")):
+        with pytest.raises(TypeError, match="position is a str, not int"):
+            packed.append([b"a", b"b", 7])
+        assert packed.count == 0
+
+
+def test_a_packed_batch_packs_alike_after_its_buffers_grew_and_shrank():
+    """A batch of many large entries grows the buffers; clearing a quiet batch again and again halves them
+    back: what is appended after either is packed as the reference packs it."""
+    compiled, pure = compiled_resp().Packed(b"s"), lane.Packed(b"s")
+    for rounds, size in ((1, 3000), (12, 0), (1, 5), (1, 3000), (1, 2)):
+        for _ in range(rounds):
+            for packed in (compiled, pure):
+                packed.clear()
+        for i in range(size):
+            entry = [b"data", b"x" * (i % 2000), b"seq", i, f"{i:030d}"]
+            compiled.append(entry)
+            pure.append(entry)
+        assert compiled.past("") == pure.past("") and compiled.past(f"{size // 2:030d}") == pure.past(f"{size // 2:030d}")
+        assert compiled.count == pure.count == size and compiled.last == pure.last

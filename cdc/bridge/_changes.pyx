@@ -26,7 +26,7 @@ from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
-from ..sink._resp cimport Packed
+from ..sink._resp cimport Packed, pack_args
 
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void *op)
@@ -380,6 +380,8 @@ cdef class Plan:
     cdef object version
     cdef list entry_lists  # per partition: its batch's entries (`StreamBatch.entries`, the same list for its lifetime)
     cdef list packers  # per partition: its batch's `StreamBatch.packed` (None, or the same object for its lifetime)
+    cdef object tail_lsn, tail_xid, tail_ts  # the transaction fields `before_seq` and `after_seq` were packed from
+    cdef bytes before_seq, after_seq  # (held, so compared by identity: no other object can take their place)
     cdef list read
     cdef Py_ssize_t unread  # changes read not yet added to `read[0]` (`_add_reads`)
 
@@ -839,21 +841,23 @@ cdef str _position(_State st, Py_ssize_t seq):
     return text
 
 
-cdef int _pack(Packed packer, list f, Py_ssize_t pairs, _State st, Py_ssize_t seq) except -1:
-    """`packer.append_fields` for the entry `f` at position `prefix + "%010d" % seq`, written on the stack for
-    the usual case (`_position`'s)."""
+cdef int _pack(Plan plan, Packed packer, list f, Py_ssize_t pairs, _State st, Py_ssize_t seq) except -1:
+    """Pack the entry whose fields are the first `pairs` items of `f` with its source position fields
+    (`Packed.append_tail`: the transaction's packed once per mapping), at position `prefix +
+    "%010d" % seq`, written on the stack for the usual case (`_position`'s). 0 when it must be packed whole."""
     cdef char chars[64]
-    cdef Py_ssize_t n = st.prefix_n, i
-    cdef const char *p
+    cdef Py_ssize_t n = st.prefix_n, i, v = seq
+    if plan.tail_lsn is not st.lsn or plan.tail_xid is not st.xid or plan.tail_ts is not st.ts:
+        plan.before_seq = pack_args([b"lsn", st.lsn, b"seq"])
+        plan.after_seq = pack_args([b"xid", st.xid, b"ts_ms", st.ts, b"v", plan.version])
+        plan.tail_lsn, plan.tail_xid, plan.tail_ts = st.lsn, st.xid, st.ts
     if seq < 0 or seq >= 10000000000 or st.prefix_p == NULL:
-        text = _position(st, seq)  # held while its characters are read
-        p = PyUnicode_AsUTF8AndSize(text, &n)
-        return packer.append_fields(f, pairs, p, n)
+        return 0
     memcpy(chars, st.prefix_p, n)
     for i in range(n + 9, n - 1, -1):
-        chars[i] = <char>(48 + seq % 10)
-        seq //= 10
-    return packer.append_fields(f, pairs, chars, n + 10)
+        chars[i] = <char>(48 + v % 10)
+        v //= 10
+    return packer.append_tail(f, pairs, plan.before_seq, seq, plan.after_seq, chars, n + 10)
 
 
 cdef object _route_reference(int kind, bytes raw, Py_ssize_t offset, list targets, windows, decoder, _State st):
@@ -989,6 +993,11 @@ cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
         return 0
     f = <list>fields
     at = PyList_GET_SIZE(f) - TAIL
+    entries = <list>plan.entry_lists[partition]
+    packer = plan.packers[partition]
+    if packer is not None and PyList_GET_SIZE(entries) == 0:  # packed while in the cache, then let go
+        if _pack(plan, <Packed>packer, f, at, st, seq):
+            return _queued(st)
     _set(f, at, b"lsn")
     _set(f, at + 1, st.lsn)
     _set(f, at + 2, b"seq")
@@ -999,14 +1008,15 @@ cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
     _set(f, at + 7, st.ts)
     _set(f, at + 8, b"v")
     _set(f, at + 9, plan.version)
-    entries = <list>plan.entry_lists[partition]
-    packer = plan.packers[partition]
-    if packer is not None and PyList_GET_SIZE(entries) == 0:  # packed while in the cache, then let go
-        _set(f, at + 10, None)  # the position is given to the packer as characters
-        _pack(<Packed>packer, f, at + 10, st, seq)
+    _set(f, at + 10, _position(st, seq))
+    if packer is not None and PyList_GET_SIZE(entries) == 0:
+        (<Packed>packer).append_entry(f)  # what `_pack` leaves: the whole entry, the reference packing
     else:  # after entries someone else queued: behind them, in order
-        _set(f, at + 10, _position(st, seq))
         entries.append(f)
+    return _queued(st)
+
+
+cdef inline int _queued(_State st) except -1:
     if not st.pending:
         st.first_at = st.batcher.clock()
     st.pending += 1

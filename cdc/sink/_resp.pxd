@@ -11,3 +11,8 @@ cdef class Packed:
     cdef Py_ssize_t count_, slots
     cdef int append_entry(self, list entry) except -1
     cdef int append_fields(self, list entry, Py_ssize_t pairs, const char *pos, Py_ssize_t size) except -1
+    cdef int append_tail(self, list entry, Py_ssize_t pairs, bytes before_seq, long long seq, bytes after_seq,
+                         const char *pos, Py_ssize_t size) except -1
+
+
+cdef bytes pack_args(list items)

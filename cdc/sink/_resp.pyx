@@ -98,14 +98,20 @@ cdef inline int _bulk(const char *p, Py_ssize_t n) except -1:
 
 cdef int _decimal(object value) except -1:
     """An int argument in decimal, written here when it fits a long long (b"%d" % value otherwise)."""
-    cdef char digits[24]
-    cdef int overflow = 0, i = 24
+    cdef int overflow = 0
     cdef long long v = PyLong_AsLongLongAndOverflow(value, &overflow)
-    cdef unsigned long long u
     cdef bytes b
     if overflow:
         b = b"%d" % value
         return _bulk(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
+    return _decimal_of(v)
+
+
+cdef int _decimal_of(long long v) except -1:
+    """`v` as a bulk string in decimal."""
+    cdef char digits[24]
+    cdef int i = 24
+    cdef unsigned long long u
     u = <unsigned long long>(-(v + 1)) + 1 if v < 0 else <unsigned long long>v
     while True:
         i -= 1
@@ -203,14 +209,15 @@ cdef int _append_xadd(bytes head, object entry) except -1:
     count = len(<list>entry)
     if count % 2 == 0:
         return 0
-    return _append_pairs(head, <list>entry, count - 1)
+    return _append_pairs(head, <list>entry, count - 1, 0)
 
 
-cdef int _append_pairs(bytes head, list entry, Py_ssize_t pairs) except -1:
-    """`_append_xadd` for the first `pairs` items of `entry` (field, value, ...; an even count)."""
+cdef int _append_pairs(bytes head, list entry, Py_ssize_t pairs, Py_ssize_t more) except -1:
+    """`_append_xadd` for the first `pairs` items of `entry` (field, value, ...; an even count), in a
+    command of `more` arguments more (written after by the caller)."""
     global _size
     cdef Py_ssize_t i
-    _number(b'*', pairs + 3)  # XADD, stream, '*', then the pairs (the position is not sent)
+    _number(b'*', pairs + 3 + more)  # XADD, stream, '*', then the pairs (the position is not sent)
     _reserve(PyBytes_GET_SIZE(head))
     memcpy(_buf + _size, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
     _size += PyBytes_GET_SIZE(head)
@@ -325,6 +332,26 @@ def plain_array_end(bytes data, Py_ssize_t count):
 
 
 # -- Packed: a stream's entries packed as they are queued ---------------------------------------
+
+
+cdef inline int _put(bytes b) except -1:
+    global _size
+    _reserve(PyBytes_GET_SIZE(b))
+    memcpy(_buf + _size, PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b))
+    _size += PyBytes_GET_SIZE(b)
+    return 0
+
+
+cdef bytes pack_args(list items):
+    """Each of `items` as the bulk string `XADD`'s arguments carry it (bytes as they are, str as UTF-8,
+    int in decimal), joined: a part of a command to write again and again."""
+    global _size
+    _size = 0
+    for item in items:
+        _arg(item)
+    packed = PyBytes_FromStringAndSize(_buf, _size)
+    _size = 0
+    return packed
 
 cdef char *_saved_buf = NULL
 cdef Py_ssize_t _saved_cap = 0
@@ -474,7 +501,7 @@ cdef class Packed:
         if pairs % 2 == 0:
             _use(self)
             try:
-                packed = _append_pairs(self.head, entry, pairs)
+                packed = _append_pairs(self.head, entry, pairs, 0)
             except Exception:
                 packed = 0
             finally:
@@ -491,6 +518,43 @@ cdef class Packed:
         self.ends[2 * self.count_ + 1] = self.pos_size
         self.count_ += 1
         return 0
+
+    cdef int append_tail(self, list entry, Py_ssize_t pairs, bytes before_seq, long long seq, bytes after_seq,
+                         const char *pos, Py_ssize_t size) except -1:
+        """Pack the first `pairs` items of `entry` (field, value, ...) and then the source position fields,
+        `before_seq` (``lsn`` and its value, and the name ``seq``, packed by `pack_args`), `seq` and
+        `after_seq` (``xid``, ``ts_ms``, ``v`` and their values, packed), the entry at position `pos`:
+        the compiled loop packs a transaction's fields once, not once per entry. 0, with nothing packed,
+        when the first items are not all packed here (the caller then appends the whole entry)."""
+        cdef int packed = 0
+        cdef Py_ssize_t *grown
+        if pairs % 2:
+            return 0
+        if self.count_ == self.slots:
+            grown = <Py_ssize_t *>realloc(self.ends, 4 * self.slots * sizeof(Py_ssize_t))
+            if grown == NULL:
+                raise MemoryError()
+            self.ends, self.slots = grown, self.slots * 2
+        _use(self)
+        try:
+            packed = _append_pairs(self.head, entry, pairs, 10)
+            if packed:
+                _put(before_seq)
+                _decimal_of(seq)
+                _put(after_seq)
+        except Exception:
+            packed = 0
+        finally:
+            _done(self, packed)
+        if not packed:
+            return 0
+        _grow(&self.pos, &self.pos_cap, self.pos_size + size)
+        memcpy(self.pos + self.pos_size, pos, size)
+        self.pos_size += size
+        self.ends[2 * self.count_] = self.size
+        self.ends[2 * self.count_ + 1] = self.pos_size
+        self.count_ += 1
+        return 1
 
     def append(self, list entry):
         """Pack `entry` (field, value, ..., then its position) at the end."""

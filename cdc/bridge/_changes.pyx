@@ -31,6 +31,10 @@ from ..sink._resp cimport Packed, pack_args
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void *op)
 
+# libpq's PQgetCopyData and PQfreemem, called at the addresses `ReplicationStream.copy_reader` gives
+ctypedef int (*_GetCopyData)(void *conn, char **buffer, int async_) noexcept nogil
+ctypedef void (*_FreeMem)(void *ptr) noexcept nogil
+
 import zlib
 
 import orjson
@@ -1091,14 +1095,17 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
     cdef bint plain = not windows.tables and xid is None  # nor open or close a window
     cdef _State st = _State(tx, batcher)
     get = stream.get_copy_data
+    reader = getattr(stream, "copy_reader", None)
     try:
-        return _burst(get, stream, targets, windows, decoder, committed, streams, st, plain, xid)
+        return _burst(get, stream, targets, windows, decoder, committed, streams, st, plain, xid, reader)
     finally:
         st.store()
 
 
-cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, streams, _State st, bint plain, xid):
-    """`burst`'s loop, with the transaction and batcher held in `st`."""
+cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, streams, _State st, bint plain, xid,
+                  reader):
+    """`burst`'s loop, with the transaction and batcher held in `st`; with `reader` (`copy_reader`'s
+    addresses) each message is read from libpq by a call of its own, and freed once handled."""
     cdef Py_ssize_t count = 0, n, size, ticks = 0
     cdef Py_ssize_t max_entries = st.batcher.max_entries
     cdef double max_delay = st.batcher.max_delay
@@ -1106,54 +1113,80 @@ cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, stream
     cdef unsigned char kind
     cdef unsigned long relid, last_relid = 0
     cdef bint streaming = xid is not None
+    cdef void *conn = NULL
+    cdef _GetCopyData get_copy_data = NULL
+    cdef _FreeMem freemem = NULL
+    cdef char *buf = NULL
+    if reader is not None:
+        conn = <void *><size_t>reader[0]
+        get_copy_data = <_GetCopyData><size_t>reader[1]
+        freemem = <_FreeMem><size_t>reader[2]
     last_targets = None  # the targets of `last_relid` (the dict changes only between bursts: a Relation is the loop's)
     tx = st.tx
+    data = None
     while count < 65536:
-        try:
-            n, data = get(1)
-        except _PgError as exc:
-            raise stream.failure(exc) from exc
-        if n <= 0:
-            if n == 0:
-                return count, None
-            raise stream.failure(n)
-        if type(data) is memoryview and PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(data), b'C'):
-            # read in place: libpq's buffer, held by `data` until the next read (copied only where kept)
-            p = <const unsigned char *>PyMemoryView_GET_BUFFER(data).buf
-            size = PyMemoryView_GET_BUFFER(data).len
+        if get_copy_data != NULL:
+            buf = NULL
+            n = get_copy_data(conn, &buf, 1)
+            if n <= 0:
+                if buf != NULL:
+                    freemem(buf)
+                if n == 0:
+                    return count, None
+                raise stream.failure(n)
+            p = <const unsigned char *>buf  # libpq's buffer, freed below once handled (copied only where kept)
+            size = n
         else:
-            data = bytes(data)
-            p = <const unsigned char *>PyBytes_AS_STRING(data)
-            size = PyBytes_GET_SIZE(data)
-        if size < 30 or p[0] != 0x77:  # not XLogData with a change's relid: the loop's
-            return count, _bytes_of(data, p, size)
-        kind = p[25]
-        if kind == INSERT or kind == UPDATE or kind == DELETE:
-            count += 1
-            if streaming:
-                streams.add(xid, PyBytes_FromStringAndSize(<const char *>p + 25, size - 25))
-                continue
-            relid = _u32(p + 26)
-            if relid != last_relid or last_targets is None:
-                last_targets = targets.get(relid)
-                last_relid = relid
-            tlist = last_targets
-            if tlist:
-                _route(kind, p, size, data, 25, tlist, windows, decoder, plain, st)
-            st.seq += 1
-        elif kind == BEGIN and size == 25 + 21 and not streaming:
-            _begin(st, _u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
-            continue
-        elif kind == COMMIT and size == 25 + 26 and not streaming:
-            st.store()
-            tx.open = False  # `Transaction.commit_at`, inline
             try:
-                committed(_Lsn(_u64(p + 35)))
-            finally:
-                st.seq = tx.seq
-                st.load_batcher()
-        else:
-            return count, _bytes_of(data, p, size)
+                n, data = get(1)
+            except _PgError as exc:
+                raise stream.failure(exc) from exc
+            if n <= 0:
+                if n == 0:
+                    return count, None
+                raise stream.failure(n)
+            if type(data) is memoryview and PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(data), b'C'):
+                # read in place: libpq's buffer, held by `data` until the next read (copied only where kept)
+                p = <const unsigned char *>PyMemoryView_GET_BUFFER(data).buf
+                size = PyMemoryView_GET_BUFFER(data).len
+            else:
+                data = bytes(data)
+                p = <const unsigned char *>PyBytes_AS_STRING(data)
+                size = PyBytes_GET_SIZE(data)
+        try:
+            if size < 30 or p[0] != 0x77:  # not XLogData with a change's relid: the loop's
+                return count, _bytes_of(data, p, size)
+            kind = p[25]
+            if kind == INSERT or kind == UPDATE or kind == DELETE:
+                count += 1
+                if streaming:
+                    streams.add(xid, PyBytes_FromStringAndSize(<const char *>p + 25, size - 25))
+                    continue
+                relid = _u32(p + 26)
+                if relid != last_relid or last_targets is None:
+                    last_targets = targets.get(relid)
+                    last_relid = relid
+                tlist = last_targets
+                if tlist:
+                    _route(kind, p, size, data, 25, tlist, windows, decoder, plain, st)
+                st.seq += 1
+            elif kind == BEGIN and size == 25 + 21 and not streaming:
+                _begin(st, _u64(p + 26), <long long>_u64(p + 34), _u32(p + 42))
+                continue
+            elif kind == COMMIT and size == 25 + 26 and not streaming:
+                st.store()
+                tx.open = False  # `Transaction.commit_at`, inline
+                try:
+                    committed(_Lsn(_u64(p + 35)))
+                finally:
+                    st.seq = tx.seq
+                    st.load_batcher()
+            else:
+                return count, _bytes_of(data, p, size)
+        finally:
+            if buf != NULL:  # the message handled (or failed): libpq's buffer goes back
+                freemem(buf)
+                buf = NULL
         if st.pending:  # the rule of `Batcher.due`, the age looked at once per AGE_EVERY (`changes.burst`)
             if st.pending >= max_entries:
                 return count, None

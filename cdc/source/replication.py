@@ -7,6 +7,8 @@ Decoding lives in `cdc.source.framing` and `cdc.source.pgoutput`; this module on
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 import select
@@ -31,6 +33,24 @@ SESSION_OPTIONS = (
     "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=iso_8601 "
     "-c extra_float_digits=3 -c bytea_output=hex -c client_encoding=UTF8"
 )
+
+
+@functools.cache
+def libpq_copy_functions() -> tuple[int, int] | None:
+    """The addresses of PQgetCopyData and PQfreemem in the libpq psycopg runs on: the one libpq mapped in
+    this process (Linux's /proc/self/maps; opened with RTLD_NOLOAD, never loaded again). None where that
+    cannot be told: psycopg's own calls are used then."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libpq" in line}
+        paths = {p for p in paths if p.startswith("/") and os.path.basename(p).startswith("libpq")}
+        if len(paths) != 1:
+            return None
+        lib = ctypes.CDLL(paths.pop(), mode=os.RTLD_NOLOAD)
+        return (ctypes.cast(lib.PQgetCopyData, ctypes.c_void_p).value,
+                ctypes.cast(lib.PQfreemem, ctypes.c_void_p).value)
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
 def quote_ident(name: str) -> str:
@@ -179,6 +199,16 @@ class ReplicationStream:
             raise self._fail(exc) from exc
         log.info("replication started slot=%s publication=%s proto=%d%s", self.slot, self.publication,
                  self.proto_version, " streaming" if self.streaming else "")
+
+    @property
+    def copy_reader(self) -> tuple[int, int, int] | None:
+        """(PGconn*, PQgetCopyData, PQfreemem) as addresses, for compiled code that calls libpq itself
+        instead of `get_copy_data` (no Python objects per message); None where they cannot be known."""
+        functions = libpq_copy_functions()
+        ptr = getattr(self.conn.pgconn, "pgconn_ptr", None) if self.conn is not None else None
+        if functions is None or not ptr:
+            return None
+        return ptr, *functions
 
     @property
     def get_copy_data(self):

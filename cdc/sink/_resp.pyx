@@ -474,6 +474,26 @@ cdef class Packed:
         free(self.pos)
         free(self.ends)
 
+    cdef int _room(self) except -1:
+        """Room in `ends` for one entry more."""
+        cdef Py_ssize_t *grown
+        if self.count_ == self.slots:
+            grown = <Py_ssize_t *>realloc(self.ends, 4 * self.slots * sizeof(Py_ssize_t))
+            if grown == NULL:
+                raise MemoryError()
+            self.ends, self.slots = grown, self.slots * 2
+        return 0
+
+    cdef int _record(self, const char *pos, Py_ssize_t size) except -1:
+        """The entry whose command was just packed (up to `self.size`), at position `pos` (`size` bytes)."""
+        _grow(&self.pos, &self.pos_cap, self.pos_size + size)
+        memcpy(self.pos + self.pos_size, pos, size)
+        self.pos_size += size
+        self.ends[2 * self.count_] = self.size
+        self.ends[2 * self.count_ + 1] = self.pos_size
+        self.count_ += 1
+        return 0
+
     cdef int append_entry(self, list entry) except -1:
         """Pack `entry` (field, value, ..., then its position, a str) at the end (taken as it is now)."""
         cdef Py_ssize_t n
@@ -490,14 +510,9 @@ cdef class Packed:
         """Pack the first `pairs` items of `entry` (field, value, ...) at the end, the entry at position
         `pos` (`size` bytes of UTF-8): the compiled loop gives its position without making it a str."""
         cdef Py_ssize_t start = self.size
-        cdef Py_ssize_t *grown
         cdef bytes command
         cdef int packed = 0
-        if self.count_ == self.slots:
-            grown = <Py_ssize_t *>realloc(self.ends, 4 * self.slots * sizeof(Py_ssize_t))
-            if grown == NULL:
-                raise MemoryError()
-            self.ends, self.slots = grown, self.slots * 2
+        self._room()
         if pairs % 2 == 0:
             _use(self)
             try:
@@ -511,12 +526,7 @@ cdef class Packed:
             _grow(&self.buf, &self.cap, start + PyBytes_GET_SIZE(command))
             memcpy(self.buf + start, PyBytes_AS_STRING(command), PyBytes_GET_SIZE(command))
             self.size = start + PyBytes_GET_SIZE(command)
-        _grow(&self.pos, &self.pos_cap, self.pos_size + size)
-        memcpy(self.pos + self.pos_size, pos, size)
-        self.pos_size += size
-        self.ends[2 * self.count_] = self.size
-        self.ends[2 * self.count_ + 1] = self.pos_size
-        self.count_ += 1
+        self._record(pos, size)
         return 0
 
     cdef int append_tail(self, list entry, Py_ssize_t pairs, bytes before_seq, long long seq, bytes after_seq,
@@ -527,14 +537,9 @@ cdef class Packed:
         the compiled loop packs a transaction's fields once, not once per entry. 0, with nothing packed,
         when the first items are not all packed here (the caller then appends the whole entry)."""
         cdef int packed = 0
-        cdef Py_ssize_t *grown
         if pairs % 2:
             return 0
-        if self.count_ == self.slots:
-            grown = <Py_ssize_t *>realloc(self.ends, 4 * self.slots * sizeof(Py_ssize_t))
-            if grown == NULL:
-                raise MemoryError()
-            self.ends, self.slots = grown, self.slots * 2
+        self._room()
         _use(self)
         try:
             packed = _append_pairs(self.head, entry, pairs, 10)
@@ -548,12 +553,7 @@ cdef class Packed:
             _done(self, packed)
         if not packed:
             return 0
-        _grow(&self.pos, &self.pos_cap, self.pos_size + size)
-        memcpy(self.pos + self.pos_size, pos, size)
-        self.pos_size += size
-        self.ends[2 * self.count_] = self.size
-        self.ends[2 * self.count_ + 1] = self.pos_size
-        self.count_ += 1
+        self._record(pos, size)
         return 1
 
     def append(self, list entry):

@@ -1,12 +1,15 @@
 """The bridge's per-change work without I/O: pgoutput bytes in, packed XADD commands out.
 
 Replays XLogData messages built in memory (the shapes of bench/throughput.py's workloads) through
-the loop's inner part (`burst`, compiled or its pure twin, as `cdc.speedups` picks) and
-packs each batch of 1,000 entries as the transaction lane does (`pack_past`). Meant for
-instruction counts, repeatable on a busy machine:
+the loop's inner part (`burst`, compiled or its pure twin, as `cdc.speedups` picks) into batches
+that pack their entries as they are queued where the compiled packer is built (`StreamBatch.packed`,
+as the bridge's transaction lane has them), and takes each batch of 1,000 entries as the lane does
+(`Packed.past`, `pack_past` for entries still in lists). Meant for instruction counts, repeatable on
+a busy machine:
 
     valgrind --tool=callgrind --collect-atstart=no \\
-        --toggle-collect=__pyx_pw_3cdc_6bridge_8_changes_3burst \\
+        --toggle-collect=__pyx_pw_3cdc_6bridge_8_changes_5burst \\
+        --toggle-collect=__pyx_pw_3cdc_4sink_5_resp_6Packed_7past \\
         --toggle-collect=__pyx_pw_3cdc_4sink_5_resp_3pack_past \\
         python bench/per_change.py --workload large --changes 10000
 
@@ -33,7 +36,7 @@ from cdc.bridge.backfill import Windows  # noqa: E402
 from cdc.bridge.batcher import Batcher  # noqa: E402
 from cdc.bridge.positions import Transaction  # noqa: E402
 from cdc.mapping.model import parse_mapping  # noqa: E402
-from cdc.sink.lane import pack_entries as pack_past  # noqa: E402
+from cdc.sink.lane import pack_entries as pack_past, packer  # noqa: E402
 from cdc.source import pgoutput as po  # noqa: E402
 from cdc.source.values import TypeCatalog  # noqa: E402
 from cdc.yamlsrc import load_yaml_documents  # noqa: E402
@@ -110,7 +113,7 @@ class Streams:  # nothing held: the decoder is in no streamed block
 
 
 def setup():
-    batcher = Batcher(max_entries=1000, max_delay_s=1e9)
+    batcher = Batcher(max_entries=1000, max_delay_s=1e9, packer=packer)
     decoder = po.PgOutputDecoder()
     targets = {}
     for name, rel in RELATIONS.items():
@@ -128,6 +131,8 @@ def replay(msgs: list[bytes], stream: Stream, batcher, decoder, targets) -> int:
     def flush() -> int:
         size = 0
         for b in batcher.batches.values():
+            if b.packed is not None and b.packed.count:
+                size += len(b.packed.past("")[0])
             if b.entries:
                 size += len(pack_past(b.stream.encode(), b.entries, "")[0])
         batcher.clear()

@@ -100,7 +100,8 @@ class HttpSettings:
 class BatchSettings:
     #: most entries written to Redis in one round trip
     max_entries: int = 2000
-    #: longest a change waits in the batch while more keeps arriving, in milliseconds
+    #: longest a change waits in the batch while more keeps arriving, in milliseconds (a batch also goes once the
+    #: server has sent nothing more for 1 ms, never later than this; 0: at once)
     max_delay_ms: int = 20
     #: seconds between standby status updates to PostgreSQL when idle
     status_interval_s: float = 1.0

@@ -2,7 +2,8 @@
 
 Entries gather in one `StreamBatch` per stream. The batch is due when it holds
 ``max_entries`` entries or its oldest entry is ``max_delay`` seconds old; the loop
-also sends it as soon as the server has nothing more to say. Pure: no I/O.
+also sends it once the server has had nothing more to say for a moment
+(`cdc.bridge.session.LINGER_S`, never past ``max_delay``). Pure: no I/O.
 """
 
 from __future__ import annotations

@@ -62,6 +62,10 @@ _IGNORED = frozenset(ord(c) for c in "OY")
 _HELD = frozenset(b"RTM")
 _RELID = struct.Struct(">I").unpack_from  # a change's relid, read before deciding to decode it
 _CAUGHT_UP_POLL_S = 0.1
+#: how long the loop waits for the server's next message, when it has sent everything so far, before it
+#: sends a batch that is not yet due (never past the batch's `max_delay`): a flow of changes pauses for
+#: less, and its batches fill instead of leaving a few entries at a time, each with its round trips
+LINGER_S = 0.001
 _GUARD_INTERVAL_S = 0.5
 
 
@@ -195,7 +199,7 @@ class Session:
                 t.heard = now = monotonic()
             else:
                 if batcher.pending:
-                    raw = read(0)
+                    raw = read(min(LINGER_S, max(0.0, batcher.first_at + max_delay - monotonic())))
                 else:
                     # wake up for the status update, the caught-up poll, or the silence limit
                     raw = read(max(0.0, min(t.status, t.poll or t.status, t.heard + self.receive_timeout, t.backfill)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import struct
 
 import orjson
+import pytest
 
 from cdc.bridge.loop import Bridge
-from cdc.bridge.session import Session
+from cdc.bridge.session import LINGER_S, Session
 from cdc.config import Settings
 from cdc.mapping.model import parse_mapping
 from cdc.source import pgoutput as po
@@ -115,12 +116,43 @@ class VouchedSession(Session):
         self.ack.vouched(Lsn(2**62))
 
 
-def run(messages: list[bytes], max_entries: int) -> tuple[Bridge, Stream, Publisher]:
-    settings = Settings.from_dict({"http": {"port": 0}, "batch": {"max_entries": max_entries}})
+class Late:
+    """A message that arrives `after` seconds after the loop starts waiting for the next one."""
+
+    def __init__(self, after: float, raw: bytes) -> None:
+        self.after, self.raw = after, raw
+
+
+class LateStream(Stream):
+    """`Stream`, where a `Late` message is received only by a read that waits long enough for it (a shorter
+    one finds nothing: the message comes in later); the timeouts the loop waited with, at a `Late`."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.waits: list[float] = []
+
+    def read(self, timeout: float) -> bytes | None:
+        if self.messages and isinstance(self.messages[0], Late):
+            self.waits.append(timeout)
+            if timeout < self.messages[0].after:
+                self.messages[0].after -= timeout
+                return None
+            return self.messages.pop(0).raw
+        return super().read(timeout)
+
+    def get_copy_data(self, async_: int) -> tuple[int, bytes]:
+        if self.messages and isinstance(self.messages[0], Late):
+            return 0, b""  # not received yet
+        return super().get_copy_data(async_)
+
+
+def run(messages: list, max_entries: int, max_delay_ms: int = 20, stream_type: type[Stream] = Stream,
+        ) -> tuple[Bridge, Stream, Publisher]:
+    settings = Settings.from_dict({"http": {"port": 0}, "batch": {"max_entries": max_entries, "max_delay_ms": max_delay_ms}})
     bridge = Bridge(settings, [parse_mapping(load_yaml_documents(RIDE, "m.yaml")[0], {})])
     bridge.gate = Gate()
     publisher = Publisher()
-    stream = Stream(bridge, messages, publisher)
+    stream = stream_type(bridge, messages, publisher)
     bridge._stream(VouchedSession(bridge, stream, publisher, Catalog(), Lsn(0)))
     return bridge, stream, publisher
 
@@ -153,6 +185,23 @@ def test_keepalives_in_a_row_do_not_hold_back_the_batch_in_flight():
     assert publisher.batches == [[0, 1, 2]]
     told_early = [lsn for lsn, left in stream.told if left > 0]
     assert told_early and max(told_early) == 1008, stream.told
+
+
+def test_a_batch_not_yet_due_waits_a_moment_for_the_next_message_before_it_goes():
+    """The server sent everything so far: the loop waits up to `LINGER_S` for its next message before it
+    sends a batch that is not due, so that a flow of changes pausing for less fills its batches; never
+    past the batch's `max_delay` (0: no wait, each pause sends what is pending)."""
+    first, second = transaction(1000, range(3)), transaction(2000, range(3, 6))
+    messages = [xlog(RIDES), *first, Late(LINGER_S / 2, second[0]), *second[1:]]
+    bridge, stream, publisher = run(messages, max_entries=100, stream_type=LateStream)
+    assert publisher.batches == [[0, 1, 2, 0, 1, 2]], "one batch: the next transaction came within the wait"
+    assert stream.waits[0] == pytest.approx(LINGER_S, rel=0.5)
+    messages = [xlog(RIDES), *first, Late(LINGER_S * 3, second[0]), *second[1:]]
+    bridge, stream, publisher = run(messages, max_entries=100, stream_type=LateStream)
+    assert publisher.batches == [[0, 1, 2], [0, 1, 2]], "a longer pause: what was pending went"
+    messages = [xlog(RIDES), *first, Late(LINGER_S / 2, second[0]), *second[1:]]
+    bridge, stream, publisher = run(messages, max_entries=100, max_delay_ms=0, stream_type=LateStream)
+    assert publisher.batches == [[0, 1, 2], [0, 1, 2]], "max_delay 0: due at once, never waiting"
 
 
 def test_an_unmapped_table_publishes_nothing_but_its_commit_is_acknowledged():

@@ -34,7 +34,7 @@ from .node import Node, classify
 from .redisconn import connect_redis
 from .script import ScriptLane
 from .streamkeys import stream_key_error
-from .lane import Packed, TransactionLane, command_args
+from .lane import Packed, TransactionLane, command_args, command_ends
 
 __all__ = ["APPEND_MODES", "Publisher", "StreamBatch", "position", "split_position"]
 
@@ -114,6 +114,13 @@ class StreamBatch:
             entries.clear()
         if packed is not None:
             packed.clear()  # also when empty: its buffers shrink back while the stream is quiet
+
+
+def _commands(packed: Packed) -> list[bytes]:
+    """The `XADD` of each entry `packed` holds, one by one."""
+    data, positions = packed.past("")
+    ends = command_ends(data, len(positions))
+    return [data[start:end] for start, end in zip([0, *ends], ends)]
 
 
 def _count(entries: list, packed: Packed | None) -> int:
@@ -295,8 +302,9 @@ class Publisher:
                 record = (self.flushed_key, int(flushed))
             after = self._wait()
             if double:
+                # one command each: the lane reads one reply per command of `after`
                 duplicates = [command for stream, _, entries, packed in group for command in
-                              ([packed.past("")[0]] if packed is not None and packed.count else [])
+                              (_commands(packed) if packed is not None and packed.count else [])
                               + [hiredis.pack_command((b"XADD", stream, b"*", *e[:-1])) for e in entries]]
                 log.warning("fault injection: sending a batch of %d entries twice",
                             sum(_count(entries, packed) for _, _, entries, packed in group))

@@ -12,17 +12,26 @@ from hypothesis import strategies as st
 
 from cdc.errors import TransientError
 from cdc.sink.publisher import Publisher, StreamBatch, position, split_position
+from cdc.sink import lane
 from cdc.sink.lane import xadd_command
 from cdc.sink.node import coalesce
 
 MODES = ["transaction", "script"]
 
 
-def batch(stream: str, positions: list[tuple[int, int]]) -> StreamBatch:
-    b = StreamBatch(stream)
+def batch(stream: str, positions: list[tuple[int, int]], packed: bool = False) -> StreamBatch:
+    """A batch of the positions; `packed`: its entries packed as the compiled loop queues them."""
+    b = StreamBatch(stream, lane.packer if packed else None)
     for lsn, seq in positions:
-        b.add(position(lsn, seq), [b"op", b"c", b"lsn", str(lsn), b"seq", seq])
+        fields = [b"op", b"c", b"lsn", str(lsn), b"seq", seq]
+        if packed:
+            b.packed.append([*fields, position(lsn, seq)])
+        else:
+            b.add(position(lsn, seq), fields)
     return b
+
+
+needs_packer = pytest.mark.skipif(lane.packer is None, reason="the compiled packer is not built")
 
 
 def positions_in(client: redis.Redis, stream: str) -> list[tuple[int, int]]:
@@ -57,6 +66,44 @@ def test_a_replayed_batch_appends_only_what_is_past_the_mark(redis_server, clien
         # the script cache is gone after a restart or flush: it is reloaded transparently
         client.script_flush()
         assert pub.publish([batch("s", [(big + 1, 0)])]) == 1
+    finally:
+        pub.close()
+
+
+@needs_packer
+@pytest.mark.integration
+def test_packed_batches_append_what_entry_lists_append(redis_server, client):
+    """The same batches, replays over the marks included (filtered entry by entry, or sent whole when past
+    them), appended from entry lists and from packed entries: the same streams, marks and counts."""
+    rounds = [[("s", [(100, 0), (100, 1)]), ("t", [(100, 2)])],
+              [("s", [(100, 0), (100, 1), (200, 0)]), ("t", [(100, 2)])],  # a replay: the mark is inside
+              [("s", [(300, 0), (300, 1)]), ("t", [(300, 2), (400, 0)])],  # past every mark: sent as packed
+              [("s", [(300, 1), (250, 0), (500, 0)])]]  # positions not ascending: each judged
+    outcomes = []
+    for packed in (False, True):
+        client.flushall()
+        pub = Publisher(redis_server.url)
+        try:
+            counts = [pub.publish([batch(stream, ps, packed) for stream, ps in r]) for r in rounds]
+            streams = {k: [f for _, f in client.xrange(k)] for k in ("s", "t")}
+            outcomes.append((counts, pub.entries_skipped, streams, pub.marks(["s", "t"])))
+        finally:
+            pub.close()
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][0] == [3, 1, 4, 1] and outcomes[1][3] == {"s": (500, 0), "t": (400, 0)}
+
+
+@needs_packer
+@pytest.mark.integration
+def test_a_double_send_of_packed_entries_sends_each_twice_and_the_lane_reads_on(redis_server, client):
+    """The test-only fault sends a batch again past the marks, one `XADD` per entry: the lane reads one reply
+    per command it sent, so the next batch goes on as before."""
+    pub = Publisher(redis_server.url, double_send=1.0)
+    try:
+        assert pub.publish([batch("s", [(100, 0), (100, 1), (100, 2)], packed=True)]) == 3
+        assert pub.publish([batch("s", [(200, 0)], packed=True), batch("t", [(200, 1)])]) == 2
+        assert positions_in(client, "s") == [(100, 0), (100, 1), (100, 2)] * 2 + [(200, 0)] * 2
+        assert positions_in(client, "t") == [(200, 1)] * 2
     finally:
         pub.close()
 

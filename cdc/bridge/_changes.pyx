@@ -830,18 +830,26 @@ cdef class _State:
         return 0
 
 
-cdef str _position(_State st, Py_ssize_t seq):
-    """`prefix + "%010d" % seq`, written in place for the usual case (an ASCII prefix, 0 <= seq < 10**10)."""
+cdef inline bint _plain_position(_State st, Py_ssize_t seq) noexcept:
+    """The usual case, written here: an ASCII prefix and 0 <= seq < 10**10 (`prefix_n + 10` characters)."""
+    return 0 <= seq < 10000000000 and st.prefix_p != NULL
+
+
+cdef inline void _write_position(_State st, Py_ssize_t seq, unsigned char *w) noexcept:
+    """`prefix + "%010d" % seq` at `w`, for a `_plain_position`."""
     cdef Py_ssize_t n = st.prefix_n, i
-    cdef unsigned char *w
-    if seq < 0 or seq >= 10000000000 or st.prefix_p == NULL:
-        return st.prefix + "%010d" % seq
-    text = PyUnicode_New(n + 10, 127)
-    w = <unsigned char *>PyUnicode_1BYTE_DATA(text)
     memcpy(w, st.prefix_p, n)
     for i in range(n + 9, n - 1, -1):
         w[i] = <unsigned char>(48 + seq % 10)
         seq //= 10
+
+
+cdef str _position(_State st, Py_ssize_t seq):
+    """`prefix + "%010d" % seq`, written in place for the usual case (`_plain_position`)."""
+    if not _plain_position(st, seq):
+        return st.prefix + "%010d" % seq
+    text = PyUnicode_New(st.prefix_n + 10, 127)
+    _write_position(st, seq, <unsigned char *>PyUnicode_1BYTE_DATA(text))
     return text
 
 
@@ -849,19 +857,15 @@ cdef int _pack(Plan plan, Packed packer, list f, Py_ssize_t pairs, _State st, Py
     """Pack the entry whose fields are the first `pairs` items of `f` with its source position fields
     (`Packed.append_tail`: the transaction's packed once per mapping), at position `prefix +
     "%010d" % seq`, written on the stack for the usual case (`_position`'s). 0 when it must be packed whole."""
-    cdef char chars[64]
-    cdef Py_ssize_t n = st.prefix_n, i, v = seq
+    cdef char chars[64]  # a plain prefix is at most 48 characters (`_State._prefix_bytes`)
     if plan.tail_lsn is not st.lsn or plan.tail_xid is not st.xid or plan.tail_ts is not st.ts:
         plan.before_seq = pack_args([b"lsn", st.lsn, b"seq"])
         plan.after_seq = pack_args([b"xid", st.xid, b"ts_ms", st.ts, b"v", plan.version])
         plan.tail_lsn, plan.tail_xid, plan.tail_ts = st.lsn, st.xid, st.ts
-    if seq < 0 or seq >= 10000000000 or st.prefix_p == NULL:
+    if not _plain_position(st, seq):
         return 0
-    memcpy(chars, st.prefix_p, n)
-    for i in range(n + 9, n - 1, -1):
-        chars[i] = <char>(48 + v % 10)
-        v //= 10
-    return packer.append_tail(f, pairs, plan.before_seq, seq, plan.after_seq, chars, n + 10)
+    _write_position(st, seq, <unsigned char *>chars)
+    return packer.append_tail(f, pairs, plan.before_seq, seq, plan.after_seq, chars, st.prefix_n + 10)
 
 
 cdef object _route_reference(int kind, bytes raw, Py_ssize_t offset, list targets, windows, decoder, _State st):
@@ -999,9 +1003,10 @@ cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
     at = PyList_GET_SIZE(f) - TAIL
     entries = <list>plan.entry_lists[partition]
     packer = plan.packers[partition]
-    if packer is not None and PyList_GET_SIZE(entries) == 0:  # packed while in the cache, then let go
-        if _pack(plan, <Packed>packer, f, at, st, seq):
-            return _queued(st)
+    # packed while in the cache, then let go; after entries someone else queued: behind them, in order
+    cdef bint packing = packer is not None and PyList_GET_SIZE(entries) == 0
+    if packing and _pack(plan, <Packed>packer, f, at, st, seq):
+        return _queued(st)
     _set(f, at, b"lsn")
     _set(f, at + 1, st.lsn)
     _set(f, at + 2, b"seq")
@@ -1013,9 +1018,9 @@ cdef int _queue(Plan plan, object fields, int partition, _State st) except -1:
     _set(f, at + 8, b"v")
     _set(f, at + 9, plan.version)
     _set(f, at + 10, _position(st, seq))
-    if packer is not None and PyList_GET_SIZE(entries) == 0:
+    if packing:
         (<Packed>packer).append_entry(f)  # what `_pack` leaves: the whole entry, the reference packing
-    else:  # after entries someone else queued: behind them, in order
+    else:
         entries.append(f)
     return _queued(st)
 

@@ -86,7 +86,7 @@ class TransactionEnds:
         streams: dict[str, int] = {}
         last = ""
         for b in batcher.batches.values():
-            queued = b.sent + b.count
+            queued = _queued(b)
             n = queued - b.base
             if n:
                 b.base = queued

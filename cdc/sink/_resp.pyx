@@ -28,19 +28,25 @@ if _buf == NULL:
     raise MemoryError()
 
 
-cdef inline int _reserve(Py_ssize_t n) except -1:
-    global _buf, _cap
-    cdef Py_ssize_t want = _size + n, cap = _cap
+cdef int _grow(char **buf, Py_ssize_t *cap, Py_ssize_t want) except -1:
+    """`buf` (of `cap` bytes) holding at least `want`, doubled as often as needed."""
+    cdef Py_ssize_t n = cap[0]
     cdef char *grown
-    if want <= _cap:
+    if want <= n:
         return 0
-    while cap < want:
-        cap *= 2
-    grown = <char *>realloc(_buf, cap)
+    while n < want:
+        n *= 2
+    grown = <char *>realloc(buf[0], n)
     if grown == NULL:
         raise MemoryError()
-    _buf, _cap = grown, cap
+    buf[0], cap[0] = grown, n
     return 0
+
+
+cdef inline int _reserve(Py_ssize_t n) except -1:
+    if _size + n <= _cap:
+        return 0
+    return _grow(&_buf, &_cap, _size + n)
 
 
 cdef inline int _number(char prefix, Py_ssize_t value) except -1:
@@ -218,9 +224,7 @@ cdef int _append_pairs(bytes head, list entry, Py_ssize_t pairs, Py_ssize_t more
     global _size
     cdef Py_ssize_t i
     _number(b'*', pairs + 3 + more)  # XADD, stream, '*', then the pairs (the position is not sent)
-    _reserve(PyBytes_GET_SIZE(head))
-    memcpy(_buf + _size, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
-    _size += PyBytes_GET_SIZE(head)
+    _put(head)
     for i in range(0, pairs, 2):
         name = (<list>entry)[i]
         if type(name) is not bytes and type(name) is not str:
@@ -371,20 +375,6 @@ cdef inline void _done(Packed p, bint keep) noexcept:
     if keep:
         p.size = _size
     _buf, _cap, _size = _saved_buf, _saved_cap, 0
-
-
-cdef inline int _grow(char **buf, Py_ssize_t *cap, Py_ssize_t want) except -1:
-    cdef Py_ssize_t n = cap[0]
-    cdef char *grown
-    if want <= n:
-        return 0
-    while n < want:
-        n *= 2
-    grown = <char *>realloc(buf[0], n)
-    if grown == NULL:
-        raise MemoryError()
-    buf[0], cap[0] = grown, n
-    return 0
 
 
 cdef bint _after(const char *a, Py_ssize_t an, const char *b, Py_ssize_t bn) noexcept:
@@ -586,9 +576,8 @@ cdef class Packed:
         positions, kept = [], []
         for i in range(self.count_):
             ce, pe = self.ends[2 * i], self.ends[2 * i + 1]
-            position = PyUnicode_DecodeUTF8(self.pos + ps, pe - ps, NULL)
-            if PyUnicode_Compare(position, held) > 0:
-                positions.append(position)
+            if _after(self.pos + ps, pe - ps, h, hn):
+                positions.append(PyUnicode_DecodeUTF8(self.pos + ps, pe - ps, NULL))
                 kept.append(cs)
                 kept.append(ce)
             cs, ps = ce, pe

@@ -48,6 +48,33 @@ __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"
 
 log = logging.getLogger("cdc.consumer")
 
+#: count a failure of the handler on an entry (KEYS: stream, failures hash; ARGV: group, consumer, entry ID,
+#: error) only while the entry is pending for this consumer: the count so far, or 0 if another one claimed it
+COUNT_FAILURE = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 0 then return 0 end
+local n = redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+redis.call('HSET', KEYS[2], ARGV[3] .. ':error', ARGV[4])
+return n
+"""
+#: move an entry to the dead-letter stream (KEYS: stream, failures hash, dead-letter stream; ARGV: group,
+#: consumer, entry ID, the dead letter's fields) and acknowledge it, only while it is pending for this
+#: consumer: 1, or 0 if another one claimed it (which handles, counts or dead-letters it itself)
+DEAD_LETTER = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[3], '*', unpack(ARGV, 4))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HDEL', KEYS[2], ARGV[3], ARGV[3] .. ':error')
+return 1
+"""
+#: on a cluster (the dead-letter stream is in another slot): acknowledge the entry and clear its failures
+#: only while it is pending for this consumer (KEYS: stream, failures hash; ARGV: group, consumer, entry ID)
+ACK_OWNED = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2]) == 0 then return 0 end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('HDEL', KEYS[2], ARGV[3], ARGV[3] .. ':error')
+return 1
+"""
+
 
 class Fenced(CdcError):
     """A newer lease holder has written this stream's state: this consumer must stop using it."""
@@ -114,6 +141,9 @@ class Consumer:
         self._lease_check_every = min(lease_ttl_ms / 3000, LEASE_POLL_S)
         self._next_lease_check = 0.0
         self._next_reap = 0.0
+        self._count_script = client.register_script(COUNT_FAILURE)
+        self._dead_letter_script = client.register_script(DEAD_LETTER)
+        self._ack_owned_script = client.register_script(ACK_OWNED)
         self._pending_phase: set[str] = set(self.read_streams)  # re-read own pending entries first
         self._redelivered: set[str] = set()  # IDs read again from the pending list: they may have failures recorded
         self._retry_one: set[str] = set()  # streams whose first pending entry failed: retry it alone
@@ -228,24 +258,35 @@ class Consumer:
                     gone.append((reply_text(stream), reply_text(entry_id)))
         return entries
 
-    def dead_letter(self, stream: str, entry_id: str, entry: Entry | None, failures: int, error: str) -> None:
-        """Move one entry to the group's dead-letter stream with its error, then acknowledge it."""
+    def dead_letter(self, stream: str, entry_id: str, entry: Entry | None, failures: int, error: str) -> bool:
+        """Move one entry to the group's dead-letter stream with its error, then acknowledge it; False
+        (nothing done) when the entry is no longer pending for this consumer (another one claimed it)."""
         fields: dict = {
             "source_stream": stream, "source_id": entry_id, "group": self.group, "consumer": self.name,
             "deliveries": failures, "error": error[:2000],
         }
         if entry is not None:
             fields["entry"] = orjson.dumps({k.decode(): v.decode() for k, v in entry.fields.items()})
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.dead_letter_stream, fields)
-        pipe.xack(stream, self.group, entry_id)
-        pipe.hdel(keys.failures_key(stream, self.group), entry_id, f"{entry_id}:error")
-        pipe.execute()
+        owned = [stream, keys.failures_key(stream, self.group)]
+        if self._cluster:  # two slots: the dead letter first (a crash then leaves it pending, dead-lettered again)
+            letter = self.client.xadd(self.dead_letter_stream, fields)
+            moved = self._ack_owned_script(keys=owned, args=[self.group, self.name, entry_id])
+            if not moved:
+                self.client.xdel(self.dead_letter_stream, letter)
+        else:
+            flat = [part for pair in fields.items() for part in pair]
+            moved = self._dead_letter_script(keys=[*owned, self.dead_letter_stream],
+                                             args=[self.group, self.name, entry_id, *flat])
         self._retry_one.discard(stream)
         self._redelivered.discard(entry_id)
+        if not moved:
+            log.info("%s %s is no longer pending for %s (another consumer claimed it): not dead-lettered here",
+                     stream, entry_id, self.name)
+            return False
         self.dead_lettered += 1
         self.metrics.dead_letters[stream] += 1
         log.warning("dead-lettered %s %s after %d failed deliveries: %s", stream, entry_id, failures, error)
+        return True
 
     def _finish_dead_letters(self, entries: list[Entry]) -> list[Entry]:
         """Of entries read again from the pending list, dead-letter those whose recorded failures
@@ -338,7 +379,9 @@ class Consumer:
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.group, *ids)
-            again = [i for i in ids if i in self._redelivered]  # only a redelivered entry can have failures recorded
+            # only a redelivered entry can have failures recorded, or in shared mode any entry: another
+            # consumer may have claimed it while this one was handling it, and counted a failure
+            again = ids if not self.exclusive else [i for i in ids if i in self._redelivered]
             if again:
                 pipe.hdel(keys.failures_key(stream, self.group), *again, *(f"{i}:error" for i in again))
                 self._redelivered.difference_update(again)
@@ -349,14 +392,14 @@ class Consumer:
             self.metrics.handled[stream] += len(ids)
 
     def _count_failure(self, stream: str, entry_id: str, text: str) -> int:
-        """Count one more failure of the handler on `entry_id` in Redis, with its error; the count so far."""
-        failures_key = keys.failures_key(stream, self.group)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hincrby(failures_key, entry_id, 1)
-        pipe.hset(failures_key, f"{entry_id}:error", text[:2000])
-        failures = int(pipe.execute()[0])
-        self.failed += 1
-        self.metrics.failures[stream] += 1
+        """Count one more failure of the handler on `entry_id` in Redis, with its error; the count so far,
+        or 0 (nothing counted) when the entry is no longer pending for this consumer: another one claimed
+        it meanwhile, and may have finished or dead-lettered it (a count now would outlive the entry)."""
+        failures = int(self._count_script(keys=[stream, keys.failures_key(stream, self.group)],
+                                          args=[self.group, self.name, entry_id, text[:2000]]))
+        if failures:
+            self.failed += 1
+            self.metrics.failures[stream] += 1
         return failures
 
     def fail(self, entry: Entry, error: BaseException | str) -> None:
@@ -369,6 +412,11 @@ class Consumer:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         failures = self._count_failure(entry.stream, entry.id, text)
         self._pending_phase.add(entry.stream)
+        if not failures:  # claimed by another consumer meanwhile: its failures are that one's to count
+            log.info("%s %s is no longer pending for %s (another consumer claimed it): its failure not counted",
+                     entry.stream, entry.id, self.name)
+            self._redelivered.discard(entry.id)
+            return
         if failures >= self.max_deliveries:
             self.dead_letter(entry.stream, entry.id, entry, failures, text)
             return

@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from cdc import keys
 from cdc.consume.consumer import Consumer
 from cdc.consume.table_sink import TableSink
 from cdc.demo.local import wait_for
@@ -201,3 +202,40 @@ def test_a_pending_batch_wholly_dead_lettered_on_reading_lets_the_entries_behind
     restarted = Consumer(client, ["s"], "g", "c1", exclusive=False, count=2, max_deliveries=2, block_ms=10)
     assert restarted.read() == [] and client.xlen("cdc:dlq:g") == 2
     assert [e.id for e in restarted.read()] == [ids[2].decode()], "the pending entry behind, before anything new"
+
+
+def test_a_shared_consumer_never_counts_or_dead_letters_an_entry_another_one_claimed(env):
+    """The race of shared consumers: A is handed an entry, B claims it while A works on it; whatever A does
+    with it then (fail it, dead-letter it, finish it) must leave no failure record behind B's outcome."""
+    client = env.redis
+    for n in range(1, 4):
+        client.xadd("s", {"op": "c", "key": f'{{"id": {n}}}', "data": f'{{"id": {n}}}', "lsn": "1", "seq": str(n)})
+    a = Consumer(client, ["s"], "g", "a", exclusive=False, max_deliveries=2, block_ms=10, claim_idle_ms=60_000)
+    b = Consumer(client, ["s"], "g", "b", exclusive=False, max_deliveries=2, block_ms=10, claim_idle_ms=60_000)
+    a.create_group("0")
+    first, second, third = a.read()
+    failures = keys.failures_key("s", "g")
+
+    # 1. B claims the first entry and finishes it; A's late failure on it is not counted
+    client.xclaim("s", "g", "b", 0, [first.id])
+    b.ack([first])
+    a.fail(first, ValueError("late"))
+    assert client.hlen(failures) == 0 and a.failed == 0
+
+    # 2. A fails the second once, B claims it and fails it: B's count reaches the limit and B dead-letters it;
+    #    A's late failure (which would reach the limit too) neither counts nor dead-letters it again
+    a.fail(second, ValueError("one"))
+    client.xclaim("s", "g", "b", 0, [second.id])
+    b.fail(second, ValueError("two"))
+    assert b.dead_lettered == 1 and client.xlen("cdc:dlq:g") == 1
+    assert not a.dead_letter("s", second.id, second, 2, "ValueError: late")
+    a.fail(second, ValueError("late"))
+    assert client.hlen(failures) == 0 and client.xlen("cdc:dlq:g") == 1 and a.dead_lettered == 0
+
+    # 3. B claims the third and fails it once; A then finishes it: the entry is done, its record goes with it
+    client.xclaim("s", "g", "b", 0, [third.id])
+    b.fail(third, ValueError("once"))
+    assert client.hlen(failures) == 2  # the count and the error
+    a.ack([third])
+    assert client.hlen(failures) == 0
+    assert client.xpending("s", "g")["pending"] == 0

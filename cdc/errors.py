@@ -8,6 +8,7 @@ one line with exit code 1 (``CDC_TRACEBACK=1`` shows its traceback).
 from __future__ import annotations
 
 __all__ = [
+    "SlotTaken",
     "CdcError",
     "ConfigError",
     "UsageError",
@@ -83,3 +84,9 @@ class TransientError(CdcError):
     """A failure worth retrying: a connection dropped, a server restarting."""
 
     exit_code = 75
+
+
+class SlotTaken(TransientError):
+    """Another bridge started streaming the slot first, between `cdc run`'s look at who holds it and
+    its own START_REPLICATION: running again later may succeed (exit 75), but this run never streamed,
+    so it stops instead of retrying as a standby nobody declared."""

@@ -32,7 +32,7 @@ import tenacity
 
 from .. import keys, speedups
 from ..config import Settings
-from ..errors import CdcError, ConfigError, DataLossError, MappingError, SourceError, TransientError
+from ..errors import CdcError, ConfigError, DataLossError, MappingError, SlotTaken, SourceError, TransientError
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
@@ -101,6 +101,9 @@ class Bridge:
         #: what the sessions count (changes, transactions, entries, batches, backfill rows), served as metrics
         self.counters = Counters(m.entity for m in self.mappings)
         self.sessions = 0
+        #: a session of this run started streaming: the slot is ours to take back after a reconnect (a slot
+        #: in use before that is another bridge's, `SlotTaken`)
+        self.streamed = False
         self.entries_trimmed = 0
         self.entries_force_trimmed = 0
         self.state = "starting"
@@ -140,7 +143,7 @@ class Bridge:
     def run(self) -> None:
         """Run sessions, retrying transient failures with jittered exponential backoff."""
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(TransientError),
+            retry=tenacity.retry_if_exception(lambda exc: isinstance(exc, TransientError) and not isinstance(exc, SlotTaken)),
             wait=lambda state: self.backoff.next(time.monotonic()),
             stop=lambda state: self.stopping,
             sleep=self._sleep,
@@ -262,6 +265,8 @@ class Bridge:
             try:
                 return serve(self.registry, self.readiness, http.host, http.port)
             except OSError as exc:
+                if exc.errno == errno.EADDRINUSE and time.monotonic() >= deadline and not self.stopping:
+                    self._raise_if_slot_taken()
                 if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline or self.stopping:
                     raise ConfigError(f"cannot serve metrics on {http.host}:{http.port}: {exc.strerror}",
                                       hint="set http.port to a free port, or 0") from None
@@ -269,6 +274,23 @@ class Bridge:
                 log.info("metrics port %s:%d is in use; trying again for %.0fs", http.host, http.port, PORT_WAIT_S)
                 said = True
             time.sleep(0.1)  # the other server's shutdown takes up to its poll interval (0.5 s)
+
+    def _raise_if_slot_taken(self) -> None:
+        """The metrics port stayed in use: if another bridge holds the slot (started with the same settings at
+        the same moment, and first), that is `SlotTaken` (exit 75), not a port to change."""
+        from .slot_holder import slot_holder
+
+        pgs = self.settings.postgres
+        try:
+            with psycopg.connect(pgs.dsn, autocommit=True, connect_timeout=10) as conn:
+                holder = slot_holder(conn, pgs.slot)
+        except psycopg.Error:
+            return
+        if holder is not None:
+            raise SlotTaken(
+                f"a bridge is already running on slot {pgs.slot}, {holder}, and serves metrics on "
+                f"{self.settings.http.host}:{self.settings.http.port}",
+                hint="stop it first, or start this one with cdc run --standby to take over when the slot is free")
 
     # -- one session ---------------------------------------------------------------------
 
@@ -313,7 +335,16 @@ class Bridge:
             self._release_stale_walsender(catalog_conn)
             try:
                 # logical messages carry backfill watermarks too
-                stream.start(0, messages=True, streaming=pgs.streaming)
+                try:
+                    stream.start(0, messages=True, streaming=pgs.streaming)
+                except TransientError as exc:
+                    if not self.streamed and isinstance(exc.__cause__, psycopg.errors.ObjectInUse):
+                        raise SlotTaken(
+                            f"another bridge started streaming slot {pgs.slot} first ({exc})",
+                            hint="stop it first, or start this one with cdc run --standby to take over when the "
+                                 "slot is free") from exc
+                    raise
+                self.streamed = True
                 self.state = "streaming"
                 self.backoff.streaming(time.monotonic())
                 self._stream(Session(self, stream, publisher, catalog_conn, held, health.confirmed_lsn))

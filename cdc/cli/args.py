@@ -21,7 +21,8 @@ ABOUT: dict[str, tuple[str, str]] = {
               "mapping against the live schema, Redis (reachable, ACL, persistence, eviction). Reports every "
               "problem at once; the exit code is that of the first kind of problem (see docs/reference/exit-codes.md).",
               "cdc check --config cdc.yaml"),
-    "run": ("Stream committed changes into Redis until SIGTERM/SIGINT, then finish the batch in flight and exit 0.",
+    "run": ("Stream committed changes into Redis until SIGTERM/SIGINT/SIGHUP, then finish the batch in flight and exit 0 "
+                "(configuration and mappings are read at start only: SIGHUP stops, start it again to apply changes).",
             "cdc run --config cdc.yaml"),
     "consume": ("Run a consumer of one entity's streams, exactly once: a transactional handler with checkpoints "
                 "(--handler) or an idempotent table mirror (--sink). With --transactions, of several entities' "

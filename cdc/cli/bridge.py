@@ -8,7 +8,7 @@ import signal
 import time
 
 from .common import entity_named, load_config
-from ..errors import CdcError, UsageError
+from ..errors import CdcError, SlotTaken, UsageError
 
 __all__ = ["cmd_run", "cmd_backfill"]
 
@@ -25,15 +25,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         log.info("received %s, finishing the batch", signal.Signals(signum).name)
         bridge.stop()
 
+    def on_hangup(signum, frame):  # noqa: ARG001
+        # configuration and mappings are read once, at start: a reload is a restart, so stop cleanly and say so
+        log.warning("received SIGHUP: the bridge reads its configuration and mappings only at start; finishing the "
+                    "batch and stopping (exit 0): start cdc run again to apply changes")
+        bridge.stop()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    # before the metrics port is bound: a second bridge on the slot says so, or waits as the standby
-    wait_for_slot(settings.postgres.dsn, settings.postgres.slot, standby=args.standby, stopping=lambda: bridge.stopping)
-    if bridge.stopping:
-        return 0
+    signal.signal(signal.SIGHUP, on_hangup)
     started = time.monotonic()
-    log.info("bridge starting slot=%s entities=%s", settings.postgres.slot, ",".join(m.entity for m in mappings))
-    bridge.run()
+    while True:
+        # before the metrics port is bound: a second bridge on the slot says so, or waits as the standby
+        wait_for_slot(settings.postgres.dsn, settings.postgres.slot, standby=args.standby,
+                      stopping=lambda: bridge.stopping)
+        if bridge.stopping:
+            return 0
+        log.info("bridge starting slot=%s entities=%s", settings.postgres.slot, ",".join(m.entity for m in mappings))
+        try:
+            bridge.run()
+        except SlotTaken as exc:
+            if not args.standby:
+                raise
+            log.info("standby: %s; waiting for the slot again", exc.message)
+            continue
+        break
     log.info(
         "bridge stopped entries_published=%d transactions=%d durable_lsn=%s seconds=%.1f",
         bridge.counters.entries_published, bridge.counters.transactions, bridge.durable_lsn, time.monotonic() - started,

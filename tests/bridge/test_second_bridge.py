@@ -142,3 +142,80 @@ def test_a_metrics_port_still_held_by_a_closing_bridge_is_bound_once_free(monkey
     with pytest.raises(ConfigError, match="cannot serve metrics on 127.0.0.1:.*Address already in use"):
         bridge._serve_metrics()
     blocker.close()
+
+
+def test_a_bridge_that_loses_the_race_to_the_slot_exits_75_instead_of_retrying(rides):
+    """Two `cdc run` started together both find the slot free; the one whose START_REPLICATION comes
+    second is told the slot is active. It never streamed: it stops (exit 75) rather than looping as a
+    standby nobody asked for. Here the winner is a plain replication connection taken in that window."""
+    import argparse
+    import threading
+
+    import psycopg
+
+    from cdc.bridge.loop import Bridge
+    from cdc.cli.common import load_config
+    from cdc.errors import SlotTaken
+
+    env = rides
+    settings, mappings = load_config(argparse.Namespace(config=env.config_path))
+    winner = psycopg.connect(env.dsn, replication="database", autocommit=True, application_name="winner")
+    try:
+        winner.execute(f"START_REPLICATION SLOT {env.slot} LOGICAL 0/0 "
+                       f"(proto_version '1', publication_names '{env.publication}')")
+        wait_for(env.slot_active, 30, "the winner to hold the slot")
+        bridge = Bridge(settings, mappings)
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                bridge.run()
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - what the run ended with is the test's subject
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(120)
+        if thread.is_alive():
+            bridge.stop()
+            thread.join(60)
+        assert outcome and isinstance(outcome[0], SlotTaken), f"retried instead of stopping: {outcome}"
+        assert outcome[0].exit_code == 75 and bridge.failures["postgres"] == 0, "not one retry"
+        assert f"another bridge started streaming slot {env.slot} first" in str(outcome[0])
+        assert "cdc run --standby" in str(outcome[0])
+    finally:
+        winner.close()
+
+
+@pytest.mark.slow
+def test_two_bridges_started_together_one_streams_and_the_other_exits_75(rides):
+    env = rides
+    for round_ in range(5):
+        a, b = env.start_bridge(), env.start_bridge()
+        try:
+            wait_for(lambda: a.poll() is not None or b.poll() is not None, 120, "one of the two to exit")
+            loser, winner = (a, b) if a.poll() is not None else (b, a)
+            assert loser.wait() == 75, loser.log_path.read_text()
+            assert "cdc: error:" in loser.log_path.read_text().splitlines()[-1]
+            insert_rides(env, 100 * round_ + 1, 100 * round_ + 10)
+            wait_for(lambda: env.redis.xlen("cdc:ride") == 10 * (round_ + 1), 60, "the winner to stream")
+            assert winner.poll() is None
+        finally:
+            for proc in (a, b):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    assert proc.wait(30) == 0, proc.log_path.read_text()
+
+
+def test_sighup_stops_the_bridge_cleanly_saying_why(rides):
+    env = rides
+    bridge = env.start_bridge()
+    wait_for(env.slot_active, 60, "the bridge to hold the slot")
+    insert_rides(env, 1, 5)
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 5, 60, "the bridge to stream")
+    bridge.send_signal(signal.SIGHUP)
+    assert bridge.wait(30) == 0, bridge.log_path.read_text()
+    log = bridge.log_path.read_text()
+    assert "received SIGHUP" in log and "start cdc run again to apply changes" in log
+    assert "bridge stopped entries_published=5" in log

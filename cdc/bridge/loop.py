@@ -32,7 +32,8 @@ import tenacity
 
 from .. import keys, speedups
 from ..config import Settings
-from ..errors import CdcError, ConfigError, DataLossError, MappingError, SlotTaken, SourceError, TransientError
+from ..errors import (CdcError, ConfigError, DataLossError, MappingError, SlotError, SlotTaken, SourceError,
+                      TransientError)
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
@@ -352,10 +353,14 @@ class Bridge:
                 self._stale_pid = stream.backend_pid
                 record_stream_loss(client, pgs.slot, exc)
                 raise
-            except Exception:
+            except Exception as exc:
                 # over a connection that went silent, the server still sees our walsender holding the
                 # slot (until its wal_sender_timeout); the next session ends it
                 self._stale_pid = stream.backend_pid
+                if isinstance(exc, SlotError):
+                    recreated = publication_recreated(catalog_conn, pgs.slot, pgs.publication, exc)
+                    if recreated is not None:
+                        raise recreated from exc
                 raise
         finally:
             stream.close()
@@ -606,3 +611,27 @@ class Bridge:
             if isinstance(exc, pg.DecodeError):
                 raise SourceError(f"cannot decode a pgoutput message: {exc}") from exc
             raise
+
+
+def publication_recreated(conn: psycopg.Connection, slot: str, publication: str, exc: SlotError) -> SlotError | None:
+    """The error for a publication the server says is missing while decoding though it exists now: it was
+    dropped and re-created after the slot's position, and the changes written in between cannot be decoded
+    with it (PostgreSQL decodes each change with the catalog of its time), on every restart. None when the
+    publication is really missing, or the catalog cannot be asked."""
+    if "publication" not in exc.message or "does not exist" not in exc.message:
+        return None
+    try:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_publication p, pg_replication_slots s "
+            "WHERE p.pubname = %s AND s.slot_name = %s", (publication, slot)).fetchone()
+    except psycopg.Error:
+        return None
+    if row is None:
+        return None
+    return SlotError(
+        f"publication {publication!r} exists but was dropped and re-created after slot {slot!r}'s position "
+        f"{row[0]}: PostgreSQL decodes each change with the catalog of its time, so the changes written while it did "
+        "not exist can never be decoded through it (nor were they published)",
+        hint=f"drop the slot (SELECT pg_drop_replication_slot('{slot}')), then run cdc init, then cdc recover before "
+             "cdc run (the streams are rebuilt from the tables' current state; the individual changes in between "
+             "cannot be restored)")

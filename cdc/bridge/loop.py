@@ -38,6 +38,7 @@ from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
+from ..mapping.projector import Projector
 from ..source.catalog import load_types, table_shape
 from ..source.deadline import bounded
 from ..sink.claims import BridgeIdentity, claim, unmapped_owned
@@ -53,6 +54,7 @@ from .backoff import Backoff
 from .batcher import Batcher
 from .counters import Counters
 from .changes import Target, bind
+from .encoding import InvalidText, invalid_text_error, is_invalid_text
 from .gate import TableGate
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
@@ -574,9 +576,34 @@ class Bridge:
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         self._all_sent(relation, mappings, catalog_conn)
-        targets = bind(relation, mappings, self.catalog, batcher, self.counters.read_by_entity)
+        try:
+            targets = bind(relation, mappings, self.catalog, batcher, self.counters.read_by_entity)
+        except MappingError as exc:
+            raise self._bindable_now(relation, mappings, catalog_conn, exc) from exc
         log.info("bound %s to %s", relation.namespace + "." + relation.name, ", ".join(m.entity for m in mappings))
         return targets
+
+    def _bindable_now(self, relation: pg.Relation, mappings: list[Mapping], catalog_conn: psycopg.Connection,
+                      exc: MappingError) -> MappingError:
+        """A Relation the mappings cannot bind (a key out of the replica identity, a column gone) may describe the
+        table as it was when its changes were written, not as it is now: then fixing the table changes nothing
+        for those changes (the slot decodes them as written), and the error says so and how to get past them."""
+        try:
+            with self._bounded(catalog_conn, "reading a table's shape"):
+                shape = table_shape(catalog_conn, relation.namespace, relation.name)
+        except psycopg.Error:
+            return exc
+        if shape is None:
+            return exc
+        try:
+            for m in mappings:
+                Projector(m, shape, self.catalog)
+        except MappingError:
+            return exc  # the table as it is now is refused too: the fix the error names applies
+        return MappingError(
+            f"{exc.message} when its changes still to stream were written; the table has changed since and its "
+            "mappings bind to it as it is now, but the changes written before cannot be published as written",
+            hint="run cdc recover (rebuilds the streams from the tables and moves past those changes), then cdc run")
 
     def _all_sent(self, relation: pg.Relation, mappings: list[Mapping], catalog_conn: psycopg.Connection) -> None:
         """A mapped column the Relation lacks while the table has it: the publication did not send it. Stops the
@@ -599,8 +626,15 @@ class Bridge:
 
     def _stream(self, session: Session) -> None:
         try:
-            session.run()
-        except (MappingError, ColumnsNotSent, pg.DecodeError) as exc:
+            try:
+                session.run()
+            except SourceError as exc:
+                if not is_invalid_text(exc):
+                    raise
+                tx = session.tx
+                raise invalid_text_error(exc, session.conn.info.dbname, self.settings.postgres.slot, self.mappings,
+                                         tx.xid if tx.open else None, int(tx.lsn) if tx.open else None) from exc
+        except (MappingError, ColumnsNotSent, pg.DecodeError, InvalidText) as exc:
             # Publish what came before the failure so a fixed restart resumes right there.
             try:
                 session.flush(wait=True)

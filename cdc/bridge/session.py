@@ -27,7 +27,7 @@ import orjson
 import psycopg
 
 from ..config import Settings
-from ..errors import SourceError
+from ..errors import MappingError, SourceError
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector
 from ..sink.lane import packer
@@ -267,8 +267,12 @@ class Session:
             self.committed(self.tx.commit(msg))
         elif isinstance(msg, pg.Relation):
             tx = self.tx
-            self.gate.relation(msg.relid, msg.namespace, msg.name, int(tx.lsn) if tx.open else int(self.ack.ackable))
-            self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
+            at = int(tx.lsn) if tx.open else int(self.ack.ackable)
+            self.gate.relation(msg.relid, msg.namespace, msg.name, at)
+            try:
+                self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
+            except MappingError as exc:
+                self.unbound(msg, at, exc)
         elif isinstance(msg, pg.Truncate):
             self.counters.changes_read += 1
             route_truncate(msg, self.targets, self.tx, self.batcher, self.windows)
@@ -315,6 +319,19 @@ class Session:
                 self.guard(at)
         self.committed(tx.commit_at(int(msg.end_lsn)))
         t.heard = now()  # the connection was not read meanwhile: its silence starts now
+
+    def unbound(self, msg: pg.Relation, at: int, exc: MappingError) -> None:
+        """A Relation the mappings cannot bind, in a transaction before a rebuild of its table (`cdc recover`
+        recorded it in the gate's binding, `since`): the rebuild holds what its changes did, so they are
+        skipped, until a Relation that binds. None can be in force from `since` on: pgoutput describes a
+        relation again before its first change after any change of its schema, and `cdc recover` refuses a
+        table its mappings cannot bind when it rebuilds. Any other is the error now."""
+        bound = self.gate.bound.get((msg.namespace or "pg_catalog", msg.name))
+        if bound is None or at >= bound.since:
+            raise exc
+        log.info("%s.%s as its changes at %s were written cannot be bound (%s); the rebuild at %s holds them: "
+                 "skipped", msg.namespace, msg.name, Lsn(at), exc.message, bound.since)
+        self.targets[msg.relid] = []
 
     def committed(self, end: Lsn) -> None:
         """A transaction ended at `end` (its Commit's end LSN): its END record queued after its entries."""

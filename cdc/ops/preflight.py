@@ -33,7 +33,9 @@ from .. import keys
 from ..config import Settings
 from ..bridge.gate import TableGate
 from ..keys import written_streams
-from ..bridge.guards import check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error, redis_record, stream_problems
+from ..bridge.encoding import sql_ascii_warning
+from ..bridge.guards import (check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error,
+                             redis_record, slot_database_error, stream_problems)
 from ..bridge.held_transactions import spill_dir_error, spill_place
 from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping, mapped_columns
@@ -92,6 +94,8 @@ def _check_bound_tables(settings: Settings, mappings: Sequence[Mapping], report:
         return  # reported by the checks of each server
     try:
         with conn:
+            if slot_database_error(conn, settings.postgres.slot) is not None:
+                return  # the OIDs recorded are another database's: the slot's check says what to do
             problems = gate.recorded_problems(conn, client)
         report.problems.extend(problems)
         if not problems:
@@ -143,6 +147,9 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
             try:
                 _wal_level(conn)
                 report.ok.append("wal_level is logical")
+                encoding = conn.execute("SELECT current_setting('server_encoding')").fetchone()[0]
+                if encoding == "SQL_ASCII":
+                    report.warnings.append(sql_ascii_warning(conn.info.dbname))
                 if pgs.streaming and conn.info.server_version < 140000:
                     report.warnings.append(
                         f"PostgreSQL {conn.info.server_version // 10000} cannot stream transactions in progress "
@@ -236,6 +243,8 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
         report.problems.append(missing_slot_error(pgs.slot, held))
     elif slot[1] == "lost":
         report.problems.append(invalidated_slot_error(pgs.slot))
+    elif (other := slot_database_error(conn, pgs.slot)) is not None:
+        report.problems.append(other)
     elif slot[0] != "pgoutput":
         report.problems.append(SlotError(f"replication slot {pgs.slot!r} uses plugin {slot[0]!r}, not pgoutput",
                                          hint="drop it or choose another postgres.slot"))

@@ -21,7 +21,7 @@ from ..source.history import Divergence, ServerHistory, divergence
 from ..source.lsn import Lsn
 
 __all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
-           "invalidated_slot_error", "missing_slot_error", "record_data_loss", "record_stream_loss",
+           "invalidated_slot_error", "missing_slot_error", "slot_database_error", "record_data_loss", "record_stream_loss",
            "check_source_history", "record_source", "record_divergence", "diverged_error", "redis_record",
            "stop_on_stream_problems", "stream_problems"]
 
@@ -81,6 +81,24 @@ def missing_slot_error(slot: str, held: Lsn | None | bool) -> SlotError:
     )
 
 
+def slot_database_error(conn: psycopg.Connection, slot: str) -> SlotError | None:
+    """The slot belongs to another database than the one `conn` (postgres.dsn) connects to: a slot decodes
+    the database it was created in only (PostgreSQL refuses the other with "was not created in this
+    database", for ever). None when it is this database's, or there is no such slot."""
+    row = conn.execute("SELECT database, current_database() FROM pg_replication_slots "
+                       "WHERE slot_name = %s AND database IS DISTINCT FROM current_database()", (slot,)).fetchone()
+    if row is None or row[0] is None:
+        return None
+    theirs, ours = row
+    return SlotError(
+        f"replication slot {slot!r} belongs to database {theirs!r}, but postgres.dsn connects to database {ours!r}: "
+        "a slot decodes only the database it was created in",
+        hint=f"if postgres.dsn should name {theirs!r}, set it back; if the bridge moves to {ours!r} for good, drop the "
+             f"old slot (SELECT pg_drop_replication_slot('{slot}'), connected to {theirs!r}), then cdc init, then cdc "
+             f"recover before cdc run (the streams hold the rows of {theirs!r}; cdc recover rebuilds them from the "
+             f"tables of {ours!r})")
+
+
 def invalidated_slot_error(slot: str) -> SlotError:
     return SlotError(
         f"replication slot {slot!r} was invalidated (wal_status lost): the WAL it needed was removed, "
@@ -124,6 +142,10 @@ class SlotWatch:
         status, retained, lag, confirmed, keep = row
         if status == "lost":
             raise invalidated_slot_error(self.slot)
+        if self.health.wal_status == "unknown":  # once: a slot never changes database
+            other = slot_database_error(conn, self.slot)
+            if other is not None:
+                raise other
         health = SlotHealth(status, int(retained or 0), int(lag or 0), Lsn.parse(confirmed) if confirmed else Lsn(0), _size(keep))
         warn, critical = self.thresholds(health.max_keep_bytes)
         if status == "unreserved" or health.retained_bytes >= critical:

@@ -15,7 +15,7 @@ import redis
 
 from ..keys import written_streams
 from ..bridge.backfill import enqueue, ensure_table
-from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error,
+from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error, slot_database_error,
                              record_data_loss, record_divergence, record_source)
 from ..source.catalog import load_types, table_shape
 from ..source.coverage import Publication, TableCoverage, identity_problem, read_coverage, read_publication
@@ -185,6 +185,8 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
             created = slot is None
             if slot is not None and slot[2] == "lost":
                 raise invalidated_slot_error(pgs.slot)
+            if slot is not None and (other := slot_database_error(conn, pgs.slot)) is not None:
+                raise other
             if slot is None:
                 # what the function returns is the new slot's confirmed position
                 confirmed, created = create_slot(conn, pgs.slot, pgs.failover_slot)

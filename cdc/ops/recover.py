@@ -43,7 +43,7 @@ from psycopg import sql
 from .. import keys
 from ..bridge.backfill import supersede
 from ..bridge.gate import record_current
-from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_source
+from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_source, slot_database_error
 from ..keys import written_streams
 from ..sink.redisconn import redis_for
 from ..config import Settings
@@ -80,6 +80,9 @@ def _idle_slot(conn: psycopg.Connection, slot: str) -> Lsn:
         raise SlotError(f"replication slot {slot!r} does not exist", hint="run: cdc init --config <file>, then cdc recover")
     if row[3] == "lost":
         raise invalidated_slot_error(slot)
+    other = slot_database_error(conn, slot)
+    if other is not None:
+        raise other
     if row[0]:
         raise CdcError(f"a bridge is attached to slot {slot!r} (walsender pid {row[1]})",
                        hint="stop it (cdc run), then run cdc recover again")

@@ -123,6 +123,9 @@ def classify_pg_error(exc: BaseException, *, slot: str = "", publication: str = 
         if not role and getattr(exc, "pgconn", None) is not None and exc.pgconn.user:
             role = exc.pgconn.user.decode()  # the role the refused statement ran as
         return PrivilegeError(f"postgres refused: {text}", hint=fix_for(text, role, need))
+    if "was not created in this database" in text:  # a slot of another database: never better on retry
+        return SlotError(f"postgres refused slot {slot!r}: {text}",
+                         hint="point postgres.dsn at the slot's database, or see cdc check")
     if isinstance(exc, pgerrors.ObjectInUse):
         return TransientError(f"{text} (another bridge may be running on this slot)")
     if isinstance(exc, (pgerrors.AdminShutdown, pgerrors.CannotConnectNow, pgerrors.CrashShutdown)):

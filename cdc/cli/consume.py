@@ -17,7 +17,7 @@ from .. import redact
 from .args import check_position, check_positive
 from ..sink.redisconn import redis_for
 from .common import entity_named, load_config
-from ..errors import PublishError, TransientError, UsageError
+from ..errors import DataLossError, PublishError, TransientError, UsageError
 from ..exits import as_cdc_error
 from ..loader import load_callable
 from ..consume.failures import RETRY, SETUP, whose
@@ -183,8 +183,17 @@ def check_redis_acl(client, settings, mappings, log) -> None:
 
 
 def redis_refusal(exc) -> PublishError:
-    """Redis refused a consumer's command (not a server away): the fix, naming the command when the ACL did."""
+    """Redis refused a consumer's command (not a server away): the fix, naming the command when the ACL did;
+    a stream or group gone from under the consumer (deleted, Redis emptied or restored) is no refusal."""
     text = " ".join(str(exc).split())
+    if text.startswith("NOGROUP") or text.startswith("UNBLOCKED the stream key no longer exists"):
+        return DataLossError(
+            f"a stream this consumer reads, or its group, vanished from Redis while it ran ({text}): the group's "
+            "position and its pending entries are gone (the stream deleted, the group destroyed, or Redis emptied "
+            "or restored)",
+            hint="if the bridge's streams were lost too, cdc run stops naming it (exit 6): run cdc recover, which "
+                 "rebuilds them behind a marker where consumers reset; then start this consumer again (its group "
+                 "is created at --start)")
     command = re.search(r"permissions to run the '([^']+)' command", text)
     if command:
         hint = f"add +{command[1]} to the redis user's ACL (deploy/redis/redis.conf lists what consumers send)"

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 import psycopg
 
 from .. import speedups
@@ -22,7 +21,6 @@ from ..mapping.model import Mapping
 from ..mapping.projector import CastRefused, Projector, message_entry
 from ..sink.publisher import StreamBatch
 from ..source import pgoutput as pg
-from ..source.lsn import Lsn
 from ..source.shapes import ColumnShape, TableShape
 from ..source.values import TypeCatalog
 from .backfill import Windows
@@ -94,22 +92,9 @@ def route_row(kind: int, msg, targets: list[Target], tx: Transaction, batcher: B
             else:
                 out = projector.delete(msg.old, msg.old_kind == "O")
         except CastRefused as exc:
-            raise refused_at(exc, projector, msg.new if kind != DELETE else msg.old, tx) from None
+            raise projector.placed(exc, msg.new if kind != DELETE else msg.old, tx.lsn, tx.seq) from None
         if out is not None:
             batcher.add(t.batches[out.partition], out.fields, t.version, tx)
-
-
-def refused_at(exc: CastRefused, projector: Projector, values, tx: Transaction) -> CastRefused:
-    """A cast's refusal, placed: the transaction's commit LSN, the change's seq in it and the row's public
-    key (as the entry would carry it: hashed or redacted where the mapping says so)."""
-    try:
-        key = orjson.dumps(projector._key(values)).decode()
-        row = f"row key {key if len(key) <= 200 else key[:200] + '...'}"
-    except CastRefused:
-        row = "row key not shown (a cast refuses it too)"
-    at = f"LSN {Lsn(int(tx.lsn))}" if tx.lsn else "an unknown LSN"
-    return CastRefused(f"{exc.message}; in the transaction committed at {at}, change {tx.seq}, {row}",
-                       hint=exc.hint)
 
 
 def route_raw(kind: int, raw: bytes, offset: int, targets: list[Target], tx: Transaction, batcher: Batcher,

@@ -20,6 +20,7 @@ import orjson
 
 from ..errors import MappingError
 from .model import REDACTED, Condition, FieldSpec, Mapping
+from ..source.lsn import Lsn
 from ..source.pgoutput import UNCHANGED_TOAST
 from ..source.shapes import ColumnShape, TableShape
 from ..source.values import TypeCatalog, converter_for, type_name
@@ -415,6 +416,18 @@ class Projector:
             value = values[idx]
             key[name] = None if value is None or value is UNCHANGED_TOAST else conv(value)
         return key
+
+    def placed(self, exc: CastRefused, values: Sequence[Any], lsn: str | None, seq: int | None) -> CastRefused:
+        """A cast's refusal of a value of `values`, placed: the commit LSN of its transaction (decimal, as
+        entries carry it; None for a read of the table), the change's seq in it, and the row's public key
+        (as the entry would carry it: hashed or redacted where the mapping says so)."""
+        try:
+            key = orjson.dumps(self._key(values)).decode()
+            row = f"row key {key if len(key) <= 200 else key[:200] + '...'}"
+        except CastRefused:
+            row = "row key not shown (a cast refuses it too)"
+        at = f"in the transaction committed at LSN {Lsn(int(lsn))}, change {seq}" if lsn else "in a read of the table"
+        return CastRefused(f"{exc.message}; {at}, {row}", hint=exc.hint)
 
     def _partition(self, key: dict) -> int:
         plan = self.plan

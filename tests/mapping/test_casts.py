@@ -211,3 +211,19 @@ def test_a_refusal_names_the_mapping_column_and_fix_not_the_value():
     assert isinstance(err.value, MappingError) and err.value.exit_code == 3
     assert "cast 'integer' cannot write a value of column 'v' (numeric) of public.t exactly" in line
     assert "fractional part" in line and "drop the cast from field 'v'" in line and "3.7" not in line
+
+
+def test_a_backfill_chunks_refused_row_is_named_by_its_watermarks_lsn_and_its_key():
+    from cdc.bridge.batcher import Batcher
+    from cdc.bridge.positions import Transaction
+    from cdc.bridge.snapshot import queue_chunk
+
+    tx = Transaction()
+    tx.begin_at(0x1_0000_0040, 0, 7)
+    tx.seq = 4
+    batcher = Batcher(100, 60.0)
+    info = {"columns": ["id", "v"], "rows": [["1", "2.000"], ["2", "2.5"], ["3", "3"]]}
+    with pytest.raises(CastRefused) as err:
+        queue_chunk(info, projector(1700, "integer"), set(), batcher, tx)
+    assert "; in the transaction committed at LSN 1/40, change 5, row key {\"id\":2}; drop the cast" in str(err.value)
+    assert batcher.pending == 1  # the row before it, as for the changes before a refused one

@@ -588,6 +588,21 @@ def test_each_type_and_cast_matches(value, cast):
     ])
 
 
+@settings(max_examples=400, **SLOW_SETTINGS)
+@given(st.data())
+def test_every_cast_of_every_source_type_writes_or_refuses_alike(data):
+    """Only the types casts apply to, and always a cast: what both paths write, or that both refuse (a
+    value the cast cannot write exactly is refused, never rounded: tests/mapping/test_casts.py)."""
+    oid = data.draw(st.sampled_from(sorted(NUMBER | TIMES)))
+    cast = data.draw(st.sampled_from(casts_for(oid)))
+    text = data.draw(well_formed(oid) | damaged(oid))
+    rel = po.Relation(RELID, "public", "t", "d", (po.Column(True, "c0", 20, -1), po.Column(False, "c1", oid, -1)))
+    m = parse_mapping({"entity": "e0", "table": "public.t", "key": ["id"],
+                       "fields": {"id": "c0", "v": {"column": "c1", "cast": cast}}}, SALT_ENV)
+    want = assert_same(rel, [m], [po.Insert(RELID, ("1", text)), po.Delete(RELID, "O", ("1", text))])
+    assert want["error"] is None or want["error"][0] in (CastRefused, ValueError)
+
+
 @settings(max_examples=200, **SLOW_SETTINGS)
 @given(st.data())
 def test_every_type_in_one_row_with_garbage_matches(data):

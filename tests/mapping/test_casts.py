@@ -227,3 +227,14 @@ def test_a_backfill_chunks_refused_row_is_named_by_its_watermarks_lsn_and_its_ke
         queue_chunk(info, projector(1700, "integer"), set(), batcher, tx)
     assert "; in the transaction committed at LSN 1/40, change 5, row key {\"id\":2}; drop the cast" in str(err.value)
     assert batcher.pending == 1  # the row before it, as for the changes before a refused one
+
+
+def test_a_refused_key_is_not_shown():
+    shape = TableShape("public", "t", (ColumnShape("id", 1700, key=True),))
+    m = parse_mapping({"entity": "e", "table": "public.t", "key": ["id"],
+                       "fields": {"id": {"column": "id", "cast": "integer"}}}, {})
+    p = Projector(m, shape, TypeCatalog())
+    with pytest.raises(CastRefused) as err:
+        p.insert(("2.5",))
+    line = str(p.placed(err.value, ("2.5",), "4294967360", 0))
+    assert "committed at LSN 1/40, change 0, row key not shown (a cast refuses it too)" in line and "2.5" not in line

@@ -13,6 +13,7 @@ import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any, NamedTuple
 
@@ -113,6 +114,9 @@ _MOMENT = re.compile(
     r"(\d{4,})-(\d\d)-(\d\d)(?: (\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?)?(?:([+-])(\d\d)(?::(\d\d)(?::(\d\d))?)?)?( BC)?"
 )
 _INFINITE = frozenset({"infinity", "-infinity"})
+_fromisoformat = datetime.fromisoformat
+_UNIX = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MICRO = timedelta(microseconds=1)
 
 
 def _days_from_civil(year: int, month: int, day: int) -> int:
@@ -161,17 +165,31 @@ def _micros(text: str, refused: Callable[[str], CastRefused]) -> int:
 def _fraction(value: int, scale: int, digits: int) -> Any:
     """`value / scale` exactly: an int when whole, else its decimal digits as a JSON number (no double
     between: 1795256100500.123 would not survive one)."""
-    whole, part = divmod(abs(value), scale)
+    whole, part = divmod(value, scale)
     if not part:
-        return value // scale
-    sign = "-" if value < 0 else ""
-    return orjson.Fragment(f"{sign}{whole}.{str(part).rjust(digits, '0').rstrip('0')}".encode())
+        return whole
+    if value < 0:
+        whole, part = divmod(-value, scale)
+        return orjson.Fragment(f"-{whole}.{part:0{digits}d}".rstrip("0").encode())
+    return orjson.Fragment(f"{whole}.{part:0{digits}d}".rstrip("0").encode())
 
 
 def _epoch(text: str, scale: int, refused: Callable[[str], CastRefused]) -> Any:
+    micros = None
+    if text[4:5] == "-" and text[-1] != "C":  # years 1-9999 AD: Python's own parser, in C
+        try:
+            moment = _fromisoformat(text)
+        except ValueError:
+            pass
+        else:
+            if moment.tzinfo is None:
+                moment = moment.replace(tzinfo=timezone.utc)
+            micros = (moment - _UNIX) // _MICRO
+    if micros is None:
+        micros = _micros(text, refused)
     if scale == 1000:
-        return _fraction(_micros(text, refused), 1000, 3)
-    return _fraction(_micros(text, refused), 1_000_000, 6)
+        return _fraction(micros, 1000, 3)
+    return _fraction(micros, 1_000_000, 6)
 
 
 def _date(text: str, refused: Callable[[str], CastRefused]) -> str:

@@ -238,3 +238,22 @@ def test_a_refused_key_is_not_shown():
         p.insert(("2.5",))
     line = str(p.placed(err.value, ("2.5",), "4294967360", 0))
     assert "committed at LSN 1/40, change 0, row key not shown (a cast refuses it too)" in line and "2.5" not in line
+
+
+@settings(max_examples=300)
+@given(st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30)),
+       st.integers(-15 * 3600, 15 * 3600))
+def test_the_parser_for_any_year_agrees_with_pythons_on_years_1_to_9999(moment, offset_s):
+    """Epochs of years 1-9999 AD are parsed by Python; the others by `_micros`, which must agree on these."""
+    from cdc.mapping.projector import _micros
+
+    sign = "+" if offset_s >= 0 else "-"
+    h, rest = divmod(abs(offset_s), 3600)
+    m, s = divmod(rest, 60)
+    tz = f"{sign}{h:02d}:{m:02d}:{s:02d}"
+    aware = moment.replace(tzinfo=timezone(timedelta(seconds=offset_s)))
+    assert _micros(pg_timestamp(moment) + tz, CastRefused) == (aware - EPOCH) // timedelta(microseconds=1)
+    assert _micros(pg_timestamp(moment), CastRefused) == \
+        (moment.replace(tzinfo=timezone.utc) - EPOCH) // timedelta(microseconds=1)
+    assert _micros(moment.date().isoformat(), CastRefused) == \
+        (date.fromordinal(moment.toordinal()) - date(1970, 1, 1)).days * 86_400_000_000

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from ..errors import MappingError
+from ..errors import CastRefused, MappingError
 from .model import REDACTED, Condition, FieldSpec, Mapping
 from ..source.lsn import Lsn
 from ..source.pgoutput import UNCHANGED_TOAST
@@ -99,11 +99,6 @@ def _base_oid(oid: int, catalog: TypeCatalog) -> int:
 
 
 # -- casts: exact or refused ---------------------------------------------------------------------
-
-
-class CastRefused(MappingError):
-    """A value a field's cast cannot write exactly (see docs/reference/mappings.md#casts): the bridge
-    stops on its change, the slot held before it, rather than publish a value rounded or cut."""
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

@@ -171,7 +171,7 @@ def _fraction(value: int, scale: int, digits: int) -> Any:
 
 def _epoch(text: str, scale: int, refused: Callable[[str], CastRefused]) -> Any:
     micros = None
-    if text[4:5] == "-" and text[-1] != "C":  # years 1-9999 AD: Python's own parser, in C
+    if text[4:5] == "-" and text[-1:] != "C":  # years 1-9999 AD: Python's own parser, in C
         try:
             moment = _fromisoformat(text)
         except ValueError:

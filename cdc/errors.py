@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "UsageError",
     "MappingError",
+    "CastRefused",
     "SourceError",
     "SlotError",
     "PrivilegeError",
@@ -52,6 +53,11 @@ class MappingError(CdcError):
     """A mapping is invalid or no longer matches its table: fix the mapping."""
 
     exit_code = 3
+
+
+class CastRefused(MappingError):
+    """A value a field's cast cannot write exactly (docs/reference/mappings.md#casts): the bridge stops on
+    its change, the slot held before it, rather than publish a value rounded or cut; change or drop the cast."""
 
 
 class SourceError(CdcError):

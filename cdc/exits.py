@@ -25,7 +25,7 @@ EXIT_CODES = {
        "mismatch (`rediss://` against a plain-text port or `redis://` against a TLS one; `sslmode=require` against a "
        "server without SSL); a consumer's handler that cannot work (its module missing or raising at import, not "
        "callable, the wrong signature); a stream, slot name or publication another bridge on the same Redis holds",
-    3: "bad mapping, including its YAML syntax",
+    3: "bad mapping, including its YAML syntax; a value a mapping's cast cannot write exactly (the bridge stops at its change)",
     4: "PostgreSQL not set up: `wal_level`, a missing slot or publication, a missing privilege; a mapped table changed "
        "under the bridge (dropped and re-created, renamed, out of the publication, a partition detached) or without a "
        "usable replica identity; for a consumer, a missing state table or grant, or its handler's SQL refused for a "

@@ -18,7 +18,7 @@ import psycopg
 
 from .. import speedups
 from ..mapping.model import Mapping
-from ..mapping.projector import Projector, message_entry
+from ..mapping.projector import CastRefused, Projector, message_entry
 from ..sink.publisher import StreamBatch
 from ..source import pgoutput as pg
 from ..source.shapes import ColumnShape, TableShape
@@ -84,12 +84,15 @@ def route_row(kind: int, msg, targets: list[Target], tx: Transaction, batcher: B
     for t in targets:
         t.read[0] += 1
         projector = t.projector
-        if kind == INSERT:
-            out = projector.insert(msg.new)
-        elif kind == UPDATE:
-            out = projector.update(msg.new, msg.old, msg.old_kind == "O")
-        else:
-            out = projector.delete(msg.old, msg.old_kind == "O")
+        try:
+            if kind == INSERT:
+                out = projector.insert(msg.new)
+            elif kind == UPDATE:
+                out = projector.update(msg.new, msg.old, msg.old_kind == "O")
+            else:
+                out = projector.delete(msg.old, msg.old_kind == "O")
+        except CastRefused as exc:
+            raise projector.placed(exc, msg.new if kind != DELETE else msg.old, tx.lsn, tx.seq) from None
         if out is not None:
             batcher.add(t.batches[out.partition], out.fields, t.version, tx)
 

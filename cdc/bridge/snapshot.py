@@ -6,7 +6,7 @@ queued and counts out (see `cdc.bridge.backfill` for the watermark protocol).
 
 from __future__ import annotations
 
-from ..mapping.projector import Projector
+from ..mapping.projector import CastRefused, Projector
 from .backfill import TRUNCATED
 from .batcher import Batcher
 from .positions import Transaction
@@ -31,7 +31,10 @@ def queue_chunk(info: dict, projector: Projector, changed: set, batcher: Batcher
         if stale or projector.key_values(values) in changed:
             skipped += 1
             continue
-        out = projector.snapshot(values)
+        try:
+            out = projector.snapshot(values)
+        except CastRefused as exc:
+            raise projector.placed(exc, values, tx.lsn, tx.seq) from None
         if out is not None:
             batcher.add(batches[out.partition], out.fields, version, tx)
             queued += 1

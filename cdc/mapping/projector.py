@@ -9,6 +9,7 @@ loop over the mapped fields only. Pure: no I/O.
 from __future__ import annotations
 
 import hashlib
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,20 +19,20 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from ..errors import MappingError
+from ..errors import CastRefused, MappingError
 from .model import REDACTED, Condition, FieldSpec, Mapping
+from ..source.lsn import Lsn
 from ..source.pgoutput import UNCHANGED_TOAST
 from ..source.shapes import ColumnShape, TableShape
 from ..source.values import TypeCatalog, converter_for, type_name
 
-__all__ = ["PlanField", "Projected", "Projector", "ProjectorPlan", "hmac_sha256", "message_entry"]
+__all__ = ["CastRefused", "PlanField", "Projected", "Projector", "ProjectorPlan", "hmac_sha256", "message_entry"]
 
 INTEGER_OIDS = frozenset({20, 21, 23, 26})
 NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
 TIME_OIDS = frozenset({1082, 1114, 1184})
 BOOL_OID = 16
 EMPTY_KEY = b"{}"
-_MICRO = timedelta(microseconds=1)
 
 
 class Projected(NamedTuple):
@@ -97,32 +98,147 @@ def _base_oid(oid: int, catalog: TypeCatalog) -> int:
     return oid
 
 
-def _special_float(text: str) -> Any:
-    value = float(text)
-    if value != value or value in (float("inf"), float("-inf")):
-        return text
-    return value
+# -- casts: exact or refused ---------------------------------------------------------------------
 
 
-def _epoch(text: str, scale: int) -> Any:
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_DAY_US = 86_400_000_000
+# PostgreSQL's ISO output of date, timestamp and timestamptz (DateStyle=ISO, any TimeZone): the year
+# has 4 digits or more, BC dates end in " BC", a timestamptz carries its offset (+HH[:MM[:SS]])
+_MOMENT = re.compile(
+    r"(\d{4,})-(\d\d)-(\d\d)(?: (\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?)?(?:([+-])(\d\d)(?::(\d\d)(?::(\d\d))?)?)?( BC)?"
+)
+_INFINITE = frozenset({"infinity", "-infinity"})
+_fromisoformat = datetime.fromisoformat
+_UNIX = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MICRO = timedelta(microseconds=1)
+
+
+def _days_from_civil(year: int, month: int, day: int) -> int:
+    """Days since 1970-01-01 of a proleptic Gregorian date, any astronomical year (0 is 1 BC)."""
+    year -= month <= 2
+    era = year // 400
+    yoe = year - era * 400
+    doy = (153 * (month + (-3 if month > 2 else 9)) + 2) // 5 + day - 1
+    return era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+
+
+def _civil_from_days(days: int) -> tuple[int, int, int]:
+    """The proleptic Gregorian (astronomical year, month, day) of a count of days since 1970-01-01."""
+    days += 719468
+    era = days // 146097
+    doe = days - era * 146097
+    yoe = (doe - doe // 1460 + doe // 36524 - doe // 146096) // 365
+    doy = doe - (365 * yoe + yoe // 4 - yoe // 100)
+    mp = (5 * doy + 2) // 153
+    day = doy - (153 * mp + 2) // 5 + 1
+    month = mp + 3 if mp < 10 else mp - 9
+    return yoe + era * 400 + (month <= 2), month, day
+
+
+def _micros(text: str, refused: Callable[[str], CastRefused]) -> int:
+    """Microseconds since 1970-01-01 00:00 UTC of a date, timestamp or timestamptz in PostgreSQL's text,
+    exactly, BC dates and years past 9999 included (a timestamp without time zone counts as UTC)."""
+    m = _MOMENT.fullmatch(text)
+    if m is None:
+        if text in _INFINITE:
+            raise refused(f"{text}, which is no point in time")
+        raise refused("text that is not a date or time")
+    year, month, day, hh, mi, ss, frac, sign, oh, om, osec, bc = m.groups()
+    y = int(year)
+    if bc:
+        y = 1 - y  # 1 BC is year 0
+    seconds = _days_from_civil(y, int(month), int(day)) * 86400
+    if hh is not None:
+        seconds += int(hh) * 3600 + int(mi) * 60 + int(ss)
+    if sign is not None:
+        offset = int(oh) * 3600 + int(om or 0) * 60 + int(osec or 0)
+        seconds -= offset if sign == "+" else -offset
+    return seconds * 1_000_000 + (int(frac.ljust(6, "0")) if frac else 0)
+
+
+def _fraction(value: int, scale: int, digits: int) -> Any:
+    """`value / scale` exactly: an int when whole, else its decimal digits as a JSON number (no double
+    between: 1795256100500.123 would not survive one)."""
+    whole, part = divmod(value, scale)
+    if not part:
+        return whole
+    if value < 0:
+        whole, part = divmod(-value, scale)
+        return orjson.Fragment(f"-{whole}.{part:0{digits}d}".rstrip("0").encode())
+    return orjson.Fragment(f"{whole}.{part:0{digits}d}".rstrip("0").encode())
+
+
+def _epoch(text: str, scale: int, refused: Callable[[str], CastRefused]) -> Any:
+    micros = None
+    if text[4:5] == "-" and text[-1:] != "C":  # years 1-9999 AD: Python's own parser, in C
+        try:
+            moment = _fromisoformat(text)
+        except ValueError:
+            pass
+        else:
+            if moment.tzinfo is None:
+                moment = moment.replace(tzinfo=timezone.utc)
+            micros = (moment - _UNIX) // _MICRO
+    if micros is None:
+        micros = _micros(text, refused)
+    if scale == 1000:
+        return _fraction(micros, 1000, 3)
+    return _fraction(micros, 1_000_000, 6)
+
+
+def _date(text: str, refused: Callable[[str], CastRefused]) -> str:
+    if len(text) == 10 and text[4] == "-" and text[:4].isdigit():
+        return text  # a date of years 1-9999 as PostgreSQL prints it
+    if text[10:] in (" 00:00:00", " 00:00:00+00") and text[:4].isdigit() and text[4] == "-":
+        return text[:10]  # midnight (UTC), years 1-9999
+    micros = _micros(text, refused)
+    if micros % _DAY_US:
+        raise refused("a time of day (or a UTC offset) the date would drop")
+    year, month, day = _civil_from_days(micros // _DAY_US)
+    if year < 1:
+        raise refused("a date before year 1 (BC), which the YYYY-MM-DD form cannot write")
+    if year > 9999:
+        raise refused("a year past 9999, which the YYYY-MM-DD form cannot write")
+    return f"{year:04d}-{month:02d}-{day:02d}"
+
+
+def _integer(text: str, refused: Callable[[str], CastRefused]) -> int:
     try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        return text  # infinity, BC dates: keep PostgreSQL's text
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    micros = (moment - datetime(1970, 1, 1, tzinfo=timezone.utc)) // _MICRO
-    return micros * scale // 1_000_000
-
-
-def _integer(text: str) -> Any:
-    try:
-        return int(text)
+        value = int(text)  # every integer type, and numeric without a fraction
     except ValueError:
         try:
-            return int(Decimal(text))
-        except (InvalidOperation, ValueError, OverflowError):
-            return text  # NaN / Infinity have no integer form
+            number = Decimal(text)
+        except InvalidOperation:
+            raise refused("text that is not a number") from None
+        if not number.is_finite():
+            raise refused("NaN or infinity, which no integer holds") from None
+        if number.adjusted() > 19:
+            raise refused("a value beyond 64-bit integers") from None
+        if number != number.to_integral_value():
+            raise refused("a value with a fractional part, which an integer would drop") from None
+        value = int(number)
+    if _INT64_MIN <= value <= _INT64_MAX:
+        return value
+    raise refused("a value beyond 64-bit integers")
+
+
+def _float(text: str, refused: Callable[[str], CastRefused]) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise refused("text that is not a number") from None
+    if value - value != 0.0:
+        raise refused("NaN or infinity, which JSON numbers cannot hold")
+    if repr(value) == text:
+        return value  # a double's shortest text, as PostgreSQL prints float8 (extra_float_digits=3)
+    try:
+        same = Decimal(repr(value)) == Decimal(text)
+    except InvalidOperation:
+        same = False
+    if not same:
+        raise refused("more significant digits than a double holds, which the number would round")
+    return value
 
 
 _IPAD = bytes(x ^ 0x36 for x in range(256))
@@ -145,7 +261,8 @@ def hmac_sha256(key: bytes) -> Callable[[str], str]:
     return digest
 
 
-def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, mapping: Mapping) -> Callable[[str], Any]:
+def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, mapping: Mapping,
+                    shape: TableShape) -> Callable[[str], Any]:
     base = _base_oid(col.type_oid, catalog)
     if spec.hash == "hmac-sha256":
         return hmac_sha256(spec.key)
@@ -166,15 +283,28 @@ def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, map
             f"{col.name!r} of type {type_name(col.type_oid, catalog)}",
             hint="use cast: string, or remove the cast",
         )
+    if cast == "integer" and base in INTEGER_OIDS:
+        return int  # every value fits: written as the column's own integers are
+    kind = type_name(col.type_oid, catalog)
+    hint = (f"drop the cast from field {spec.name!r} (the column's value then goes as its type's JSON), or "
+            "change it to one that holds this value, then run cdc run again: it resumes at this change")
+
+    def refused(reason: str) -> CastRefused:
+        return CastRefused(
+            f"{spec.where}: entity {mapping.entity!r}: cast {cast!r} cannot write a value of column "
+            f"{col.name!r} ({kind}) of {shape.schema}.{shape.name} exactly: {reason}",
+            hint=hint,
+        )
+
     if cast == "float":
-        return _special_float
+        return lambda text: _float(text, refused)
     if cast == "integer":
-        return _integer
+        return lambda text: _integer(text, refused)
     if cast == "epoch_ms":
-        return lambda text: _epoch(text, 1000)
+        return lambda text: _epoch(text, 1000, refused)
     if cast == "epoch_s":
-        return lambda text: _epoch(text, 1)
-    return lambda text: text[:10] if text[:1].isdigit() else text  # date
+        return lambda text: _epoch(text, 1, refused)
+    return lambda text: _date(text, refused)
 
 
 def _comparable(base: int) -> Callable[[Any], Any]:
@@ -244,7 +374,7 @@ class Projector:
                 consts[spec.name] = spec.const
                 continue
             idx = positions[spec.column]
-            fields.append(PlanField(spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog, mapping)))
+            fields.append(PlanField(spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog, mapping, shape)))
         key_fields = tuple(f for f in fields if f.name in mapping.key)
         by_name = {f.name: f.column for f in fields}
         #: positions of the key columns in the table's rows, in key order
@@ -299,6 +429,18 @@ class Projector:
             value = values[idx]
             key[name] = None if value is None or value is UNCHANGED_TOAST else conv(value)
         return key
+
+    def placed(self, exc: CastRefused, values: Sequence[Any], lsn: str | None, seq: int | None) -> CastRefused:
+        """A cast's refusal of a value of `values`, placed: the commit LSN of its transaction (decimal, as
+        entries carry it; None for a read of the table), the change's seq in it, and the row's public key
+        (as the entry would carry it: hashed or redacted where the mapping says so)."""
+        try:
+            key = orjson.dumps(self._key(values)).decode()
+            row = f"row key {key if len(key) <= 200 else key[:200] + '...'}"
+        except CastRefused:
+            row = "row key not shown (a cast refuses it too)"
+        at = f"in the transaction committed at LSN {Lsn(int(lsn))}, change {seq}" if lsn else "in a read of the table"
+        return CastRefused(f"{exc.message}; {at}, {row}", hint=exc.hint)
 
     def _partition(self, key: dict) -> int:
         plan = self.plan

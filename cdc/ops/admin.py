@@ -321,9 +321,11 @@ def _entity_schema(mapping: Mapping, projector: Projector | None, catalog: TypeC
         elif spec.cast == "string":
             schema = {"type": "string"}
         elif spec.cast == "float":
-            schema = {"type": ["number", "string"]}
-        elif spec.cast in ("integer", "epoch_ms", "epoch_s"):
-            schema = {"type": ["integer", "string"]}
+            schema = {"type": "number"}
+        elif spec.cast == "integer":
+            schema = {"type": "integer"}
+        elif spec.cast in ("epoch_ms", "epoch_s"):
+            schema = {"type": "number", "description": "exact: an integer, or decimal digits below the unit"}
         elif spec.cast == "date":
             schema = {"type": "string", "format": "date"}
         else:

@@ -49,7 +49,7 @@ from ..sink.redisconn import redis_for
 from ..config import Settings
 from ..errors import CdcError, PublishError, SlotError, TransientError
 from ..mapping.model import Mapping
-from ..mapping.projector import Projector
+from ..mapping.projector import CastRefused, Projector
 from ..reconcile.exported_snapshot import ExportedSnapshot, import_snapshot
 from ..sink.claims import BridgeIdentity, claim
 from ..sink.entry import next_stream_id
@@ -209,7 +209,10 @@ def _mark_transactions(publisher: Publisher, stream: str, base: int, marker: lis
 def _entries(conn: psycopg.Connection, projector: Projector):
     """The snapshot's rows the mapping publishes, as op r entries (rows its filter leaves out are skipped)."""
     for values in _rows(conn, projector):
-        entry = projector.snapshot(values)
+        try:
+            entry = projector.snapshot(values)
+        except CastRefused as exc:
+            raise projector.placed(exc, values, None, None) from None
         if entry is not None:
             yield entry
 

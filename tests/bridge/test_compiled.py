@@ -38,6 +38,7 @@ from cdc.bridge.backfill import Windows
 from cdc.bridge.batcher import Batcher
 from cdc.bridge.positions import Transaction
 from cdc.errors import ConfigError
+from cdc.mapping.projector import CastRefused
 from cdc.mapping.model import parse_mapping
 from cdc.sink import lane
 from cdc.source import pgoutput as po
@@ -555,6 +556,22 @@ def typed_values(draw, garbage: bool = False):
 @example((1009, '{"a b","c\\"d",NULL}'), None)
 @example((1700, "NaN"), "integer")
 @example((1700, "1e+30"), "integer")
+@example((1700, "3.7"), "integer")
+@example((1700, "3.000"), "integer")
+@example((1700, "9223372036854775808"), "integer")
+@example((1700, "0.1"), "float")
+@example((1700, "12345678901234567890"), "float")
+@example((701, "1e+20"), "integer")
+@example((20, "9007199254740993"), "float")
+@example((1082, "0044-03-15 BC"), "date")
+@example((1082, "294276-12-31"), "date")
+@example((1082, "0044-03-15 BC"), "epoch_s")
+@example((1114, "2024-01-02 03:04:05"), "date")
+@example((1114, "2024-01-02 00:00:00"), "date")
+@example((1114, "294276-12-31 23:59:59.999999"), "epoch_ms")
+@example((1114, "1969-12-31 23:59:59.999999"), "epoch_s")
+@example((1184, "2026-11-23 05:30:00+05:30"), "date")
+@example((1184, "0044-03-15 12:00:00+00 BC"), "epoch_ms")
 def test_each_type_and_cast_matches(value, cast):
     oid, text = value
     cast = cast if cast in (["string"] + (["float", "integer"] if oid in NUMBER else [])
@@ -569,6 +586,21 @@ def test_each_type_and_cast_matches(value, cast):
         po.Update(RELID, "K", ("1", None), ("2", text)),
         po.Delete(RELID, "O", ("2", text)),
     ])
+
+
+@settings(max_examples=400, **SLOW_SETTINGS)
+@given(st.data())
+def test_every_cast_of_every_source_type_writes_or_refuses_alike(data):
+    """Only the types casts apply to, and always a cast: what both paths write, or that both refuse (a
+    value the cast cannot write exactly is refused, never rounded: tests/mapping/test_casts.py)."""
+    oid = data.draw(st.sampled_from(sorted(NUMBER | TIMES)))
+    cast = data.draw(st.sampled_from(casts_for(oid)))
+    text = data.draw(well_formed(oid) | damaged(oid))
+    rel = po.Relation(RELID, "public", "t", "d", (po.Column(True, "c0", 20, -1), po.Column(False, "c1", oid, -1)))
+    m = parse_mapping({"entity": "e0", "table": "public.t", "key": ["id"],
+                       "fields": {"id": "c0", "v": {"column": "c1", "cast": cast}}}, SALT_ENV)
+    want = assert_same(rel, [m], [po.Insert(RELID, ("1", text)), po.Delete(RELID, "O", ("1", text))])
+    assert want["error"] is None or want["error"][0] in (CastRefused, ValueError)
 
 
 @settings(max_examples=200, **SLOW_SETTINGS)
@@ -680,16 +712,21 @@ def test_an_error_in_a_later_mapping_leaves_the_same_entries_and_counts():
     assert want["error"][0] is ValueError and want["pending"] == 1 and want["read"] == {"e0": [1], "e1": [1]}
 
 
-def test_an_error_after_a_value_orjson_cannot_write_matches():
-    """A value too big for JSON: the reference converts every field before writing any."""
+def test_a_cast_refusing_a_value_raises_alike_placed_at_its_change():
+    """A value a cast cannot write exactly (a fraction, a number past 64 bits) stops both paths the same
+    way, after the same entries, the error naming the change's LSN and the row's key."""
     rel = po.Relation(RELID, "public", "t", "d", (po.Column(True, "c0", 20, -1), po.Column(False, "c1", 1700, -1),
                                                    po.Column(False, "c2", 23, -1)))
     m = parse_mapping({"entity": "e0", "table": "public.t", "key": ["id"],
                        "fields": {"id": "c0", "big": {"column": "c1", "cast": "integer"}, "n": "c2"}}, SALT_ENV)
-    want = assert_same(rel, [m], [po.Insert(RELID, ("1", "1e+30", "abc"))])
-    assert want["error"][0] is ValueError
-    want = assert_same(rel, [m], [po.Insert(RELID, ("1", "1e+30", "1"))])
-    assert want["error"][0] is orjson.JSONEncodeError
+    for value, reason in (("1e+30", "beyond 64-bit integers"), ("3.7", "a fractional part"),
+                          ("NaN", "NaN or infinity")):
+        want = assert_same(rel, [m], [po.Insert(RELID, ("1", "3.0", "1")), po.Insert(RELID, ("2", value, "abc"))])
+        kind, message = want["error"]
+        assert kind is CastRefused and want["pending"] == 1
+        assert reason in message and "column 'c1' (numeric) of public.t" in message
+        assert f"committed at LSN {Lsn(BEGIN.final_lsn)}, change 1, row key {{\"id\":2}}" in message
+        assert value == "NaN" or value not in message  # the value itself is not named
 
 
 def test_a_const_orjson_cannot_write_raises_alike():

@@ -33,6 +33,9 @@ def test_schema_describes_each_entity_from_the_live_types(env):
     rocket = schemas["rocket"]["properties"]["data"]["contentSchema"]["properties"]
     assert rocket["tags"]["anyOf"][0]["type"] == "array"
     assert rocket["source"] == {"const": "rocket-rides", "type": "string"}
+    # a cast's type: epoch_ms writes a number (a fraction when the value has one), never a string
+    since = schemas["rider"]["properties"]["data"]["contentSchema"]["properties"]["since"]["anyOf"][0]
+    assert since["type"] == "number" and since["description"].startswith("exact")
     one = orjson.loads(env.cdc("schema", "--entity", "ride", check=True).stdout)
     assert one["title"] == "ride"
     email = schemas["rider"]["properties"]["data"]["contentSchema"]["properties"]["email"]["anyOf"][0]

@@ -7,6 +7,7 @@ schema, and replica identities that cannot carry updates.
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -56,6 +57,8 @@ def replayed(client, stream: str) -> dict:
             state[key] = e["data"]
         elif e["op"] == "d":
             state.pop(key, None)
+        elif e["op"] == "t":
+            state.clear()
     return state
 
 
@@ -429,6 +432,60 @@ def test_publish_via_partition_root_turned_off_while_running_stops_the_bridge_un
     meas.cdc("run", "--until-caught-up", check=True)
     assert replayed(meas.redis, "cdc:meas") == meas_now(meas)
     assert meas.cdc("check").returncode == 0
+
+
+def random_writes(env, rng: random.Random, count: int) -> None:
+    """`count` seeded transactions of inserts, updates, deletes and (rarely) a truncate of rides."""
+    for _ in range(count):
+        ids = [i for (i,) in env.execute("SELECT id FROM rides")]
+        statements = []
+        for _ in range(rng.randint(1, 3)):
+            roll = rng.random()
+            if roll < 0.05:
+                statements.append("TRUNCATE rides")
+                ids = []
+            elif roll < 0.45 or not ids:
+                new = rng.randint(1, 10_000)
+                statements.append(f"INSERT INTO rides (id, rider_id, distance_m) VALUES ({new}, {rng.randint(1, 5)}, "
+                                  f"{rng.randint(1, 999)}) ON CONFLICT (id) DO UPDATE SET rider_id = excluded.rider_id")
+                ids.append(new)
+            elif roll < 0.8:
+                statements.append(f"UPDATE rides SET distance_m = {rng.randint(1, 999)} WHERE id = {rng.choice(ids)}")
+            else:
+                gone = ids.pop(rng.randrange(len(ids)))
+                statements.append(f"DELETE FROM rides WHERE id = {gone}")
+        env.execute("BEGIN; " + "; ".join(statements) + "; COMMIT;")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_random_publish_option_lacking_operations_stops_the_bridge_and_the_fix_is_exact(rides, seed):
+    """Seeded writes before, while and after the publish option lacks an operation the mapping publishes: the
+    bridge stops with the slot before the change, and cdc init, cdc recover, cdc run make every stream replay
+    to its table."""
+    rng = random.Random(seed)
+    rides.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = rides.start_bridge()
+    random_writes(rides, rng, 20)
+    wait_for(lambda: rides.redis.xlen("cdc:ride") > 0 and rides.confirmed_flush() >= rides.current_wal() - 4096,
+             30, "the bridge to catch up")
+    before = rides.current_wal()
+    kept = rng.sample(["insert", "update", "delete", "truncate"], rng.randint(0, 3))
+    rides.execute(f"ALTER PUBLICATION cdc SET (publish = '{', '.join(kept)}')")
+    random_writes(rides, rng, 20)
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    missing = [op for op in ("insert", "update", "delete", "truncate") if op not in kept]
+    assert f"publication 'cdc' does not publish {', '.join(missing)}" in line, line
+    assert rides.confirmed_flush() <= before
+
+    rides.cdc("init", check=True)
+    random_writes(rides, rng, 10)
+    result = rides.cdc("run", "--until-caught-up")
+    assert result.returncode == 4 and "run: cdc recover" in error_line(result.stderr)
+    rides.cdc("recover", check=True)
+    random_writes(rides, rng, 10)
+    rides.cdc("run", "--until-caught-up", check=True)
+    assert replayed(rides.redis, "cdc:ride") == rides_now(rides)
 
 
 @pytest.mark.one_path

@@ -28,8 +28,10 @@ EXIT_CODES = {
     3: "bad mapping, including its YAML syntax; a value a mapping's cast cannot write exactly (the bridge stops at its change)",
     4: "PostgreSQL not set up: `wal_level`, a missing slot or publication, a missing privilege; a mapped table changed "
        "under the bridge (dropped and re-created, renamed, out of the publication, a partition detached) or without a "
-       "usable replica identity; for a consumer, a missing state table or grant, or its handler's SQL refused for a "
-       "reason no entry caused; a refused login (password, `pg_hba.conf`)",
+       "usable replica identity; a publication whose `publish` option leaves out an operation the mappings publish (or "
+       "without `publish_via_partition_root` for a mapped partitioned table), or that a running bridge found so until "
+       "`cdc recover`; for a consumer, a missing state table or grant, or its handler's SQL refused for a reason no "
+       "entry caused; a refused login (password, `pg_hba.conf`)",
     5: "Redis refused a command (ACL, login), or a key of another type sits where a mapped stream or its high-water "
        "mark belongs, or an entry holds a value larger than Redis' `proto-max-bulk-len`",
     6: "Redis lost entries the slot was told it holds, or a mapped stream's history vanished (deleted, replaced by "

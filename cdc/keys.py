@@ -106,7 +106,9 @@ def source_key(slot: str) -> str:
 def bound_tables_key(slot: str) -> str:
     """A hash of the mapped tables the bridge of `slot` bound (field: "<schema>.<table>", value:
     "<oid> <since LSN> <leaf partition OIDs, comma-separated>"): a table found with another OID
-    was dropped and re-created (see `cdc.bridge.gate`)."""
+    was dropped and re-created (see `cdc.bridge.gate`). Its field ``publish-gap`` (no dot: no table's) records what
+    a reading found the publication leaving out (operations, or ``publish_via_partition_root``), until
+    `cdc recover`."""
     return f"cdc:bridge:{slot}:tables"
 
 

@@ -16,6 +16,13 @@ event committed before it would have been seen: the slot may move up to there
 and the slot stays at the last position a passing reading vouched for, before the first
 change the bridge may have missed.
 
+The same holds for the publication's ``publish`` option: an operation it leaves out (updates
+and deletes after ``SET (publish = 'insert')``, truncates without ``truncate``) that a mapping's
+``ops`` publish is never decoded, and neither is a mapped partitioned table's change without
+``publish_via_partition_root``. A reading that finds either stops the bridge the same way, and
+records it in Redis (`GAP_FIELD`): the changes made meanwhile are in no slot, so `cdc run` refuses
+until `cdc recover` rebuilt the streams, even once `cdc init` set the option back.
+
 The OIDs (and partitions) bound are recorded in Redis per slot (`keys.bound_tables_key`),
 so a bridge started after a table was re-created while it was stopped sees it too, and a
 Relation message naming a mapped table with another OID, or a bound OID under another name,
@@ -40,17 +47,32 @@ import redis
 from .. import keys
 from ..errors import CdcError, MappingError, PrivilegeError, SlotError
 from ..mapping.model import Mapping, mapped_columns
-from ..source.coverage import (Publication, TableCoverage, identity_problem, publication_problem, read_coverage,
-                               read_publication, where_is)
+from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_problem, operations_problem,
+                               publication_problem, read_coverage, read_publication, where_is)
 from ..source.lsn import Lsn
 from ..source.pubcolumns import FILTERS_IN_BRIDGE, plan, sends_less
 from ..source.replication import quote_ident
 
-__all__ = ["Bound", "TableGate", "load_bound", "record_bound", "record_current"]
+__all__ = ["Bound", "TableGate", "load_bound", "needed_operations", "record_bound", "record_current"]
 
 log = logging.getLogger("cdc.gate")
 
 RECOVER = "cdc recover (rebuilds the streams from the tables), then cdc run"
+#: the field of `keys.bound_tables_key` recording that a reading found the publication leaving out operations
+#: the mappings publish (no table's field: those hold a dot); only `cdc recover` (`record_current`) clears it
+GAP_FIELD = "publish-gap"
+
+
+def needed_operations(mappings: Iterable[Mapping]) -> dict[str, list[str]]:
+    """The operations (c, u, d, t) the publication must send: op -> the entities of mapped tables whose ops hold it
+    (a mapping leaving out t ignores truncates)."""
+    needed: dict[str, list[str]] = {}
+    for m in mappings:
+        if m.table is not None:
+            for op in PUBLISH:
+                if op in m.ops:
+                    needed.setdefault(op, []).append(m.entity)
+    return needed
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,8 @@ def load_bound(client: redis.Redis, slot: str) -> dict[tuple[str, str], Bound]:
     raw = client.hgetall(keys.bound_tables_key(slot))
     bound = {}
     for field, value in raw.items():
+        if field == GAP_FIELD.encode():
+            continue
         schema, _, name = field.decode().partition(".")
         bound[(schema, name)] = Bound.decode(value.decode())
     return bound
@@ -92,6 +116,7 @@ def record_current(conn: psycopg.Connection, client: redis.Redis, slot: str, tab
                    since: Lsn) -> None:
     """Bind `tables` as they are now, from `since` on (a rebuild's position: what lies before it, it covers)."""
     coverage = read_coverage(conn, "", tables)
+    client.hdel(keys.bound_tables_key(slot), GAP_FIELD)  # the rebuild holds what the publication left out before
     record_bound(client, slot, {t: Bound(c.oid, since, c.leaves) for t, c in coverage.items() if c.oid is not None})
 
 
@@ -104,6 +129,7 @@ class TableGate:
         self.tables = sorted({m.table for m in mappings if m.table is not None})
         self.columns = mapped_columns(mappings)  # what the publication must send of each
         self.filtered = [m.entity for m in mappings if m.filter]
+        self.needed = needed_operations(mappings)  # what the publication's publish option must send
         self.told = False  # the start's log lines on what the bridge filters itself
         self.bound: dict[tuple[str, str], Bound] = {}
         self.by_oid: dict[int, tuple[str, str]] = {}
@@ -125,6 +151,9 @@ class TableGate:
         self._index()
         # a table bound just now takes its partitions as they are
         self.verify(conn, adopt=set(fresh))
+        gap = self._gap(client)
+        if gap is not None:
+            raise gap
         record_bound(client, self.slot, {t: self.bound[t] for t in fresh})
 
     def _index(self) -> None:
@@ -136,10 +165,14 @@ class TableGate:
         if not self.tables:
             return
         publication = read_publication(conn, self.publication)
+        self._operations(publication)
         coverage = read_coverage(conn, self.publication, self.tables)
         changed = {}
         for t in self.tables:
             bound, now = self.bound.get(t), coverage[t]
+            if now.partitioned and publication.exists and not publication.via_root:
+                # its changes come as those of its partitions, which no mapping reads: _judge stops the bridge
+                self._record_gap("publish_via_partition_root")
             self._judge(conn, t, bound, now, publication)
             problem = sends_less(now, self.columns.get(t, ()), self.publication, self.slot)
             if problem is not None:
@@ -154,6 +187,31 @@ class TableGate:
             self.bound.update(changed)
             if self.client is not None:
                 record_bound(self.client, self.slot, {t: b for t, b in changed.items() if t not in adopt})
+
+    def _operations(self, publication: Publication) -> None:
+        """The publication must send every operation the mappings publish: one it leaves out is never decoded
+        (pgoutput judges it as of each change's position, so no replay brings it back). Recorded in Redis, so
+        that only `cdc recover` lets the bridge start again."""
+        problem = operations_problem(publication, self.needed, f"run: cdc init (or {{alter}}), then {RECOVER}")
+        if problem is None:
+            return
+        self._record_gap(", ".join(PUBLISH[op] for op in PUBLISH if op in self.needed and op not in publication.publishes))
+        raise SlotError(f"{problem.message}: those changes are never decoded, slot {self.slot} held before them",
+                        hint=problem.hint)
+
+    def _record_gap(self, lacking: str) -> None:
+        if self.client is not None:
+            self.client.hset(keys.bound_tables_key(self.slot), GAP_FIELD, lacking)
+
+    def _gap(self, client: redis.Redis) -> SlotError | None:
+        """The record that a reading found the publication leaving out operations, until `cdc recover`."""
+        raw = client.hget(keys.bound_tables_key(self.slot), GAP_FIELD)
+        if raw is None:
+            return None
+        return SlotError(
+            f"publication {self.publication!r} lacked {raw.decode()} while slot {self.slot} held changes (found by "
+            "cdc run): the changes it left out were never decoded and no replay brings them back",
+            hint=f"run: {RECOVER}")
 
     def _tell(self, publication: Publication, coverage: dict[tuple[str, str], TableCoverage]) -> None:
         """Say once where the server cannot leave out what no mapping reads, so the bridge does it."""
@@ -230,12 +288,13 @@ class TableGate:
     def recorded_problems(self, conn: psycopg.Connection, client: redis.Redis) -> list[CdcError]:
         """What `cdc run` would refuse at start about the tables it bound before (for `cdc check`); changes
         nothing."""
+        gap = self._gap(client)
+        problems: list[CdcError] = [] if gap is None else [gap]
         bound = {t: b for t, b in load_bound(client, self.slot).items() if t in self.tables}
         if not bound:
-            return []
+            return problems
         publication = read_publication(conn, self.publication)
         coverage = read_coverage(conn, self.publication, bound)
-        problems: list[CdcError] = []
         for t, b in bound.items():
             now = coverage[t]
             try:

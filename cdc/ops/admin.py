@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import psycopg
 import redis
 
 from ..keys import written_streams
 from ..bridge.backfill import enqueue, ensure_table
+from ..bridge.gate import needed_operations
 from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error, slot_database_error,
                              record_data_loss, record_divergence, record_source)
 from ..source.catalog import load_types, table_shape
-from ..source.coverage import Publication, TableCoverage, identity_problem, read_coverage, read_publication
+from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_problem, operations_problem, publish_value,
+                               read_coverage, read_publication)
 from ..source.pubcolumns import ColumnPlan, plan
 from ..source.history import Divergence, ServerHistory, read_history
 from ..source.failover import create_slot, make_failover_slot
@@ -31,7 +34,7 @@ from ..sink.claims import BridgeIdentity, claim
 from ..sink.redisconn import connect_redis
 from ..mapping.model import Mapping, mapped_columns
 from ..mapping.projector import Projector
-from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident
+from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident, quote_literal
 from ..source.values import TypeCatalog, json_schema_for
 
 __all__ = ["bind_live", "connect", "init", "json_schemas"]
@@ -125,6 +128,11 @@ def _publication(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping
     if missing:
         raise MappingError(f"mapped table {missing[0]} does not exist", hint="create it first, or fix the mapping's table")
     would = pub if pub.exists else Publication(name, exists=True, lists=pub.lists)  # a new one publishes updates and deletes
+    needed = needed_operations(mappings)
+    lacking = operations_problem(pub, needed, "{alter}")
+    if lacking is not None:  # as it will be once its publish option sends what the mappings publish
+        would = replace(would, updates=would.updates or "u" in needed or "d" in needed,
+                        publishes=would.publishes | set(needed))
     for c in coverage.values():
         problem = identity_problem(c, would)
         if problem is not None:
@@ -139,6 +147,12 @@ def _publication(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping
         if not pub.via_root:
             conn.execute(f"ALTER PUBLICATION {quoted} SET (publish_via_partition_root = true)")
             done.append(f"publication {name} now publishes partitioned tables under their own name")
+        if lacking is not None:
+            value = publish_value(pub, needed)
+            conn.execute(f"ALTER PUBLICATION {quoted} SET (publish = {quote_literal(value)})")
+            added = [PUBLISH[op] for op in PUBLISH if op in needed and op not in pub.publishes]
+            done.append(f"publication {name} now publishes {', '.join(added)} (publish = '{value}'), which the "
+                        "mappings publish")
         add = [t for t, c in coverage.items() if not c.covered and not c.member]
         if pub.all_tables:
             done.append(f"publication {name} already publishes all tables")

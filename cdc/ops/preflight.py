@@ -31,7 +31,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from .. import keys
 from ..config import Settings
-from ..bridge.gate import TableGate
+from ..bridge.gate import TableGate, needed_operations
 from ..keys import written_streams
 from ..bridge.encoding import sql_ascii_warning
 from ..bridge.guards import (check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error,
@@ -44,8 +44,8 @@ from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
 from ..source.failover import failover_readiness, supports_failover
 from ..source.history import ServerHistory, read_history
 from ..source.lsn import Lsn
-from ..source.coverage import (Publication, TableCoverage, identity_problem, publication_problem, read_coverage,
-                               read_publication)
+from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_problem, operations_problem,
+                               publication_problem, read_coverage, read_publication)
 from ..source.pubcolumns import INIT_FIX, plan, sends_less, surplus
 from ..source.privileges import BACKFILL_GRANTS
 from ..source.replication import classify_pg_error
@@ -220,6 +220,16 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
     pub = read_publication(conn, pgs.publication)
     if not pub.exists:
         report.problems.append(SlotError(f"publication {pgs.publication!r} does not exist", hint=init))
+    slot = conn.execute("SELECT plugin, wal_status FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
+    # an operation left out is never decoded: once the slot exists, what it held meanwhile needs a rebuild
+    fix = "run: cdc init --config <file> as the tables' owner (or {alter})"
+    if slot is not None:
+        fix += ", then cdc recover --config <file> (rebuilds the streams from the tables), then cdc run"
+    problem = operations_problem(pub, needed_operations(mappings), fix)
+    if problem is not None:
+        report.problems.append(problem)
+    elif pub.exists and _tables(mappings):
+        report.ok.append(f"publication {pgs.publication} publishes {', '.join(PUBLISH[op] for op in PUBLISH if op in pub.publishes)}")
     # a publication cdc init would create publishes updates and deletes
     would = pub if pub.exists else Publication(pgs.publication, exists=True)
     for c in read_coverage(conn, pgs.publication, _tables(mappings)).values():
@@ -235,7 +245,6 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
             report.ok.append(f"publication {pgs.publication} covers {c.qualified}"
                              + (" and every partition of it" if c.partitioned else ""))
             _check_columns(c, mapped_columns(mappings).get((c.schema, c.name), ()), pub, report)
-    slot = conn.execute("SELECT plugin, wal_status FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
     held = _redis_held(settings) if slot is None else None
     if slot is None and held is None:  # a new deployment
         report.problems.append(SlotError(f"replication slot {pgs.slot!r} does not exist", hint=init))

@@ -27,11 +27,15 @@ import psycopg
 
 from ..errors import SlotError, SourceError
 
-__all__ = ["Publication", "TableCoverage", "identity_problem", "publication_problem", "read_coverage",
-           "read_publication", "where_is"]
+__all__ = ["PUBLISH", "Publication", "TableCoverage", "identity_problem", "operations_problem", "publication_problem",
+           "publish_value", "read_coverage", "read_publication", "where_is"]
+
+#: a mapping's op and the publication's ``publish`` operation that sends it (pg_publication's pubinsert, ...)
+PUBLISH = {"c": "insert", "u": "update", "d": "delete", "t": "truncate"}
 
 PUBLICATION_QUERY = """
-SELECT puballtables, pubviaroot, pubupdate OR pubdelete, {schemas} FROM pg_publication p WHERE pubname = %s
+SELECT puballtables, pubviaroot, pubupdate OR pubdelete, {schemas}, pubinsert, pubupdate, pubdelete, pubtruncate
+FROM pg_publication p WHERE pubname = %s
 """
 # PostgreSQL 15 and later: FOR TABLES IN SCHEMA (no column list may then be given)
 _SCHEMAS = "EXISTS (SELECT 1 FROM pg_publication_namespace s WHERE s.pnpubid = p.oid)"
@@ -98,6 +102,7 @@ class Publication:
     updates: bool = True  # publishes updates or deletes: then every covered table needs a usable replica identity
     schemas: bool = False  # FOR TABLES IN SCHEMA: then no table of it may have a column list
     lists: bool = True  # the server takes column lists (PostgreSQL 15 and later)
+    publishes: frozenset[str] = frozenset(PUBLISH)  # the ops its ``publish`` sends: c, u, d, t (`PUBLISH`)
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,8 @@ def read_publication(conn: psycopg.Connection, publication: str) -> Publication:
     row = conn.execute(PUBLICATION_QUERY.format(schemas=_SCHEMAS if lists else "false"), (publication,)).fetchone()
     if row is None:
         return Publication(publication, exists=False, lists=lists)
-    return Publication(publication, True, bool(row[0]), bool(row[1]), bool(row[2]), bool(row[3]), lists)
+    publishes = frozenset(op for op, on in zip(PUBLISH, row[4:]) if on)
+    return Publication(publication, True, bool(row[0]), bool(row[1]), bool(row[2]), bool(row[3]), lists, publishes)
 
 
 def read_coverage(conn: psycopg.Connection, publication: str,
@@ -192,3 +198,35 @@ def publication_problem(table: TableCoverage, publication: Publication, fix: str
     else:
         what = f"table {table.qualified} is not in publication {publication.name!r}"
     return SlotError(what, hint=fix)
+
+
+def publish_value(publication: Publication, needed: Iterable[str]) -> str:
+    """The ``publish`` option sending what `publication` sends now and every op in `needed`."""
+    ops = publication.publishes | set(needed)
+    return ", ".join(name for op, name in PUBLISH.items() if op in ops)
+
+
+def operations_problem(publication: Publication, needed: dict[str, list[str]], fix: str) -> SlotError | None:
+    """The operations mappings publish that the publication's ``publish`` leaves out, if any.
+
+    `needed`: op (c, u, d, t) -> the entities whose ops hold it. pgoutput sends nothing of an operation the
+    publication leaves out, judged as of each change's WAL position: such changes are simply absent.
+    `fix` names what to run; it is given the ALTER PUBLICATION that repairs it (``{alter}``).
+    """
+    if not publication.exists:
+        return None
+    missing = [op for op in PUBLISH if op in needed and op not in publication.publishes]
+    if not missing:
+        return None
+    entities = sorted({e for op in missing for e in needed[op]})
+    who = f"entity {entities[0]}" + (f" and {len(entities) - 1} more" if len(entities) > 1 else "")
+    alter = (f"ALTER PUBLICATION {_ident(publication.name)} SET (publish = "
+             f"'{publish_value(publication, needed)}')")
+    return SlotError(
+        f"publication {publication.name!r} does not publish {', '.join(PUBLISH[op] for op in missing)} "
+        f"(its publish option), which {who} map{'' if len(entities) > 1 else 's'} (ops {', '.join(missing)})",
+        hint=fix.format(alter=alter))
+
+
+def _ident(name: str) -> str:
+    return name if name.isidentifier() and name.islower() and name.isascii() else '"' + name.replace('"', '""') + '"'

@@ -7,6 +7,9 @@ schema, and replica identities that cannot carry updates.
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 
 from cdc.bridge.gate import Bound, TableGate
@@ -54,6 +57,8 @@ def replayed(client, stream: str) -> dict:
             state[key] = e["data"]
         elif e["op"] == "d":
             state.pop(key, None)
+        elif e["op"] == "t":
+            state.clear()
     return state
 
 
@@ -331,3 +336,181 @@ def test_bound_tables_round_trip_through_their_record():
     bound = Bound(16400, Lsn(123456), (16401, 16402))
     assert Bound.decode(bound.encode()) == bound
     assert Bound.decode(Bound(5, Lsn(0), ()).encode()) == Bound(5, Lsn(0), ())
+
+
+# -- the publication's publish option ----------------------------------------------------------------
+
+ALTER = re.compile(r"ALTER PUBLICATION \S+ SET \(publish = '[^']*'\)")
+
+
+def publishes(env) -> tuple:
+    return env.execute("SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication WHERE pubname = 'cdc'")[0]
+
+
+def test_publish_losing_update_and_delete_while_running_stops_the_bridge_until_init_and_recover(rides):
+    proc, before = running_with_one_ride(rides)
+    rides.execute("ALTER PUBLICATION cdc SET (publish = 'insert')")
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (2, 1, 2), (3, 1, 3)")
+    rides.execute("UPDATE rides SET distance_m = 50 WHERE id = 1; DELETE FROM rides WHERE id = 2")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert "publication 'cdc' does not publish update, delete" in line and "entity ride" in line, line
+    assert ("run: cdc init (or ALTER PUBLICATION cdc SET (publish = 'insert, update, delete, truncate')), "
+            "then cdc recover") in line, line
+    assert rides.confirmed_flush() <= before, "the slot moved past the point where the flags went off"
+    assert {e["op"] for e in read_stream(rides.redis, "cdc:ride")} <= {"c"}
+
+    check = rides.cdc("check")
+    assert check.returncode == 4 and "does not publish update, delete" in check.stderr, check.stderr
+    assert "ALTER PUBLICATION cdc SET (publish = 'insert, update, delete, truncate')" in check.stderr
+    assert "cdc recover" in check.stderr
+
+    # the fix, as the message says: cdc init ...
+    init = rides.cdc("init", check=True)
+    assert "publication cdc now publishes update, delete" in init.stdout, init.stdout
+    assert publishes(rides) == (True, True, True, True)
+    # ... then cdc recover: the update and delete made meanwhile were never decoded, no restart brings them back
+    result = rides.cdc("run", "--until-caught-up")
+    assert result.returncode == 4, result.stderr
+    line = error_line(result.stderr)
+    assert "lacked update, delete" in line and "run: cdc recover" in line, line
+    assert rides.confirmed_flush() <= before
+    check = rides.cdc("check")
+    assert check.returncode == 4 and "lacked update, delete" in check.stderr, check.stderr
+
+    rides.cdc("recover", check=True)
+    rides.execute("UPDATE rides SET distance_m = 60 WHERE id = 3; INSERT INTO rides (id, rider_id, distance_m) "
+                  "VALUES (4, 2, 4); DELETE FROM rides WHERE id = 1")
+    rides.cdc("run", "--until-caught-up", check=True)
+    assert replayed(rides.redis, "cdc:ride") == rides_now(rides)
+    assert set(rides_now(rides)) == {(("id", 3),), (("id", 4),)}
+    assert rides.cdc("check").returncode == 0
+
+
+def test_publish_losing_truncate_while_running_stops_the_bridge_and_its_alter_repairs_it(rides):
+    proc, before = running_with_one_ride(rides)
+    rides.execute("ALTER PUBLICATION cdc SET (publish = 'insert, update, delete')")
+    rides.execute("TRUNCATE rides")
+    rides.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (2, 1, 2)")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert "publication 'cdc' does not publish truncate" in line and "(ops t)" in line, line
+    assert rides.confirmed_flush() <= before
+    assert "t" not in {e["op"] for e in read_stream(rides.redis, "cdc:ride")}
+
+    # the ALTER the message names instead of cdc init, then cdc recover, then cdc run
+    rides.execute(ALTER.search(line).group(0))
+    assert publishes(rides) == (True, True, True, True)
+    rides.cdc("recover", check=True)
+    rides.cdc("run", "--until-caught-up", check=True)
+    assert replayed(rides.redis, "cdc:ride") == rides_now(rides) == {(("id", 2),): {"id": 2, "distance": "2.000", "rider": 1}}
+
+
+def test_publish_via_partition_root_turned_off_while_running_stops_the_bridge_until_init_and_recover(meas):
+    # without a column list (PostgreSQL 15 and later refuse to turn it off while a partitioned table has one)
+    meas.execute("CREATE PUBLICATION cdc FOR ALL TABLES WITH (publish_via_partition_root = true)")
+    meas.cdc("init", check=True)
+    proc = meas.start_bridge()
+    meas.execute("INSERT INTO meas VALUES (1, '2025-03-01', 1)")
+    wait_for(lambda: meas.redis.xlen("cdc:meas") == 1, 30, "the first change")
+    before = meas.current_wal()
+    meas.execute("ALTER PUBLICATION cdc SET (publish_via_partition_root = false)")
+    meas.execute("INSERT INTO meas VALUES (2, '2026-03-01', 2); UPDATE meas SET v = 10 WHERE id = 1")
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    assert "partitioned table public.meas is not published under its own name" in line, line
+    assert "lacks publish_via_partition_root" in line and "cdc init, then cdc recover" in line, line
+    assert meas.confirmed_flush() <= before
+    assert meas.redis.xlen("cdc:meas") == 1, "its partitions' changes are no entity's"
+
+    meas.cdc("init", check=True)
+    assert meas.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = 'cdc'")[0][0] is True
+    # its changes while it was off came as those of the partitions: only a rebuild brings them
+    result = meas.cdc("run", "--until-caught-up")
+    assert result.returncode == 4 and "lacked publish_via_partition_root" in error_line(result.stderr), result.stderr
+    meas.cdc("recover", check=True)
+    meas.cdc("run", "--until-caught-up", check=True)
+    assert replayed(meas.redis, "cdc:meas") == meas_now(meas)
+    assert meas.cdc("check").returncode == 0
+
+
+def random_writes(env, rng: random.Random, count: int) -> None:
+    """`count` seeded transactions of inserts, updates, deletes and (rarely) a truncate of rides."""
+    for _ in range(count):
+        ids = [i for (i,) in env.execute("SELECT id FROM rides")]
+        statements = []
+        for _ in range(rng.randint(1, 3)):
+            roll = rng.random()
+            if roll < 0.05:
+                statements.append("TRUNCATE rides")
+                ids = []
+            elif roll < 0.45 or not ids:
+                new = rng.randint(1, 10_000)
+                statements.append(f"INSERT INTO rides (id, rider_id, distance_m) VALUES ({new}, {rng.randint(1, 5)}, "
+                                  f"{rng.randint(1, 999)}) ON CONFLICT (id) DO UPDATE SET rider_id = excluded.rider_id")
+                ids.append(new)
+            elif roll < 0.8:
+                statements.append(f"UPDATE rides SET distance_m = {rng.randint(1, 999)} WHERE id = {rng.choice(ids)}")
+            else:
+                gone = ids.pop(rng.randrange(len(ids)))
+                statements.append(f"DELETE FROM rides WHERE id = {gone}")
+        env.execute("BEGIN; " + "; ".join(statements) + "; COMMIT;")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_random_publish_option_lacking_operations_stops_the_bridge_and_the_fix_is_exact(rides, seed):
+    """Seeded writes before, while and after the publish option lacks an operation the mapping publishes: the
+    bridge stops with the slot before the change, and cdc init, cdc recover, cdc run make every stream replay
+    to its table."""
+    rng = random.Random(seed)
+    rides.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = rides.start_bridge()
+    random_writes(rides, rng, 20)
+    wait_for(lambda: rides.redis.xlen("cdc:ride") > 0 and rides.confirmed_flush() >= rides.current_wal() - 4096,
+             30, "the bridge to catch up")
+    before = rides.current_wal()
+    kept = rng.sample(["insert", "update", "delete", "truncate"], rng.randint(0, 3))
+    rides.execute(f"ALTER PUBLICATION cdc SET (publish = '{', '.join(kept)}')")
+    random_writes(rides, rng, 20)
+    assert proc.wait(30) == 4
+    line = error_line(proc.log_path.read_text())
+    missing = [op for op in ("insert", "update", "delete", "truncate") if op not in kept]
+    assert f"publication 'cdc' does not publish {', '.join(missing)}" in line, line
+    assert rides.confirmed_flush() <= before
+
+    rides.cdc("init", check=True)
+    random_writes(rides, rng, 10)
+    result = rides.cdc("run", "--until-caught-up")
+    assert result.returncode == 4 and "run: cdc recover" in error_line(result.stderr)
+    rides.cdc("recover", check=True)
+    random_writes(rides, rng, 10)
+    rides.cdc("run", "--until-caught-up", check=True)
+    assert replayed(rides.redis, "cdc:ride") == rides_now(rides)
+
+
+@pytest.mark.one_path
+def test_check_reports_and_init_repairs_the_publish_option_and_a_mapping_may_leave_out_truncates(env):
+    env.execute(RIDES + "CREATE PUBLICATION cdc FOR TABLE rides WITH (publish = 'insert, delete');")
+    env.copy_mappings("ride.yaml")
+    check = env.cdc("check")
+    assert check.returncode == 4
+    assert "problem: publication 'cdc' does not publish update, truncate" in check.stderr, check.stderr
+    assert "ALTER PUBLICATION cdc SET (publish = 'insert, update, delete, truncate')" in check.stderr
+    assert "cdc recover" not in check.stderr, "no slot yet: nothing was decoded without them"
+    init = env.cdc("init", check=True)
+    assert "publication cdc now publishes update, truncate (publish = 'insert, update, delete, truncate')" in init.stdout
+    assert publishes(env) == (True, True, True, True)
+    assert "now publishes" not in env.cdc("init", check=True).stdout, "idempotent"
+    assert env.cdc("check").returncode == 0
+
+    # a mapping whose ops leave out t needs no truncates
+    env.write_mapping("ride.yaml", "entity: ride\ntable: public.rides\nkey: [id]\nops: [c, u, d, r]\n"
+                                   "fields: {id: id, distance: distance_m, rider: rider_id}\n")
+    env.execute("ALTER PUBLICATION cdc SET (publish = 'insert, update, delete')")
+    assert env.cdc("check").returncode == 0
+    env.cdc("init", check=True)
+    assert publishes(env) == (True, True, True, False), "init leaves the publish option as it is"
+    env.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (1, 1, 1); TRUNCATE rides; "
+                "INSERT INTO rides (id, rider_id, distance_m) VALUES (2, 1, 2)")
+    env.cdc("run", "--until-caught-up", check=True)
+    assert [e["op"] for e in read_stream(env.redis, "cdc:ride")] == ["c", "c"]

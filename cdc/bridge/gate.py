@@ -61,6 +61,8 @@ RECOVER = "cdc recover (rebuilds the streams from the tables), then cdc run"
 #: the field of `keys.bound_tables_key` recording that a reading found the publication leaving out operations
 #: the mappings publish (no table's field: those hold a dot); only `cdc recover` (`record_current`) clears it
 GAP_FIELD = "publish-gap"
+#: the OID of the publication the bridge streamed through (one dropped and re-created has another)
+PUBLICATION_FIELD = "publication-oid"
 
 
 def needed_operations(mappings: Iterable[Mapping]) -> dict[str, list[str]]:
@@ -100,7 +102,7 @@ def load_bound(client: redis.Redis, slot: str) -> dict[tuple[str, str], Bound]:
     raw = client.hgetall(keys.bound_tables_key(slot))
     bound = {}
     for field, value in raw.items():
-        if field == GAP_FIELD.encode():
+        if field in (GAP_FIELD.encode(), PUBLICATION_FIELD.encode()):
             continue
         schema, _, name = field.decode().partition(".")
         bound[(schema, name)] = Bound.decode(value.decode())
@@ -116,8 +118,21 @@ def record_current(conn: psycopg.Connection, client: redis.Redis, slot: str, tab
                    since: Lsn) -> None:
     """Bind `tables` as they are now, from `since` on (a rebuild's position: what lies before it, it covers)."""
     coverage = read_coverage(conn, "", tables)
-    client.hdel(keys.bound_tables_key(slot), GAP_FIELD)  # the rebuild holds what the publication left out before
+    # the rebuild holds what the publication left out before, and the next session records the publication anew
+    client.hdel(keys.bound_tables_key(slot), GAP_FIELD, PUBLICATION_FIELD)
     record_bound(client, slot, {t: Bound(c.oid, since, c.leaves) for t, c in coverage.items() if c.oid is not None})
+
+
+def recreated_error(publication: str, slot: str, was: int | None, now: int | None) -> SlotError:
+    """A publication dropped and re-created under the slot: the changes written while it did not exist were
+    never published (PostgreSQL 18 skips them; 15 to 17 refuse to decode them, on every restart)."""
+    oids = f" (OID {was}, now {now})" if was is not None else ""
+    return SlotError(
+        f"publication {publication!r} was dropped and re-created{oids} while slot {slot!r} held changes: the changes "
+        "written while it did not exist were never published, and no replay brings them back",
+        hint=f"drop the slot (SELECT pg_drop_replication_slot('{slot}')), then run cdc init, then cdc recover before "
+             "cdc run (the streams are rebuilt from the tables' current state; the individual changes in between "
+             "cannot be restored)")
 
 
 class TableGate:
@@ -165,6 +180,7 @@ class TableGate:
         if not self.tables:
             return
         publication = read_publication(conn, self.publication)
+        self._same_publication(publication)
         self._operations(publication)
         coverage = read_coverage(conn, self.publication, self.tables)
         changed = {}
@@ -199,6 +215,20 @@ class TableGate:
         raise SlotError(f"{problem.message}: those changes are never decoded, slot {self.slot} held before them",
                         hint=problem.hint)
 
+    def _same_publication(self, publication: Publication) -> None:
+        """The publication is the one the bridge streamed through: one dropped and re-created (another OID) left
+        a window in which no publication sent the mapped tables' changes. Recorded like a gap: only `cdc recover`
+        (after the slot is dropped: PostgreSQL 15 to 17 cannot decode that window at all) clears it."""
+        if self.client is None or publication.oid is None:
+            return
+        key = keys.bound_tables_key(self.slot)
+        raw = self.client.hget(key, PUBLICATION_FIELD)
+        if raw is None:
+            self.client.hset(key, PUBLICATION_FIELD, str(publication.oid))
+        elif int(raw) != publication.oid:
+            self._record_gap(f"itself while dropped and re-created (OID {int(raw)}, now {publication.oid})")
+            raise recreated_error(self.publication, self.slot, int(raw), publication.oid)
+
     def _record_gap(self, lacking: str) -> None:
         if self.client is not None:
             self.client.hset(keys.bound_tables_key(self.slot), GAP_FIELD, lacking)
@@ -208,6 +238,8 @@ class TableGate:
         raw = client.hget(keys.bound_tables_key(self.slot), GAP_FIELD)
         if raw is None:
             return None
+        if raw.startswith(b"itself"):
+            return recreated_error(self.publication, self.slot, None, None)
         return SlotError(
             f"publication {self.publication!r} lacked {raw.decode()} while slot {self.slot} held changes (found by "
             "cdc run): the changes it left out were never decoded and no replay brings them back",
@@ -290,10 +322,13 @@ class TableGate:
         nothing."""
         gap = self._gap(client)
         problems: list[CdcError] = [] if gap is None else [gap]
+        publication = read_publication(conn, self.publication)
+        recorded = client.hget(keys.bound_tables_key(self.slot), PUBLICATION_FIELD)
+        if gap is None and recorded is not None and publication.oid is not None and int(recorded) != publication.oid:
+            problems.append(recreated_error(self.publication, self.slot, int(recorded), publication.oid))
         bound = {t: b for t, b in load_bound(client, self.slot).items() if t in self.tables}
         if not bound:
             return problems
-        publication = read_publication(conn, self.publication)
         coverage = read_coverage(conn, self.publication, bound)
         for t, b in bound.items():
             now = coverage[t]

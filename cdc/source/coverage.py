@@ -34,7 +34,8 @@ __all__ = ["PUBLISH", "Publication", "TableCoverage", "identity_problem", "opera
 PUBLISH = {"c": "insert", "u": "update", "d": "delete", "t": "truncate"}
 
 PUBLICATION_QUERY = """
-SELECT puballtables, pubviaroot, pubupdate OR pubdelete, {schemas}, pubinsert, pubupdate, pubdelete, pubtruncate
+SELECT puballtables, pubviaroot, pubupdate OR pubdelete, {schemas}, pubinsert, pubupdate, pubdelete, pubtruncate,
+       p.oid::int8
 FROM pg_publication p WHERE pubname = %s
 """
 # PostgreSQL 15 and later: FOR TABLES IN SCHEMA (no column list may then be given)
@@ -103,6 +104,7 @@ class Publication:
     schemas: bool = False  # FOR TABLES IN SCHEMA: then no table of it may have a column list
     lists: bool = True  # the server takes column lists (PostgreSQL 15 and later)
     publishes: frozenset[str] = frozenset(PUBLISH)  # the ops its ``publish`` sends: c, u, d, t (`PUBLISH`)
+    oid: int | None = None  # a publication dropped and re-created has another
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,9 @@ def read_publication(conn: psycopg.Connection, publication: str) -> Publication:
     row = conn.execute(PUBLICATION_QUERY.format(schemas=_SCHEMAS if lists else "false"), (publication,)).fetchone()
     if row is None:
         return Publication(publication, exists=False, lists=lists)
-    publishes = frozenset(op for op, on in zip(PUBLISH, row[4:]) if on)
-    return Publication(publication, True, bool(row[0]), bool(row[1]), bool(row[2]), bool(row[3]), lists, publishes)
+    publishes = frozenset(op for op, on in zip(PUBLISH, row[4:8]) if on)
+    return Publication(publication, True, bool(row[0]), bool(row[1]), bool(row[2]), bool(row[3]), lists, publishes,
+                       int(row[8]))
 
 
 def read_coverage(conn: psycopg.Connection, publication: str,

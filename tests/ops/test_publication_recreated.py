@@ -1,7 +1,8 @@
-"""A publication dropped and re-created by hand while the slot still had changes to decode: PostgreSQL
-decodes each change with the catalog of its time, so the changes written while the publication did not exist
-cannot be decoded with it, on every restart. The bridge says what happened and the way out (the slot
-dropped, `cdc init`, `cdc recover`), and following it literally leads back to an exact stream."""
+"""A publication dropped and re-created by hand while the slot still had changes to decode: the changes
+written while it did not exist were never published (PostgreSQL 18 skips them silently; 15 to 17 cannot
+decode them, on every restart). The bridge knows the publication by its OID, says what happened and the
+way out (the slot dropped, `cdc init`, `cdc recover`), and following it literally leads back to an exact
+stream, on both server versions."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ def test_a_publication_recreated_by_hand_names_the_way_out_and_it_works(env):
     run = env.cdc("run", "--until-caught-up")
     assert run.returncode == 4, run.stderr
     line = run.stderr.strip().splitlines()[-1]
-    assert f"publication '{env.publication}' exists but was dropped and re-created" in line, line
+    assert f"publication '{env.publication}' was dropped and re-created (OID " in line, line
     assert f"SELECT pg_drop_replication_slot('{env.slot}')" in line and "cdc init" in line and "cdc recover" in line
     assert "Traceback" not in run.stderr
+    check = env.cdc("check")
+    assert check.returncode == 4 and f"publication '{env.publication}' was dropped and re-created" in check.stderr
     assert env.cdc("init").returncode == 0  # init alone changes nothing: the message does not say it would
     assert env.cdc("run", "--until-caught-up").returncode == 4
 

@@ -52,6 +52,7 @@ from .backoff import Backoff
 from .batcher import Batcher
 from .counters import Counters
 from .changes import Target, bind
+from ..mapping.uniqueness import key_uniqueness_problem
 from .gate import TableGate
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
@@ -429,7 +430,15 @@ class Bridge:
     def start_gate(self, catalog_conn: psycopg.Connection, client, confirmed: Lsn) -> None:
         """The ack gate's first reading, before streaming: tables re-created, renamed or unpublished while
         the bridge was stopped stop it here (see `cdc.bridge.gate`)."""
+        self._read_catalog(catalog_conn, lambda: self._refuse_ambiguous_keys(catalog_conn))
         self._read_catalog(catalog_conn, lambda: self.gate.start(catalog_conn, client, confirmed))
+
+    def _refuse_ambiguous_keys(self, catalog_conn: psycopg.Connection) -> None:
+        """A mapping whose key may name several rows stops the bridge before it streams (exit 3)."""
+        for m in self.mappings:
+            problem = key_uniqueness_problem(catalog_conn, m)
+            if problem is not None:
+                raise problem
 
     def verify_tables(self, catalog_conn: psycopg.Connection) -> None:
         """One reading of the ack gate; raises what stops the bridge (exit 4) when it does not vouch."""

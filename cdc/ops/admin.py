@@ -25,6 +25,7 @@ from ..source.failover import create_slot, make_failover_slot
 from ..config import Settings
 from .. import keys
 from ..errors import MappingError, SlotError, SourceError
+from ..mapping.uniqueness import key_uniqueness_problem
 from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..sink.claims import BridgeIdentity, claim
@@ -175,6 +176,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     with connect(settings) as conn:
         try:
             _wal_level(conn)
+            _refuse_ambiguous_keys(conn, mappings)
             _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
             _publication(conn, pgs.publication, mappings, done)
             ensure_table(conn)
@@ -205,6 +207,14 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
     done.append(_register_redis(settings, Lsn.parse(confirmed), created, read_history(pgs.dsn)))
     return done
+
+
+def _refuse_ambiguous_keys(conn: psycopg.Connection, mappings: Sequence[Mapping]) -> None:
+    """A mapping whose key may name several rows, before anything is created."""
+    for m in mappings:
+        problem = key_uniqueness_problem(conn, m)
+        if problem is not None:
+            raise problem
 
 
 def _claim(settings: Settings, mappings: Sequence[Mapping], server: ServerHistory) -> None:

@@ -430,8 +430,8 @@ class Bridge:
     def start_gate(self, catalog_conn: psycopg.Connection, client, confirmed: Lsn) -> None:
         """The ack gate's first reading, before streaming: tables re-created, renamed or unpublished while
         the bridge was stopped stop it here (see `cdc.bridge.gate`)."""
-        self._read_catalog(catalog_conn, lambda: self._refuse_ambiguous_keys(catalog_conn))
         self._read_catalog(catalog_conn, lambda: self.gate.start(catalog_conn, client, confirmed))
+        self._read_catalog(catalog_conn, lambda: self._refuse_ambiguous_keys(catalog_conn))
 
     def _refuse_ambiguous_keys(self, catalog_conn: psycopg.Connection) -> None:
         """A mapping whose key may name several rows stops the bridge before it streams (exit 3)."""

@@ -130,6 +130,7 @@ def _publication(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping
         problem = identity_problem(c, would)
         if problem is not None:
             raise SourceError(f"{problem.message}; nothing was changed", hint=f"{problem.hint}, then cdc init again")
+    _refuse_ambiguous_keys(conn, mappings)
     plans = _plans(coverage, mappings, would)
     quoted = quote_ident(name)
     if not pub.exists:
@@ -176,7 +177,6 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     with connect(settings) as conn:
         try:
             _wal_level(conn)
-            _refuse_ambiguous_keys(conn, mappings)
             _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
             _publication(conn, pgs.publication, mappings, done)
             ensure_table(conn)

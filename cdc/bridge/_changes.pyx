@@ -652,6 +652,15 @@ cdef int _key_row(Plan plan, Row row, const char *data, list parts) except -1:
     return 0
 
 
+cdef bint _key_toasted(Plan plan, Row row):
+    """A key column's value was not resent (unchanged TOAST)."""
+    cdef int i
+    for i in range(plan.nkey_plan):
+        if row.kinds[plan.cols[plan.key_plan[i]]] == C_TOAST:
+            return True
+    return False
+
+
 cdef int _partition(Plan plan, list parts, int *order):
     """`Projector._partition`: crc32 of the JSON list of the partition_by values, modulo partitions."""
     cdef int i
@@ -697,6 +706,7 @@ cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_ki
     cdef Py_ssize_t base = _out.size, at
     cdef list unchanged = _unchanged, parts, fields
     cdef int i, col
+    cdef bytes moved
     cdef bint old_full = old_kind == b'O'
     if PyList_GET_SIZE(unchanged):
         del unchanged[:]
@@ -715,12 +725,20 @@ cdef object _project(Plan plan, int kind, Row new, Row old, unsigned char old_ki
             return False  # a key field left out: the reference raises
         data_json = _take(base)
         before_json = None
-        if kind == UPDATE and plan.before and old is not None:
-            if old_full:
-                _row(plan, old, data, None, None)
-            else:
+        if kind == UPDATE and old is not None:
+            if plan.before:
+                if old_full:
+                    _row(plan, old, data, None, None)
+                else:
+                    _key_row(plan, old, data, None)
+                before_json = _take(base)
+            elif not _key_toasted(plan, new):  # (a key not resent did not change)
+                # the key changed: the old key is part of the change, whatever `before` says
                 _key_row(plan, old, data, None)
-            before_json = _take(base)
+                moved = _take(base)
+                _key_row(plan, new, data, None)
+                if moved != _take(base):
+                    before_json = moved
         fields = _entry(6 + (2 if before_json is not None else 0) + (2 if unchanged else 0))
         _set(fields, 0, b"op")
         _set(fields, 1, b"c" if kind == INSERT else b"u")

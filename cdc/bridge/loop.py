@@ -55,6 +55,7 @@ from .batcher import Batcher
 from .counters import Counters
 from .changes import Target, bind
 from .encoding import InvalidText, invalid_text_error, is_invalid_text
+from ..mapping.uniqueness import key_uniqueness_problem
 from .gate import TableGate
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
@@ -468,6 +469,14 @@ class Bridge:
         """The ack gate's first reading, before streaming: tables re-created, renamed or unpublished while
         the bridge was stopped stop it here (see `cdc.bridge.gate`)."""
         self._read_catalog(catalog_conn, lambda: self.gate.start(catalog_conn, client, confirmed))
+        self._read_catalog(catalog_conn, lambda: self._refuse_ambiguous_keys(catalog_conn))
+
+    def _refuse_ambiguous_keys(self, catalog_conn: psycopg.Connection) -> None:
+        """A mapping whose key may name several rows stops the bridge before it streams (exit 3)."""
+        for m in self.mappings:
+            problem = key_uniqueness_problem(catalog_conn, m)
+            if problem is not None:
+                raise problem
 
     def verify_tables(self, catalog_conn: psycopg.Connection) -> None:
         """One reading of the ack gate; raises what stops the bridge (exit 4) when it does not vouch."""

@@ -80,11 +80,24 @@ class TableSink(StateConnection):
                     cur.execute(truncate, (e.lsn, e.seq, e.lsn, e.seq))
                 elif e.op in ("c", "u", "r", "d"):
                     deleted = e.op == "d"
+                    if e.op == "u" and e.before:
+                        moved = _old_key(e)
+                        if moved is not None:  # the key changed: the row under the old key is gone
+                            rows.append((moved, None, e.lsn, e.seq, True, False))
                     data = None if deleted else orjson.dumps(e.data).decode()
                     rows.append((orjson.dumps(e.key, option=orjson.OPT_SORT_KEYS).decode(), data, e.lsn, e.seq, deleted, bool(e.unchanged)))
             if rows:
                 cur.executemany(upsert, rows)
         self.applied += len(entries)
+
+
+def _old_key(e: Entry) -> str | None:
+    """The update's old key as the table stores keys, when its `before` shows the key changed; else None."""
+    before = e.before or {}
+    if not all(name in before for name in e.key):
+        return None
+    old = {name: before[name] for name in e.key}
+    return None if old == e.key else orjson.dumps(old, option=orjson.OPT_SORT_KEYS).decode()
 
 
 def _ident(name: str) -> str:

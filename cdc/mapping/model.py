@@ -81,6 +81,8 @@ class Mapping:
     snapshot: str = "never"
     where: str = ""
     field_lines: MappingABC[str, str] = field(default_factory=dict)
+    #: file:line of `key:` ("" for a message mapping)
+    key_where: str = ""
 
     @property
     def qualified_table(self) -> str:
@@ -348,7 +350,7 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None, hash_key: b
     return Mapping(
         entity=entity, table=table, key=key, fields=fields, stream=stream, version=version, ops=ops,
         before=before, filter=conditions, partitions=partitions, partition_by=partition_by, snapshot=snapshot, where=place,
-        field_lines={f.name: f.where for f in fields},
+        field_lines={f.name: f.where for f in fields}, key_where=where(raw, "key"),
     )
 
 

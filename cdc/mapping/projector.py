@@ -79,7 +79,8 @@ class ProjectorPlan:
     partition_by: tuple[str, ...]
     #: the operations written ("c", "u", "d", "t", "r")
     ops: frozenset[str]
-    #: whether updates and deletes carry the `before` image
+    #: whether updates and deletes carry the `before` image (an update that changed the key carries
+    #: the old key in `before` even without it)
     before: bool
 
 
@@ -379,13 +380,15 @@ class Projector:
         by_name = {f.name: f.column for f in fields}
         #: positions of the key columns in the table's rows, in key order
         self.key_positions = [by_name[n] for n in mapping.key]
-        if "d" in mapping.ops and shape.replica_identity != "f":
+        if ("d" in mapping.ops or "u" in mapping.ops) and shape.replica_identity != "f":
+            # the server sends the old row's key only for its replica identity columns
+            what = "deletes would carry no key" if "d" in mapping.ops else "an update changing it would carry no old key"
             for name, idx, _ in key_fields:
                 col = shape.columns[idx]
                 if not col.key:
                     raise MappingError(
                         f"{mapping.where}: entity {mapping.entity!r}: key field {name!r} (column {col.name!r}) "
-                        f"is not in the replica identity of {shape.schema}.{shape.name}, so deletes would carry no key",
+                        f"is not in the replica identity of {shape.schema}.{shape.name}, so {what}",
                         hint=f"key on the primary key columns, or run ALTER TABLE {shape.schema}.{shape.name} REPLICA IDENTITY FULL",
                     )
         filters = tuple(
@@ -495,9 +498,15 @@ class Projector:
         data, unchanged = self._row(new, old if old_full else None)
         key = {n: data[n] for n in plan.key_order}
         fields = [b"op", b"u", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
-        if plan.before and old is not None:
-            before = self._row(old, None)[0] if old_full else self._key(old)
-            fields += [b"before", orjson.dumps(before)]
+        if old is not None:
+            if plan.before:
+                fields += [b"before", orjson.dumps(self._row(old, None)[0] if old_full else self._key(old))]
+            elif not any(new[f.column] is UNCHANGED_TOAST for f in plan.key_fields):  # (a key not resent did not change)
+                # the key changed: the old key is part of the change, whatever `before` says (compared as
+                # JSON in field order, as the compiled path does)
+                moved = orjson.dumps(self._key(old))
+                if moved != orjson.dumps({f.name: data[f.name] for f in plan.key_fields}):
+                    fields += [b"before", moved]
         if unchanged:
             fields += [b"unchanged", orjson.dumps(unchanged)]
         return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))

@@ -28,6 +28,7 @@ from ..source.failover import create_slot, make_failover_slot
 from ..config import Settings
 from .. import keys
 from ..errors import MappingError, SlotError, SourceError
+from ..mapping.uniqueness import key_uniqueness_problem
 from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..sink.claims import BridgeIdentity, claim
@@ -137,6 +138,7 @@ def _publication(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping
         problem = identity_problem(c, would)
         if problem is not None:
             raise SourceError(f"{problem.message}; nothing was changed", hint=f"{problem.hint}, then cdc init again")
+    _refuse_ambiguous_keys(conn, mappings)
     plans = _plans(coverage, mappings, would)
     quoted = quote_ident(name)
     if not pub.exists:
@@ -221,6 +223,14 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
     done.append(_register_redis(settings, Lsn.parse(confirmed), created, read_history(pgs.dsn)))
     return done
+
+
+def _refuse_ambiguous_keys(conn: psycopg.Connection, mappings: Sequence[Mapping]) -> None:
+    """A mapping whose key may name several rows, before anything is created."""
+    for m in mappings:
+        problem = key_uniqueness_problem(conn, m)
+        if problem is not None:
+            raise problem
 
 
 def _claim(settings: Settings, mappings: Sequence[Mapping], server: ServerHistory) -> None:

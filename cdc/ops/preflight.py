@@ -50,6 +50,7 @@ from ..source.pubcolumns import INIT_FIX, plan, sends_less, surplus
 from ..source.privileges import BACKFILL_GRANTS
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
+from ..mapping.uniqueness import key_uniqueness_problem
 from .admin import bind_live, _tables, _wal_level, connect
 
 __all__ = ["CheckReport", "acl_probes", "check"]
@@ -195,6 +196,10 @@ def _check_mappings(conn: psycopg.Connection, mappings: Sequence[Mapping], super
             bind_live(conn, m, catalog)
         except CdcError as exc:
             report.problems.append(exc)
+            continue
+        ambiguous = key_uniqueness_problem(conn, m)
+        if ambiguous is not None:
+            report.problems.append(ambiguous)
             continue
         schema, table = m.table
         usage, select = (True, True) if superuser else conn.execute(

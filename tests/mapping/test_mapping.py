@@ -133,8 +133,12 @@ def test_missing_column_and_key_outside_replica_identity():
     m = mapping("entity: r\ntable: rides\nkey: [rider]\nfields: {rider: rider_id}\n")
     with pytest.raises(MappingError, match="REPLICA IDENTITY FULL"):
         Projector(m, RIDES, TypeCatalog())
+    # an update changing the key must carry the old one, which the server sends only for identity columns
     m = mapping("entity: r\ntable: rides\nkey: [rider]\nops: [c, u]\nfields: {rider: rider_id}\n")
-    Projector(m, RIDES, TypeCatalog())  # no deletes emitted: no identity needed
+    with pytest.raises(MappingError, match="an update changing it would carry no old key.*REPLICA IDENTITY FULL"):
+        Projector(m, RIDES, TypeCatalog())
+    m = mapping("entity: r\ntable: rides\nkey: [rider]\nops: [c, t]\nfields: {rider: rider_id}\n")
+    Projector(m, RIDES, TypeCatalog())  # no updates or deletes emitted: no identity needed
 
 
 def test_update_delete_before_images_and_unchanged_toast():
@@ -174,6 +178,12 @@ def test_ops_and_before_switches():
     assert p.update(row, row, True) is None and p.delete(row, True) is None and p.truncate() == []
     p = Projector(mapping(MINIMAL + "before: false\n"), RIDES, TypeCatalog())
     assert "before" not in fields_dict(p.update(row, row, True))
+    assert "before" not in fields_dict(p.update(row, ("1", None, None, None, None, None), False))
+    # an update that changed the key carries the old key all the same: without it the old key's row would live on
+    moved = fields_dict(p.update(("7",) + row[1:], ("1", None, None, None, None, None), False))
+    assert orjson.loads(moved["key"]) == {"id": 7} and orjson.loads(moved["before"]) == {"id": 1}
+    moved = fields_dict(p.update(("7",) + row[1:], row, True))
+    assert orjson.loads(moved["before"]) == {"id": 1}
 
 
 def test_mark_keys_share_the_stream_cluster_slot():

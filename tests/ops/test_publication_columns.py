@@ -220,7 +220,7 @@ def test_a_partitioned_table_lists_its_partitions_identity_and_full_identity_tak
         CREATE TABLE public.meas_2026 PARTITION OF public.meas FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
         INSERT INTO public.meas VALUES (1, '2025-05-01', 1, 'n'), (2, '2026-05-01', 2, 'n');
         """)
-    env.write_mapping("meas.yaml", "entity: meas\ntable: public.meas\nkey: [id]\nops: [c, u]\nfields: {id: id, v: v}\n")
+    env.write_mapping("meas.yaml", "entity: meas\ntable: public.meas\nkey: [id, at]\nops: [c, u]\nfields: {id: id, at: at, v: v}\n")
     env.cdc("init", check=True)
     assert published(env, "meas") == ["id", "at", "v"]  # `at`: the partitions' primary key
     env.execute("UPDATE meas SET v = 3")

@@ -33,11 +33,12 @@ import tenacity
 from .. import keys, speedups
 from ..config import Settings
 from ..errors import CdcError, ConfigError, DataLossError, MappingError, SourceError, TransientError
+from ..mapping.judge import InexactFilter, judge
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
-from ..source.catalog import load_types, table_shape
+from ..source.catalog import live_shape, load_types, table_shape
 from ..source.deadline import bounded
 from ..sink.claims import BridgeIdentity, claim, unmapped_owned
 from ..source.history import ServerHistory, read_history
@@ -296,6 +297,7 @@ class Bridge:
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication, timeout=pgs.receive_timeout_s)
         try:
             self._check_server(catalog_conn)
+            self._judge_mappings(catalog_conn)
             publisher.ping()
             self.slot_watch.redis_held = lambda: redis_record(client, pgs.slot)  # for a missing slot's error
             health = self.check_slot(catalog_conn)
@@ -353,6 +355,18 @@ class Bridge:
                 if catching_up:
                     self.target_lsn = Lsn.parse(position)
                     log.info("catching up to %s", self.target_lsn)
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from exc
+
+    def _judge_mappings(self, catalog_conn: psycopg.Connection) -> None:
+        """Every table mapping against its table now, by the judge cdc init and cdc check use
+        (`cdc.mapping.judge`): what they refuse, cdc run refuses before streaming, with the same line."""
+        catalog = TypeCatalog()
+        try:
+            with self._bounded(catalog_conn, "checking the mappings"):
+                for m in self.mappings:
+                    if m.table is not None:
+                        judge(m, live_shape(catalog_conn, m, catalog), catalog)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
 
@@ -538,7 +552,18 @@ class Bridge:
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         self._all_sent(relation, mappings, catalog_conn)
-        targets = bind(relation, mappings, self.catalog, batcher, self.counters.read_by_entity)
+        try:
+            targets = bind(relation, mappings, self.catalog, batcher, self.counters.read_by_entity)
+        except InexactFilter as exc:
+            # judged at start on the catalog: the table's replica identity changed since, and the changes
+            # written meanwhile carry no old row to judge the filter on
+            slot = self.settings.postgres.slot
+            raise InexactFilter(
+                f"{exc.message}; its replica identity changed after the mapping was accepted: the changes "
+                f"written since carry no old row, slot {slot} held before them",
+                hint=f"run: ALTER TABLE {exc.table} REPLICA IDENTITY FULL; then, as the changes written meanwhile "
+                     f"cannot be judged, SELECT pg_drop_replication_slot('{slot}'), cdc init and cdc recover "
+                     "(which rebuilds the streams from the tables) before cdc run", table=exc.table) from None
         log.info("bound %s to %s", relation.namespace + "." + relation.name, ", ".join(m.entity for m in mappings))
         return targets
 

@@ -19,16 +19,14 @@ from typing import Any, NamedTuple
 import orjson
 
 from ..errors import MappingError
+from .judge import NUMBER_OIDS, base_oid as _base_oid, judge
 from .model import REDACTED, Condition, FieldSpec, Mapping
 from ..source.pgoutput import UNCHANGED_TOAST
 from ..source.shapes import ColumnShape, TableShape
-from ..source.values import TypeCatalog, converter_for, type_name
+from ..source.values import TypeCatalog, converter_for
 
-__all__ = ["PlanField", "Projected", "Projector", "ProjectorPlan", "hmac_sha256", "message_entry"]
+__all__ = ["PlanField", "Projected", "Projector", "ProjectorPlan", "Unjudgeable", "hmac_sha256", "message_entry"]
 
-INTEGER_OIDS = frozenset({20, 21, 23, 26})
-NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
-TIME_OIDS = frozenset({1082, 1114, 1184})
 BOOL_OID = 16
 EMPTY_KEY = b"{}"
 _MICRO = timedelta(microseconds=1)
@@ -87,16 +85,6 @@ class ProjectorPlan:
 _new_projected = tuple.__new__
 
 
-def _base_oid(oid: int, catalog: TypeCatalog) -> int:
-    seen = 0
-    while seen < 32:
-        info = catalog.get(oid)
-        if info is None or info.kind != "d" or not info.base_oid:
-            return oid
-        oid, seen = info.base_oid, seen + 1
-    return oid
-
-
 def _special_float(text: str) -> Any:
     value = float(text)
     if value != value or value in (float("inf"), float("-inf")):
@@ -145,8 +133,8 @@ def hmac_sha256(key: bytes) -> Callable[[str], str]:
     return digest
 
 
-def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, mapping: Mapping) -> Callable[[str], Any]:
-    base = _base_oid(col.type_oid, catalog)
+def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog) -> Callable[[str], Any]:
+    """The field's converter; `judge` refused a cast that does not apply to the column's type."""
     if spec.hash == "hmac-sha256":
         return hmac_sha256(spec.key)
     if spec.hash == "sha256":  # unkeyed: true
@@ -159,13 +147,6 @@ def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, map
         return converter_for(col.type_oid, catalog)
     if cast == "string":
         return str
-    allowed = NUMBER_OIDS if cast in ("float", "integer") else TIME_OIDS
-    if base not in allowed:
-        raise MappingError(
-            f"{spec.where}: entity {mapping.entity!r}: cast {cast!r} does not apply to column "
-            f"{col.name!r} of type {type_name(col.type_oid, catalog)}",
-            hint="use cast: string, or remove the cast",
-        )
     if cast == "float":
         return _special_float
     if cast == "integer":
@@ -185,11 +166,23 @@ def _comparable(base: int) -> Callable[[Any], Any]:
     return str
 
 
+class Unjudgeable(MappingError):
+    """A row lacks the value of a filter column (a TOASTed value the server did not resend): the filter cannot be
+    judged on it, and no guess is published."""
+
+
 def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]], bool]:
-    """A predicate on a row; a value the row does not carry passes (it cannot be judged)."""
+    """A predicate on a row; a row that lacks the value (unchanged TOAST) stops with `Unjudgeable`."""
     if cond.op == "is_null":
         want = cond.value
-        return lambda row: row[idx] is UNCHANGED_TOAST or (row[idx] is None) == want
+
+        def null_check(row: Sequence[Any]) -> bool:
+            value = row[idx]
+            if value is UNCHANGED_TOAST:
+                raise _unjudgeable(cond)
+            return (value is None) == want
+
+        return null_check
     comp = _comparable(base)
     if cond.op in ("in", "not_in"):
         options = {comp(v) for v in cond.value}
@@ -210,7 +203,7 @@ def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]]
     def check(row: Sequence[Any]) -> bool:
         value = row[idx]
         if value is UNCHANGED_TOAST:
-            return True
+            raise _unjudgeable(cond)
         if value is None:
             return cond.op == "ne" or cond.op == "not_in"
         try:
@@ -221,22 +214,21 @@ def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]]
     return check
 
 
+def _unjudgeable(cond: Condition) -> Unjudgeable:
+    return Unjudgeable(
+        f"{cond.where}: filter on column {cond.column!r}: a change did not carry the column's value (a TOASTed "
+        "value the server did not resend), so the filter cannot be judged on it",
+        hint="run: ALTER TABLE <table> REPLICA IDENTITY FULL (the old row then carries every value)")
+
+
 class Projector:
     """A mapping bound to one shape of its table."""
 
     def __init__(self, mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
         self.mapping = mapping
         self.shape = shape
+        judge(mapping, shape, catalog)  # every refusal of init, check and run: before anything is bound
         positions = {c.name: i for i, c in enumerate(shape.columns)}
-        missing = [c for c in mapping.columns if c not in positions]
-        if missing:
-            spec = next((f for f in mapping.fields if f.column == missing[0]), None)
-            place = spec.where if spec else mapping.where
-            raise MappingError(
-                f"{place}: entity {mapping.entity!r}: column {missing[0]!r} is not in table "
-                f"{shape.schema}.{shape.name} (columns: {', '.join(c.name for c in shape.columns)})",
-                hint="it was dropped or renamed: map an existing column or remove the field",
-            )
         fields: list[PlanField] = []
         consts: dict[str, Any] = {}
         for spec in mapping.fields:
@@ -244,20 +236,11 @@ class Projector:
                 consts[spec.name] = spec.const
                 continue
             idx = positions[spec.column]
-            fields.append(PlanField(spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog, mapping)))
+            fields.append(PlanField(spec.name, idx, _cast_converter(spec, shape.columns[idx], catalog)))
         key_fields = tuple(f for f in fields if f.name in mapping.key)
         by_name = {f.name: f.column for f in fields}
         #: positions of the key columns in the table's rows, in key order
         self.key_positions = [by_name[n] for n in mapping.key]
-        if "d" in mapping.ops and shape.replica_identity != "f":
-            for name, idx, _ in key_fields:
-                col = shape.columns[idx]
-                if not col.key:
-                    raise MappingError(
-                        f"{mapping.where}: entity {mapping.entity!r}: key field {name!r} (column {col.name!r}) "
-                        f"is not in the replica identity of {shape.schema}.{shape.name}, so deletes would carry no key",
-                        hint=f"key on the primary key columns, or run ALTER TABLE {shape.schema}.{shape.name} REPLICA IDENTITY FULL",
-                    )
         filters = tuple(
             _condition(c, positions[c.column], _base_oid(shape.columns[positions[c.column]].type_oid, catalog))
             for c in mapping.filter
@@ -345,10 +328,24 @@ class Projector:
         return tuple(row[i] for i in self.key_positions)
 
     def update(self, new: Sequence[Any], old: Sequence[Any] | None, old_full: bool) -> Projected | None:
+        """An update; with a filter, judged as a transition of the filtered rows (`judge` made sure the old row
+        carries every filter column): in before and after, `u`; only before, a delete (`d`) of the old key;
+        only after, a create (`c`); neither, nothing. A mapping publishing neither updates nor deletes
+        publishes no update (its filter may not be judged on them). Each only when its op is in `ops`."""
         plan = self.plan
-        if "u" not in plan.ops:
+        if plan.filters and plan.ops & _CHANGES:
+            merged = new if not old_full or old is None else _merge(new, old)
+            now = self._passes(merged)
+            was = now if old is None else self._passes(old)  # no old row: the identity columns did not change
+            if was and not now:
+                return self.delete(old if old is not None else new, old_full, judged=True)
+            if now and not was:
+                return self._create(merged)
+            if not now:
+                return None
+        elif plan.filters or "u" not in plan.ops:
             return None
-        if plan.filters and not self._passes(new if not old_full or old is None else _merge(new, old)):
+        if "u" not in plan.ops:
             return None
         data, unchanged = self._row(new, old if old_full else None)
         key = {n: data[n] for n in plan.key_order}
@@ -360,9 +357,28 @@ class Projector:
             fields += [b"unchanged", orjson.dumps(unchanged)]
         return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))
 
-    def delete(self, old: Sequence[Any], old_full: bool) -> Projected | None:
+    def _create(self, new: Sequence[Any]) -> Projected | None:
+        """An update that brought a row into the filter, as a create (`c`) of the whole new row."""
         plan = self.plan
-        if "d" not in plan.ops or (plan.filters and not self._passes(old)):
+        if "c" not in plan.ops:
+            return None
+        data, unchanged = self._row(new, None)
+        if unchanged:  # a create must carry every field: no earlier value to keep
+            spec = next(f for f in self.mapping.fields if f.name == unchanged[0])
+            raise Unjudgeable(
+                f"{spec.where}: entity {self.mapping.entity!r}: an update brought a row of "
+                f"{self.shape.schema}.{self.shape.name} into the filter without resending field {unchanged[0]!r} "
+                "(an unchanged TOASTed value), so its create would lack it",
+                hint=f"run: ALTER TABLE {self.shape.schema}.{self.shape.name} REPLICA IDENTITY FULL (the old row then "
+                     "carries every value)")
+        key = {n: data[n] for n in plan.key_order}
+        fields = [b"op", b"c", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
+        return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))
+
+    def delete(self, old: Sequence[Any], old_full: bool, judged: bool = False) -> Projected | None:
+        """A delete: with a filter, published when the old row passed it (`judged`: the caller found it did)."""
+        plan = self.plan
+        if "d" not in plan.ops or (plan.filters and not judged and not self._passes(old)):
             return None
         key = self._key(old)
         fields = [b"op", b"d", b"key", orjson.dumps(key)]
@@ -374,6 +390,9 @@ class Projector:
         if "t" not in self.plan.ops:
             return []
         return [Projected(p, [b"op", b"t", b"key", EMPTY_KEY]) for p in range(self.plan.partitions)]
+
+
+_CHANGES = frozenset({"u", "d"})
 
 
 def _merge(new: Sequence[Any], old: Sequence[Any]) -> list[Any]:

@@ -17,7 +17,7 @@ from ..keys import written_streams
 from ..bridge.backfill import enqueue, ensure_table
 from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error,
                              record_data_loss, record_divergence, record_source)
-from ..source.catalog import load_types, table_shape
+from ..source.catalog import live_shape
 from ..source.coverage import Publication, TableCoverage, identity_problem, read_coverage, read_publication
 from ..source.pubcolumns import ColumnPlan, plan
 from ..source.history import Divergence, ServerHistory, read_history
@@ -29,12 +29,13 @@ from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..sink.claims import BridgeIdentity, claim
 from ..sink.redisconn import connect_redis
+from ..mapping.judge import judge
 from ..mapping.model import Mapping, mapped_columns
 from ..mapping.projector import Projector
 from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident
 from ..source.values import TypeCatalog, json_schema_for
 
-__all__ = ["bind_live", "connect", "init", "json_schemas"]
+__all__ = ["bind_live", "connect", "init", "judge_live", "json_schemas"]
 
 log = logging.getLogger("cdc.admin")
 
@@ -175,6 +176,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     with connect(settings) as conn:
         try:
             _wal_level(conn)
+            judge_live(conn, mappings)  # what cdc check and cdc run refuse, before anything is created
             _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
             _publication(conn, pgs.publication, mappings, done)
             ensure_table(conn)
@@ -279,12 +281,17 @@ def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False, s
 
 
 def bind_live(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> Projector:
-    schema, name = mapping.table
-    shape = table_shape(conn, schema, name)
-    if shape is None:
-        raise MappingError(f"{mapping.where}: entity {mapping.entity!r}: table {schema}.{name} does not exist", hint="create it or fix table:")
-    load_types(conn, catalog, [c.type_oid for c in shape.columns])
-    return Projector(mapping, shape, catalog)
+    """The mapping bound to its table as the catalog describes it now (`cdc.mapping.judge` refuses what
+    cdc init, cdc check and cdc run refuse)."""
+    return Projector(mapping, live_shape(conn, mapping, catalog), catalog)
+
+
+def judge_live(conn: psycopg.Connection, mappings: Sequence[Mapping]) -> None:
+    """Every table mapping judged against its live table (`cdc.mapping.judge`): the first refusal raises."""
+    catalog = TypeCatalog()
+    for m in mappings:
+        if m.table is not None:
+            judge(m, live_shape(conn, m, catalog), catalog)
 
 
 def _json_text(schema: dict) -> dict:

@@ -8,13 +8,15 @@ live schema with the same code the stream uses.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import psycopg
 
+from ..errors import MappingError
 from .shapes import ColumnShape, TableShape
 from .values import TYPE_QUERY, TypeCatalog, type_info_from_row
 
-__all__ = ["load_types", "table_shape"]
+__all__ = ["live_shape", "load_types", "table_shape"]
 
 TABLE_QUERY = """
 SELECT c.relreplident::text, a.attname, a.atttypid::int,
@@ -31,6 +33,9 @@ LEFT JOIN LATERAL (
 WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')
 ORDER BY a.attnum
 """
+
+if TYPE_CHECKING:
+    from ..mapping.model import Mapping
 
 
 def load_types(conn: psycopg.Connection, catalog: TypeCatalog, oids: Iterable[int]) -> None:
@@ -53,3 +58,16 @@ def table_shape(conn: psycopg.Connection, schema: str, name: str) -> TableShape 
         for _, attname, typid, is_key in rows
     )
     return TableShape(schema=schema, name=name, columns=columns, replica_identity=identity)
+
+
+def live_shape(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> TableShape:
+    """The shape of a mapping's table now, its column types added to `catalog`; a missing table is refused
+    (`MappingError`, the mapping's file:line)."""
+    assert mapping.table is not None
+    schema, name = mapping.table
+    shape = table_shape(conn, schema, name)
+    if shape is None:
+        raise MappingError(f"{mapping.where}: entity {mapping.entity!r}: table {schema}.{name} does not exist",
+                           hint="create it or fix table:")
+    load_types(conn, catalog, [c.type_oid for c in shape.columns])
+    return shape

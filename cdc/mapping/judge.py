@@ -1,0 +1,116 @@
+"""The one judge of a mapping against its table: what `cdc init`, `cdc check` and `cdc run` refuse.
+
+`judge` takes a mapping and one shape of its table (the live catalog's, for `cdc init`,
+`cdc check` and `cdc run` at start, or a Relation message's, while `cdc run` streams) and
+raises the `MappingError` that stops each of them, with the same line: a mapped column the
+table lacks, a cast that does not apply to its column's type, a key that deletes would not
+carry, a filter that updates or deletes would not let the bridge judge exactly. `Projector`
+calls it before binding, so no change is ever projected through a mapping it refuses.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from ..errors import MappingError
+from ..source.shapes import TableShape
+from ..source.values import TypeCatalog, type_name
+from .model import FieldSpec, Mapping
+
+__all__ = ["CAST_TYPES", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "base_oid", "judge", "uncarried_filter"]
+
+INTEGER_OIDS = frozenset({20, 21, 23, 26})
+NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
+TIME_OIDS = frozenset({1082, 1114, 1184})
+#: the base types each cast applies to (string: every type)
+CAST_TYPES = {"float": NUMBER_OIDS, "integer": NUMBER_OIDS, "epoch_ms": TIME_OIDS, "epoch_s": TIME_OIDS,
+              "date": TIME_OIDS}
+
+
+class InexactFilter(MappingError):
+    """A filter on a column the table's updates or deletes do not carry (its replica identity lacks it)."""
+
+    def __init__(self, message: str, hint: str, table: str) -> None:
+        super().__init__(message, hint=hint)
+        self.table = table
+
+
+def base_oid(oid: int, catalog: TypeCatalog) -> int:
+    """A domain's base type (through domains of domains); any other type itself."""
+    seen = 0
+    while seen < 32:
+        info = catalog.get(oid)
+        if info is None or info.kind != "d" or not info.base_oid:
+            return oid
+        oid, seen = info.base_oid, seen + 1
+    return oid
+
+
+def uncarried_filter(mapping: Mapping, shape: TableShape) -> str | None:
+    """The first filter column an update's or delete's old row lacks, when the mapping publishes updates or
+    deletes: the bridge could not tell whether the row passed the filter before the change."""
+    if not mapping.filter or not mapping.ops & {"u", "d"} or shape.replica_identity == "f":
+        return None
+    carried = {c.name for c in shape.columns if c.key}
+    return next((c.column for c in mapping.filter if c.column not in carried), None)
+
+
+def _cast_problem(spec: FieldSpec, shape: TableShape, catalog: TypeCatalog, mapping: Mapping) -> MappingError | None:
+    col = next(c for c in shape.columns if c.name == spec.column)
+    allowed = CAST_TYPES.get(spec.cast or "")
+    if allowed is None or base_oid(col.type_oid, catalog) in allowed:
+        return None
+    return MappingError(
+        f"{spec.where}: entity {mapping.entity!r}: cast {spec.cast!r} does not apply to column "
+        f"{col.name!r} of type {type_name(col.type_oid, catalog)}",
+        hint="use cast: string, or remove the cast",
+    )
+
+
+def judge(mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
+    """Raise the `MappingError` that refuses `mapping` on this shape of its table; None when it binds.
+
+    `catalog` must know the shape's column types (`cdc.source.catalog.load_types`).
+    """
+    table = f"{shape.schema}.{shape.name}"
+    names = [c.name for c in shape.columns]
+    missing = [c for c in mapping.columns if c not in names]
+    if missing:
+        spec = next((f for f in mapping.fields if f.column == missing[0]), None)
+        cond = next((c for c in mapping.filter if c.column == missing[0]), None)
+        place = spec.where if spec else cond.where if cond and cond.where else mapping.where
+        raise MappingError(
+            f"{place}: entity {mapping.entity!r}: column {missing[0]!r} is not in table {table} "
+            f"(columns: {', '.join(names)})",
+            hint="it was dropped or renamed: map an existing column or remove the field",
+        )
+    for spec in mapping.fields:
+        if spec.column is not None and spec.cast is not None:
+            problem = _cast_problem(spec, shape, catalog, mapping)
+            if problem is not None:
+                raise problem
+    by_column = {c.name: c for c in shape.columns}
+    if "d" in mapping.ops and shape.replica_identity != "f":
+        fields = {f.name: f for f in mapping.fields}
+        for name in mapping.key:
+            column = fields[name].column
+            if column is not None and not by_column[column].key:
+                raise MappingError(
+                    f"{mapping.where}: entity {mapping.entity!r}: key field {name!r} (column {column!r}) "
+                    f"is not in the replica identity of {table}, so deletes would carry no key",
+                    hint=f"key on the primary key columns, or run ALTER TABLE {table} REPLICA IDENTITY FULL",
+                )
+    column = uncarried_filter(mapping, shape)
+    if column is not None:
+        cond = next(c for c in mapping.filter if c.column == column)
+        ops = "updates and deletes" if {"u", "d"} <= mapping.ops else "updates" if "u" in mapping.ops else "deletes"
+        raise InexactFilter(
+            f"{cond.where or mapping.where}: entity {mapping.entity!r}: filter on column {column!r} cannot be judged "
+            f"on the {ops} of {table}: its replica identity ({_IDENTITY.get(shape.replica_identity, '?')}) does not "
+            "carry the column, so the bridge cannot tell whether the row passed the filter before the change",
+            hint=f"run: ALTER TABLE {table} REPLICA IDENTITY FULL; or filter only on replica identity columns "
+                 f"({', '.join(c.name for c in shape.columns if c.key) or 'none'}); or publish only inserts (ops: [c])",
+            table=table,
+        )
+
+
+_IDENTITY = {"d": "default: the primary key", "i": "an index", "n": "nothing", "f": "full"}

@@ -48,9 +48,9 @@ def base_oid(oid: int, catalog: TypeCatalog) -> int:
 def uncarried_filter(mapping: Mapping, shape: TableShape) -> str | None:
     """The first filter column an update's or delete's old row lacks, when the mapping publishes updates or
     deletes: the bridge could not tell whether the row passed the filter before the change."""
-    if not mapping.filter or not mapping.ops & {"u", "d"} or shape.replica_identity == "f":
+    if not mapping.filter or not mapping.ops & {"u", "d"} or (shape.replica_identity == "f" and not shape.partial_leaf):
         return None
-    carried = {c.name for c in shape.columns if c.key}
+    carried = set(shape.leaf_identity) if shape.partial_leaf else {c.name for c in shape.columns if c.key}
     return next((c.column for c in mapping.filter if c.column not in carried), None)
 
 
@@ -103,13 +103,17 @@ def judge(mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
     if column is not None:
         cond = next(c for c in mapping.filter if c.column == column)
         ops = "updates and deletes" if {"u", "d"} <= mapping.ops else "updates" if "u" in mapping.ops else "deletes"
+        holder, whose = (shape.partial_leaf, f"the replica identity of its partition {shape.partial_leaf}") \
+            if shape.partial_leaf else (table, "its replica identity")
+        identity = shape.leaf_identity if shape.partial_leaf else tuple(c.name for c in shape.columns if c.key)
+        kind = "not full" if shape.partial_leaf else _IDENTITY.get(shape.replica_identity, "?")
         raise InexactFilter(
-            f"{cond.where or mapping.where}: entity {mapping.entity!r}: filter on column {column!r} cannot be judged "
-            f"on the {ops} of {table}: its replica identity ({_IDENTITY.get(shape.replica_identity, '?')}) does not "
+            f"{cond.where}: entity {mapping.entity!r}: filter on column {column!r} cannot be judged "
+            f"on the {ops} of {table}: {whose} ({kind}) does not "
             "carry the column, so the bridge cannot tell whether the row passed the filter before the change",
-            hint=f"run: ALTER TABLE {table} REPLICA IDENTITY FULL; or filter only on replica identity columns "
-                 f"({', '.join(c.name for c in shape.columns if c.key) or 'none'}); or publish only inserts (ops: [c])",
-            table=table,
+            hint=f"run: ALTER TABLE {holder} REPLICA IDENTITY FULL; or filter only on replica identity columns "
+                 f"({', '.join(identity) or 'none'}); or publish only inserts (ops: [c])",
+            table=holder,
         )
 
 

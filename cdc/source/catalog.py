@@ -19,7 +19,7 @@ from .values import TYPE_QUERY, TypeCatalog, type_info_from_row
 __all__ = ["live_shape", "load_types", "table_shape"]
 
 TABLE_QUERY = """
-SELECT c.relreplident::text, a.attname, a.atttypid::int,
+SELECT c.relreplident::text, c.relkind = 'p', a.attname, a.atttypid::int,
        COALESCE(a.attnum = ANY(i.indkey::int2[]), false) AS is_key
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -32,6 +32,19 @@ LEFT JOIN LATERAL (
 ) i ON true
 WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')
 ORDER BY a.attnum
+"""
+
+# a partition of a partitioned table that is not REPLICA IDENTITY FULL, and its identity columns
+PARTIAL_LEAF_QUERY = """
+SELECT format('%%I.%%I', ln.nspname, lc.relname),
+       ARRAY(SELECT a.attname::text FROM pg_index x JOIN pg_attribute a ON a.attrelid = lc.oid
+             AND a.attnum = ANY(x.indkey::int2[])
+             WHERE x.indrelid = lc.oid
+               AND ((lc.relreplident = 'd' AND x.indisprimary) OR (lc.relreplident = 'i' AND x.indisreplident)))
+FROM pg_partition_tree(format('%%I.%%I', %s::text, %s::text)::regclass) t
+JOIN pg_class lc ON lc.oid = t.relid JOIN pg_namespace ln ON ln.oid = lc.relnamespace
+WHERE t.isleaf AND lc.relreplident <> 'f'
+ORDER BY 1 LIMIT 1
 """
 
 if TYPE_CHECKING:
@@ -52,12 +65,14 @@ def table_shape(conn: psycopg.Connection, schema: str, name: str) -> TableShape 
     rows = conn.execute(TABLE_QUERY, (schema, name)).fetchall()
     if not rows:
         return None
-    identity = rows[0][0]
+    identity, partitioned = rows[0][0], rows[0][1]
     columns = tuple(
         ColumnShape(name=attname, type_oid=typid, key=(identity == "f" or bool(is_key)))
-        for _, attname, typid, is_key in rows
+        for _, _, attname, typid, is_key in rows
     )
-    return TableShape(schema=schema, name=name, columns=columns, replica_identity=identity)
+    leaf = conn.execute(PARTIAL_LEAF_QUERY, (schema, name)).fetchone() if partitioned and identity == "f" else None
+    return TableShape(schema=schema, name=name, columns=columns, replica_identity=identity,
+                      partial_leaf=leaf[0] if leaf else "", leaf_identity=tuple(leaf[1]) if leaf else ())
 
 
 def live_shape(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> TableShape:

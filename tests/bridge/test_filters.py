@@ -231,3 +231,31 @@ def test_a_replica_identity_changed_under_a_running_bridge_stops_it_slot_held_an
     env.execute("DELETE FROM t WHERE id = 2")
     env.cdc("run", "--until-caught-up", check=True)
     assert mirror(env) == filtered(env) == {1: {"id": 1, "status": "active", "v": "a", "body": "b"}}
+
+
+@pytest.mark.one_path
+def test_a_partition_whose_identity_is_not_full_is_refused_under_a_full_parent(env):
+    """The server describes a partitioned table by its parent's replica identity, but each partition's own decides
+    what its updates and deletes carry: the catalog names the partition to fix."""
+    env.execute("""
+        CREATE TABLE public.t (id int NOT NULL, status text, v text, body text, PRIMARY KEY (id)) PARTITION BY RANGE (id);
+        CREATE TABLE public.t_low PARTITION OF public.t FOR VALUES FROM (0) TO (100);
+        CREATE TABLE public.t_high PARTITION OF public.t FOR VALUES FROM (100) TO (200);
+        ALTER TABLE public.t REPLICA IDENTITY FULL;
+        ALTER TABLE public.t_low REPLICA IDENTITY FULL;
+        """)
+    path = env.write_mapping("item.yaml", MAPPING)
+    line = (f"{path}:4: entity 'item': filter on column 'status' cannot be judged on the updates and deletes of "
+            "public.t: the replica identity of its partition public.t_high (not full) does not carry the column, so "
+            "the bridge cannot tell whether the row passed the filter before the change; run: ALTER TABLE "
+            "public.t_high REPLICA IDENTITY FULL; or filter only on replica identity columns (id); or publish only "
+            "inserts (ops: [c])")
+    _refused_alike(env, line)
+    env.execute("ALTER TABLE public.t_high REPLICA IDENTITY FULL")
+    env.cdc("init", check=True)
+    env.execute("INSERT INTO t VALUES (1, 'active', 'a', 'b'), (150, 'active', 'a', 'b')")
+    env.execute("UPDATE t SET status = 'no' WHERE id = 150")
+    env.execute("DELETE FROM t WHERE id = 1")
+    env.execute("INSERT INTO t VALUES (2, 'active', 'a', 'b')")
+    env.cdc("run", "--until-caught-up", check=True)
+    assert mirror(env) == filtered(env) == {2: {"id": 2, "status": "active", "v": "a", "body": "b"}}

@@ -34,6 +34,7 @@ from .. import keys, speedups
 from ..config import Settings
 from ..errors import CdcError, ConfigError, DataLossError, MappingError, SourceError, TransientError
 from ..mapping.judge import InexactFilter, judge
+from ..mapping.projector import Unjudgeable
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
@@ -599,4 +600,11 @@ class Bridge:
                 pass
             if isinstance(exc, pg.DecodeError):
                 raise SourceError(f"cannot decode a pgoutput message: {exc}") from exc
+            if isinstance(exc, Unjudgeable):
+                slot = self.settings.postgres.slot
+                raise Unjudgeable(
+                    f"{exc.message}, slot {slot} held before it", exc.table,
+                    hint=f"run: ALTER TABLE {exc.table} REPLICA IDENTITY FULL (the old row then carries every value); "
+                         f"then, as this change cannot be judged, SELECT pg_drop_replication_slot('{slot}'), cdc init "
+                         "and cdc recover (which rebuilds the streams from the tables) before cdc run") from None
             raise

@@ -167,11 +167,16 @@ def _comparable(base: int) -> Callable[[Any], Any]:
 
 
 class Unjudgeable(MappingError):
-    """A row lacks the value of a filter column (a TOASTed value the server did not resend): the filter cannot be
-    judged on it, and no guess is published."""
+    """A change lacks a value the filter needs (a TOASTed value the server did not resend): the filter cannot be
+    judged on it, or its create would lack a field; no guess is published."""
+
+    def __init__(self, message: str, table: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or f"run: ALTER TABLE {table} REPLICA IDENTITY FULL (the old row then "
+                                                "carries every value)")
+        self.table = table
 
 
-def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]], bool]:
+def _condition(cond: Condition, idx: int, base: int, table: str) -> Callable[[Sequence[Any]], bool]:
     """A predicate on a row; a row that lacks the value (unchanged TOAST) stops with `Unjudgeable`."""
     if cond.op == "is_null":
         want = cond.value
@@ -179,7 +184,7 @@ def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]]
         def null_check(row: Sequence[Any]) -> bool:
             value = row[idx]
             if value is UNCHANGED_TOAST:
-                raise _unjudgeable(cond)
+                raise _unjudgeable(cond, table)
             return (value is None) == want
 
         return null_check
@@ -203,7 +208,7 @@ def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]]
     def check(row: Sequence[Any]) -> bool:
         value = row[idx]
         if value is UNCHANGED_TOAST:
-            raise _unjudgeable(cond)
+            raise _unjudgeable(cond, table)
         if value is None:
             return cond.op == "ne" or cond.op == "not_in"
         try:
@@ -214,11 +219,10 @@ def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]]
     return check
 
 
-def _unjudgeable(cond: Condition) -> Unjudgeable:
+def _unjudgeable(cond: Condition, table: str) -> Unjudgeable:
     return Unjudgeable(
-        f"{cond.where}: filter on column {cond.column!r}: a change did not carry the column's value (a TOASTed "
-        "value the server did not resend), so the filter cannot be judged on it",
-        hint="run: ALTER TABLE <table> REPLICA IDENTITY FULL (the old row then carries every value)")
+        f"{cond.where}: filter on column {cond.column!r}: a change of {table} did not carry the column's value (a "
+        "TOASTed value the server did not resend), so the filter cannot be judged on it", table)
 
 
 class Projector:
@@ -242,7 +246,8 @@ class Projector:
         #: positions of the key columns in the table's rows, in key order
         self.key_positions = [by_name[n] for n in mapping.key]
         filters = tuple(
-            _condition(c, positions[c.column], _base_oid(shape.columns[positions[c.column]].type_oid, catalog))
+            _condition(c, positions[c.column], _base_oid(shape.columns[positions[c.column]].type_oid, catalog),
+                       f"{shape.schema}.{shape.name}")
             for c in mapping.filter
         )
         #: what this projector writes: read by both implementations of the hot path
@@ -368,9 +373,7 @@ class Projector:
             raise Unjudgeable(
                 f"{spec.where}: entity {self.mapping.entity!r}: an update brought a row of "
                 f"{self.shape.schema}.{self.shape.name} into the filter without resending field {unchanged[0]!r} "
-                "(an unchanged TOASTed value), so its create would lack it",
-                hint=f"run: ALTER TABLE {self.shape.schema}.{self.shape.name} REPLICA IDENTITY FULL (the old row then "
-                     "carries every value)")
+                "(an unchanged TOASTed value), so its create would lack it", f"{self.shape.schema}.{self.shape.name}")
         key = {n: data[n] for n in plan.key_order}
         fields = [b"op", b"c", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
         return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))

@@ -338,3 +338,16 @@ def test_a_filter_on_the_key_is_judged_on_the_old_key():
     assert p.update(row(2), None, False) is None
     assert _op(p.update(row(2), key(5), False)) == ("d", {"id": 5})
     assert _op(p.update(row(7), key(2), False)) == ("c", {"id": 7})
+
+
+def test_a_change_lacking_a_value_the_filter_or_a_create_needs_stops_rather_than_guess():
+    from cdc.mapping.projector import Unjudgeable
+
+    p = Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}").replace("status: status}", "note: note}")),
+                  RIDES, TypeCatalog())
+    with pytest.raises(Unjudgeable, match="an update brought a row of public.rides into the filter without resending "
+                                          "field 'note'.*ALTER TABLE public.rides REPLICA IDENTITY FULL"):
+        p.update(("7", "2", "1.000", "s", "x", UNCHANGED_TOAST), ("2", None, None, None, None, None), False)
+    q = Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}")), RIDES, TypeCatalog())
+    with pytest.raises(Unjudgeable, match="filter on column 'id': a change of public.rides did not carry"):
+        q.update((UNCHANGED_TOAST, "2", "1.000", "s", "x", "n"), None, False)

@@ -131,7 +131,7 @@ def test_a_publication_sending_less_stops_the_bridge_and_check_until_init(accoun
     assert published(env, "accounts") == ["id", "name", "score"]
     proc.terminate()
     assert proc.wait(30) == 0
-    assert "entities account: a publication row filter would turn an update crossing it" in proc.log_path.read_text()
+    assert "entities account: a table takes one publication row filter, which several mappings" in proc.log_path.read_text()
 
     # the mapping now reads the new column, which the publication does not send
     env.write_mapping("account.yaml", MAPPING.replace("name: name}", "name: name, extra: extra}"))

@@ -157,6 +157,18 @@ def _publication(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping
     _published_as_asked(conn, name, tables)
 
 
+def _refuse(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping]) -> None:
+    """Before anything is created: a mapped table whose replica identity cannot carry updates and deletes
+    (exit 4), then every mapping judged against its live table as cdc check and cdc run judge it (exit 3)."""
+    pub = read_publication(conn, name)
+    would = pub if pub.exists else Publication(name, exists=True, lists=pub.lists)
+    for c in read_coverage(conn, name, _tables(mappings)).values():
+        problem = identity_problem(c, would) if c.oid is not None else None
+        if problem is not None:
+            raise SourceError(f"{problem.message}; nothing was changed", hint=f"{problem.hint}, then cdc init again")
+    judge_live(conn, mappings)
+
+
 def _published_as_asked(conn: psycopg.Connection, name: str, tables: list[tuple[str, str]]) -> None:
     for c in read_coverage(conn, name, tables).values():
         if c.covered:
@@ -176,7 +188,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     with connect(settings) as conn:
         try:
             _wal_level(conn)
-            judge_live(conn, mappings)  # what cdc check and cdc run refuse, before anything is created
+            _refuse(conn, pgs.publication, mappings)  # what cdc check and cdc run refuse, before anything is created
             _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
             _publication(conn, pgs.publication, mappings, done)
             ensure_table(conn)

@@ -33,7 +33,7 @@ import tenacity
 from .. import keys, speedups
 from ..config import Settings
 from ..errors import CdcError, ConfigError, DataLossError, MappingError, SourceError, TransientError
-from ..mapping.judge import InexactFilter, judge
+from ..mapping.judge import InexactFilter, changed_while_running, judge
 from ..mapping.projector import Unjudgeable
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
@@ -560,13 +560,7 @@ class Bridge:
         except InexactFilter as exc:
             # judged at start on the catalog: the table's replica identity changed since, and the changes
             # written meanwhile carry no old row to judge the filter on
-            slot = self.settings.postgres.slot
-            raise InexactFilter(
-                f"{exc.message}; its replica identity changed after the mapping was accepted: the changes "
-                f"written since carry no old row, slot {slot} held before them",
-                hint=f"run: ALTER TABLE {exc.table} REPLICA IDENTITY FULL; then, as the changes written meanwhile "
-                     f"cannot be judged, SELECT pg_drop_replication_slot('{slot}'), cdc init and cdc recover "
-                     "(which rebuilds the streams from the tables) before cdc run", table=exc.table) from None
+            raise changed_while_running(exc, self.settings.postgres.slot) from None
         log.info("bound %s to %s", relation.namespace + "." + relation.name, ", ".join(m.entity for m in mappings))
         return targets
 

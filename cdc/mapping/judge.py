@@ -16,7 +16,8 @@ from ..source.shapes import TableShape
 from ..source.values import TypeCatalog, type_name
 from .model import FieldSpec, Mapping
 
-__all__ = ["CAST_TYPES", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "base_oid", "judge", "uncarried_filter"]
+__all__ = ["CAST_TYPES", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "base_oid", "changed_while_running",
+           "filter_refusal", "judge", "uncarried_filter"]
 
 INTEGER_OIDS = frozenset({20, 21, 23, 26})
 NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
@@ -99,6 +100,14 @@ def judge(mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
                     f"is not in the replica identity of {table}, so deletes would carry no key",
                     hint=f"key on the primary key columns, or run ALTER TABLE {table} REPLICA IDENTITY FULL",
                 )
+    problem = filter_refusal(mapping, shape)
+    if problem is not None:
+        raise problem
+
+
+def filter_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:
+    """The refusal of a filter the table's updates or deletes do not carry (`uncarried_filter`), or None."""
+    table = f"{shape.schema}.{shape.name}"
     column = uncarried_filter(mapping, shape)
     if column is not None:
         cond = next(c for c in mapping.filter if c.column == column)
@@ -107,7 +116,7 @@ def judge(mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
             if shape.partial_leaf else (table, "its replica identity")
         identity = shape.leaf_identity if shape.partial_leaf else tuple(c.name for c in shape.columns if c.key)
         kind = "not full" if shape.partial_leaf else _IDENTITY.get(shape.replica_identity, "?")
-        raise InexactFilter(
+        return InexactFilter(
             f"{cond.where}: entity {mapping.entity!r}: filter on column {column!r} cannot be judged "
             f"on the {ops} of {table}: {whose} ({kind}) does not "
             "carry the column, so the bridge cannot tell whether the row passed the filter before the change",
@@ -115,6 +124,18 @@ def judge(mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
                  f"({', '.join(identity) or 'none'}); or publish only inserts (ops: [c])",
             table=holder,
         )
+    return None
+
+
+def changed_while_running(exc: InexactFilter, slot: str) -> InexactFilter:
+    """The refusal of a replica identity changed after the bridge accepted the mapping: the changes written
+    since carry no old row to judge, so the fix rebuilds the streams from the tables."""
+    return InexactFilter(
+        f"{exc.message}; the replica identity changed after the mapping was accepted: the changes written since "
+        f"carry no old row, slot {slot} held before them",
+        hint=f"run: ALTER TABLE {exc.table} REPLICA IDENTITY FULL; then, as the changes written meanwhile cannot be "
+             f"judged, SELECT pg_drop_replication_slot('{slot}'), cdc init and cdc recover (which rebuilds the "
+             "streams from the tables) before cdc run", table=exc.table)
 
 
 _IDENTITY = {"d": "default: the primary key", "i": "an index", "n": "nothing", "f": "full"}

@@ -46,9 +46,11 @@ import redis
 
 from .. import keys
 from ..errors import CdcError, MappingError, PrivilegeError, SlotError
+from ..mapping.judge import changed_while_running, filter_refusal
 from ..mapping.model import Mapping, mapped_columns
 from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_problem, operations_problem,
                                publication_problem, read_coverage, read_publication, where_is)
+from ..source.catalog import table_shape
 from ..source.lsn import Lsn
 from ..source.pubcolumns import FILTERS_IN_BRIDGE, plan, sends_less
 from ..source.replication import quote_ident
@@ -145,6 +147,7 @@ class TableGate:
         self.columns = mapped_columns(mappings)  # what the publication must send of each
         self.filtered = [m.entity for m in mappings if m.filter]
         self.needed = needed_operations(mappings)  # what the publication's publish option must send
+        self.filters = [m for m in mappings if m.filter and m.table is not None]
         self.told = False  # the start's log lines on what the bridge filters itself
         self.bound: dict[tuple[str, str], Bound] = {}
         self.by_oid: dict[int, tuple[str, str]] = {}
@@ -193,6 +196,8 @@ class TableGate:
             problem = sends_less(now, self.columns.get(t, ()), self.publication, self.slot)
             if problem is not None:
                 raise problem
+            if now.partitioned:
+                self._partition_identities(conn, t)
             if t in adopt:
                 changed[t] = replace(bound, leaves=now.leaves)
             elif now.leaves != bound.leaves:
@@ -244,6 +249,18 @@ class TableGate:
             f"publication {self.publication!r} lacked {raw.decode()} while slot {self.slot} held changes (found by "
             "cdc run): the changes it left out were never decoded and no replay brings them back",
             hint=f"run: {RECOVER}")
+
+    def _partition_identities(self, conn: psycopg.Connection, t: tuple[str, str]) -> None:
+        """A partition of a partitioned table no longer carrying a filter's column: the server describes the table
+        by its parent's replica identity, so only the catalog tells (`cdc.mapping.judge`)."""
+        mappings = [m for m in self.filters if m.table == t]
+        shape = table_shape(conn, *t) if mappings else None
+        if shape is None or not shape.partial_leaf:
+            return
+        for m in mappings:
+            problem = filter_refusal(m, shape)
+            if problem is not None:
+                raise changed_while_running(problem, self.slot)
 
     def _tell(self, publication: Publication, coverage: dict[tuple[str, str], TableCoverage]) -> None:
         """Say once where the server cannot leave out what no mapping reads, so the bridge does it."""

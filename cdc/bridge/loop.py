@@ -34,6 +34,8 @@ from .. import keys, speedups
 from ..config import Settings
 from ..errors import (CdcError, ConfigError, DataLossError, MappingError, SlotError, SlotTaken, SourceError,
                       TransientError)
+from ..mapping.judge import InexactFilter, changed_while_running, judge
+from ..mapping.projector import Unjudgeable
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
@@ -322,6 +324,7 @@ class Bridge:
         stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication, timeout=pgs.receive_timeout_s)
         try:
             self._check_server(catalog_conn)
+            self._judge_mappings(catalog_conn)
             publisher.ping()
             self.slot_watch.redis_held = lambda: redis_record(client, pgs.slot)  # for a missing slot's error
             health = self.check_slot(catalog_conn)
@@ -392,6 +395,20 @@ class Bridge:
                 if catching_up:
                     self.target_lsn = Lsn.parse(position)
                     log.info("catching up to %s", self.target_lsn)
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from exc
+
+    def _judge_mappings(self, catalog_conn: psycopg.Connection) -> None:
+        """Every table mapping against its table now, by the judge cdc init and cdc check use
+        (`cdc.mapping.judge`): what they refuse, cdc run refuses before streaming, with the same line."""
+        catalog = TypeCatalog()
+        try:
+            with self._bounded(catalog_conn, "checking the mappings"):
+                for m in self.mappings:
+                    shape = table_shape(catalog_conn, *m.table) if m.table is not None else None
+                    if shape is not None:  # a table missing now: the ack gate's reading names it and the fix
+                        load_types(catalog_conn, catalog, [c.type_oid for c in shape.columns])
+                        judge(m, shape, catalog)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
 
@@ -587,6 +604,10 @@ class Bridge:
         self._all_sent(relation, mappings, catalog_conn)
         try:
             targets = bind(relation, mappings, self.catalog, batcher, self.counters.read_by_entity)
+        except InexactFilter as exc:
+            # judged at start on the catalog: the table's replica identity changed since, and the changes
+            # written meanwhile carry no old row to judge the filter on
+            raise changed_while_running(exc, self.settings.postgres.slot) from None
         except MappingError as exc:
             raise self._bindable_now(relation, mappings, catalog_conn, exc) from exc
         log.info("bound %s to %s", relation.namespace + "." + relation.name, ", ".join(m.entity for m in mappings))
@@ -653,6 +674,13 @@ class Bridge:
                 pass
             if isinstance(exc, pg.DecodeError):
                 raise SourceError(f"cannot decode a pgoutput message: {exc}") from exc
+            if isinstance(exc, Unjudgeable):
+                slot = self.settings.postgres.slot
+                raise Unjudgeable(
+                    f"{exc.message}, slot {slot} held before it", exc.table,
+                    hint=f"run: ALTER TABLE {exc.table} REPLICA IDENTITY FULL (the old row then carries every value); "
+                         f"then, as this change cannot be judged, SELECT pg_drop_replication_slot('{slot}'), cdc init "
+                         "and cdc recover (which rebuilds the streams from the tables) before cdc run") from None
             raise
 
 

@@ -234,7 +234,8 @@ def _parse_filter(raw: Any, place: str) -> tuple[Condition, ...]:
         cplace = where(raw, column)
         if not isinstance(column, str):
             raise _fail(cplace, f"filter column {column!r} must be a name")
-        if not isinstance(cond, dict):
+        bare = not isinstance(cond, dict)
+        if bare:
             cond = {"eq": cond}
         if not cond:
             raise _fail(cplace, f"filter on {column!r} has no condition")
@@ -247,7 +248,7 @@ def _parse_filter(raw: Any, place: str) -> tuple[Condition, ...]:
                 raise _fail(where(cond, op), f"filter is_null on {column!r} needs true or false")
             if op not in ("in", "not_in", "is_null") and isinstance(value, (list, dict)):
                 raise _fail(where(cond, op), f"filter {op} on {column!r} needs a plain value")
-            conditions.append(Condition(column=column, op=op, value=value, where=where(cond, op)))
+            conditions.append(Condition(column=column, op=op, value=value, where=cplace if bare else where(cond, op)))
     return tuple(conditions)
 
 

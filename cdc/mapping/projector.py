@@ -20,17 +20,16 @@ from typing import Any, NamedTuple
 import orjson
 
 from ..errors import CastRefused, MappingError
+from .judge import INTEGER_OIDS, NUMBER_OIDS, base_oid as _base_oid, judge
 from .model import REDACTED, Condition, FieldSpec, Mapping
 from ..source.lsn import Lsn
 from ..source.pgoutput import UNCHANGED_TOAST
 from ..source.shapes import ColumnShape, TableShape
 from ..source.values import TypeCatalog, converter_for, type_name
 
-__all__ = ["CastRefused", "PlanField", "Projected", "Projector", "ProjectorPlan", "hmac_sha256", "message_entry"]
+__all__ = ["CastRefused", "PlanField", "Projected", "Projector", "ProjectorPlan", "Unjudgeable", "hmac_sha256",
+           "message_entry"]
 
-INTEGER_OIDS = frozenset({20, 21, 23, 26})
-NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
-TIME_OIDS = frozenset({1082, 1114, 1184})
 BOOL_OID = 16
 EMPTY_KEY = b"{}"
 
@@ -87,16 +86,6 @@ class ProjectorPlan:
 # Projected(partition, fields) on the hot path: one C call, not NamedTuple's Python-level __new__,
 # and no _partition() call for the usual single partition
 _new_projected = tuple.__new__
-
-
-def _base_oid(oid: int, catalog: TypeCatalog) -> int:
-    seen = 0
-    while seen < 32:
-        info = catalog.get(oid)
-        if info is None or info.kind != "d" or not info.base_oid:
-            return oid
-        oid, seen = info.base_oid, seen + 1
-    return oid
 
 
 # -- casts: exact or refused ---------------------------------------------------------------------
@@ -264,6 +253,8 @@ def hmac_sha256(key: bytes) -> Callable[[str], str]:
 
 def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, mapping: Mapping,
                     shape: TableShape) -> Callable[[str], Any]:
+    """The field's converter; `judge` refused a cast that does not apply to the column's type, and a value
+    the cast cannot write exactly is refused here (`CastRefused`)."""
     base = _base_oid(col.type_oid, catalog)
     if spec.hash == "hmac-sha256":
         return hmac_sha256(spec.key)
@@ -277,13 +268,6 @@ def _cast_converter(spec: FieldSpec, col: ColumnShape, catalog: TypeCatalog, map
         return converter_for(col.type_oid, catalog)
     if cast == "string":
         return str
-    allowed = NUMBER_OIDS if cast in ("float", "integer") else TIME_OIDS
-    if base not in allowed:
-        raise MappingError(
-            f"{spec.where}: entity {mapping.entity!r}: cast {cast!r} does not apply to column "
-            f"{col.name!r} of type {type_name(col.type_oid, catalog)}",
-            hint="use cast: string, or remove the cast",
-        )
     if cast == "integer" and base in INTEGER_OIDS:
         return int  # every value fits: written as the column's own integers are
     kind = type_name(col.type_oid, catalog)
@@ -316,11 +300,28 @@ def _comparable(base: int) -> Callable[[Any], Any]:
     return str
 
 
-def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]], bool]:
-    """A predicate on a row; a value the row does not carry passes (it cannot be judged)."""
+class Unjudgeable(MappingError):
+    """A change lacks a value the filter needs (a TOASTed value the server did not resend): the filter cannot be
+    judged on it, or its create would lack a field; no guess is published."""
+
+    def __init__(self, message: str, table: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or f"run: ALTER TABLE {table} REPLICA IDENTITY FULL (the old row then "
+                                                "carries every value)")
+        self.table = table
+
+
+def _condition(cond: Condition, idx: int, base: int, table: str) -> Callable[[Sequence[Any]], bool]:
+    """A predicate on a row; a row that lacks the value (unchanged TOAST) stops with `Unjudgeable`."""
     if cond.op == "is_null":
         want = cond.value
-        return lambda row: row[idx] is UNCHANGED_TOAST or (row[idx] is None) == want
+
+        def null_check(row: Sequence[Any]) -> bool:
+            value = row[idx]
+            if value is UNCHANGED_TOAST:
+                raise _unjudgeable(cond, table)
+            return (value is None) == want
+
+        return null_check
     comp = _comparable(base)
     if cond.op in ("in", "not_in"):
         options = {comp(v) for v in cond.value}
@@ -341,7 +342,7 @@ def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]]
     def check(row: Sequence[Any]) -> bool:
         value = row[idx]
         if value is UNCHANGED_TOAST:
-            return True
+            raise _unjudgeable(cond, table)
         if value is None:
             return cond.op == "ne" or cond.op == "not_in"
         try:
@@ -352,22 +353,20 @@ def _condition(cond: Condition, idx: int, base: int) -> Callable[[Sequence[Any]]
     return check
 
 
+def _unjudgeable(cond: Condition, table: str) -> Unjudgeable:
+    return Unjudgeable(
+        f"{cond.where}: filter on column {cond.column!r}: a change of {table} did not carry the column's value (a "
+        "TOASTed value the server did not resend), so the filter cannot be judged on it", table)
+
+
 class Projector:
     """A mapping bound to one shape of its table."""
 
     def __init__(self, mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
         self.mapping = mapping
         self.shape = shape
+        judge(mapping, shape, catalog)  # every refusal of init, check and run: before anything is bound
         positions = {c.name: i for i, c in enumerate(shape.columns)}
-        missing = [c for c in mapping.columns if c not in positions]
-        if missing:
-            spec = next((f for f in mapping.fields if f.column == missing[0]), None)
-            place = spec.where if spec else mapping.where
-            raise MappingError(
-                f"{place}: entity {mapping.entity!r}: column {missing[0]!r} is not in table "
-                f"{shape.schema}.{shape.name} (columns: {', '.join(c.name for c in shape.columns)})",
-                hint="it was dropped or renamed: map an existing column or remove the field",
-            )
         fields: list[PlanField] = []
         consts: dict[str, Any] = {}
         for spec in mapping.fields:
@@ -380,19 +379,9 @@ class Projector:
         by_name = {f.name: f.column for f in fields}
         #: positions of the key columns in the table's rows, in key order
         self.key_positions = [by_name[n] for n in mapping.key]
-        if ("d" in mapping.ops or "u" in mapping.ops) and shape.replica_identity != "f":
-            # the server sends the old row's key only for its replica identity columns
-            what = "deletes would carry no key" if "d" in mapping.ops else "an update changing it would carry no old key"
-            for name, idx, _ in key_fields:
-                col = shape.columns[idx]
-                if not col.key:
-                    raise MappingError(
-                        f"{mapping.where}: entity {mapping.entity!r}: key field {name!r} (column {col.name!r}) "
-                        f"is not in the replica identity of {shape.schema}.{shape.name}, so {what}",
-                        hint=f"key on the primary key columns, or run ALTER TABLE {shape.schema}.{shape.name} REPLICA IDENTITY FULL",
-                    )
         filters = tuple(
-            _condition(c, positions[c.column], _base_oid(shape.columns[positions[c.column]].type_oid, catalog))
+            _condition(c, positions[c.column], _base_oid(shape.columns[positions[c.column]].type_oid, catalog),
+                       f"{shape.schema}.{shape.name}")
             for c in mapping.filter
         )
         #: what this projector writes: read by both implementations of the hot path
@@ -490,10 +479,24 @@ class Projector:
         return tuple(row[i] for i in self.key_positions)
 
     def update(self, new: Sequence[Any], old: Sequence[Any] | None, old_full: bool) -> Projected | None:
+        """An update; with a filter, judged as a transition of the filtered rows (`judge` made sure the old row
+        carries every filter column): in before and after, `u`; only before, a delete (`d`) of the old key;
+        only after, a create (`c`); neither, nothing. A mapping publishing neither updates nor deletes
+        publishes no update (its filter may not be judged on them). Each only when its op is in `ops`."""
         plan = self.plan
-        if "u" not in plan.ops:
+        if plan.filters and plan.ops & _CHANGES:
+            merged = new if not old_full or old is None else _merge(new, old)
+            now = self._passes(merged)
+            was = now if old is None else self._passes(old)  # no old row: the identity columns did not change
+            if was and not now:
+                return self.delete(old if old is not None else new, old_full, judged=True)
+            if now and not was:
+                return self._create(merged)
+            if not now:
+                return None
+        elif plan.filters or "u" not in plan.ops:
             return None
-        if plan.filters and not self._passes(new if not old_full or old is None else _merge(new, old)):
+        if "u" not in plan.ops:
             return None
         data, unchanged = self._row(new, old if old_full else None)
         key = {n: data[n] for n in plan.key_order}
@@ -511,9 +514,26 @@ class Projector:
             fields += [b"unchanged", orjson.dumps(unchanged)]
         return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))
 
-    def delete(self, old: Sequence[Any], old_full: bool) -> Projected | None:
+    def _create(self, new: Sequence[Any]) -> Projected | None:
+        """An update that brought a row into the filter, as a create (`c`) of the whole new row."""
         plan = self.plan
-        if "d" not in plan.ops or (plan.filters and not self._passes(old)):
+        if "c" not in plan.ops:
+            return None
+        data, unchanged = self._row(new, None)
+        if unchanged:  # a create must carry every field: no earlier value to keep
+            spec = next(f for f in self.mapping.fields if f.name == unchanged[0])
+            raise Unjudgeable(
+                f"{spec.where}: entity {self.mapping.entity!r}: an update brought a row of "
+                f"{self.shape.schema}.{self.shape.name} into the filter without resending field {unchanged[0]!r} "
+                "(an unchanged TOASTed value), so its create would lack it", f"{self.shape.schema}.{self.shape.name}")
+        key = {n: data[n] for n in plan.key_order}
+        fields = [b"op", b"c", b"key", orjson.dumps(key), b"data", orjson.dumps(data)]
+        return _new_projected(Projected, (0 if plan.partitions == 1 else self._partition(key), fields))
+
+    def delete(self, old: Sequence[Any], old_full: bool, judged: bool = False) -> Projected | None:
+        """A delete: with a filter, published when the old row passed it (`judged`: the caller found it did)."""
+        plan = self.plan
+        if "d" not in plan.ops or (plan.filters and not judged and not self._passes(old)):
             return None
         key = self._key(old)
         fields = [b"op", b"d", b"key", orjson.dumps(key)]
@@ -525,6 +545,9 @@ class Projector:
         if "t" not in self.plan.ops:
             return []
         return [Projected(p, [b"op", b"t", b"key", EMPTY_KEY]) for p in range(self.plan.partitions)]
+
+
+_CHANGES = frozenset({"u", "d"})
 
 
 def _merge(new: Sequence[Any], old: Sequence[Any]) -> list[Any]:

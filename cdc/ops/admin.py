@@ -19,7 +19,7 @@ from ..bridge.backfill import enqueue, ensure_table
 from ..bridge.gate import needed_operations
 from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error, slot_database_error,
                              record_data_loss, record_divergence, record_source)
-from ..source.catalog import load_types, table_shape
+from ..source.catalog import live_shape
 from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_problem, operations_problem, publish_value,
                                read_coverage, read_publication)
 from ..source.pubcolumns import ColumnPlan, plan
@@ -33,12 +33,13 @@ from ..exits import as_cdc_error
 from ..source.lsn import Lsn
 from ..sink.claims import BridgeIdentity, claim
 from ..sink.redisconn import connect_redis
+from ..mapping.judge import judge
 from ..mapping.model import Mapping, mapped_columns
 from ..mapping.projector import Projector
 from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident, quote_literal
 from ..source.values import TypeCatalog, json_schema_for
 
-__all__ = ["bind_live", "connect", "init", "json_schemas"]
+__all__ = ["bind_live", "connect", "init", "judge_live", "json_schemas"]
 
 log = logging.getLogger("cdc.admin")
 
@@ -172,6 +173,18 @@ def _publication(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping
     _published_as_asked(conn, name, tables)
 
 
+def _refuse(conn: psycopg.Connection, name: str, mappings: Sequence[Mapping]) -> None:
+    """Before anything is created: a mapped table whose replica identity cannot carry updates and deletes
+    (exit 4), then every mapping judged against its live table as cdc check and cdc run judge it (exit 3)."""
+    pub = read_publication(conn, name)
+    would = pub if pub.exists else Publication(name, exists=True, lists=pub.lists)
+    for c in read_coverage(conn, name, _tables(mappings)).values():
+        problem = identity_problem(c, would) if c.oid is not None else None
+        if problem is not None:
+            raise SourceError(f"{problem.message}; nothing was changed", hint=f"{problem.hint}, then cdc init again")
+    judge_live(conn, mappings)
+
+
 def _published_as_asked(conn: psycopg.Connection, name: str, tables: list[tuple[str, str]]) -> None:
     for c in read_coverage(conn, name, tables).values():
         if c.covered:
@@ -191,6 +204,7 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
     with connect(settings) as conn:
         try:
             _wal_level(conn)
+            _refuse(conn, pgs.publication, mappings)  # what cdc check and cdc run refuse, before anything is created
             _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
             _publication(conn, pgs.publication, mappings, done)
             ensure_table(conn)
@@ -305,12 +319,17 @@ def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False, s
 
 
 def bind_live(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> Projector:
-    schema, name = mapping.table
-    shape = table_shape(conn, schema, name)
-    if shape is None:
-        raise MappingError(f"{mapping.where}: entity {mapping.entity!r}: table {schema}.{name} does not exist", hint="create it or fix table:")
-    load_types(conn, catalog, [c.type_oid for c in shape.columns])
-    return Projector(mapping, shape, catalog)
+    """The mapping bound to its table as the catalog describes it now (`cdc.mapping.judge` refuses what
+    cdc init, cdc check and cdc run refuse)."""
+    return Projector(mapping, live_shape(conn, mapping, catalog), catalog)
+
+
+def judge_live(conn: psycopg.Connection, mappings: Sequence[Mapping]) -> None:
+    """Every table mapping judged against its live table (`cdc.mapping.judge`): the first refusal raises."""
+    catalog = TypeCatalog()
+    for m in mappings:
+        if m.table is not None:
+            judge(m, live_shape(conn, m, catalog), catalog)
 
 
 def _json_text(schema: dict) -> dict:

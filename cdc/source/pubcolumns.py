@@ -37,8 +37,9 @@ INIT_FIX = ("run: cdc init (it sets the publication's column lists from the mapp
             "before that never carry the column: if cdc run then stops on one, run cdc recover, then cdc run")
 
 #: said once at start when a mapping has a filter
-FILTERS_IN_BRIDGE = ("a publication row filter would turn an update crossing it into an insert or a delete, "
-                     "so the bridge applies the mapping's filter itself")
+FILTERS_IN_BRIDGE = ("a table takes one publication row filter, which several mappings could not share, so the "
+                     "bridge applies the mapping's filter itself (an update leaving it is a delete, one entering it "
+                     "a create)")
 
 
 class ColumnsNotSent(SlotError):

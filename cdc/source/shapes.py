@@ -25,3 +25,7 @@ class TableShape:
     columns: tuple[ColumnShape, ...]
     #: pg_class.relreplident: 'd' primary key, 'f' full, 'i' index, 'n' nothing
     replica_identity: str = "d"
+    #: of a partitioned table FULL itself (read from the catalog): a partition that is not, and its replica
+    #: identity columns, which are all its updates and deletes carry ("" when every partition is FULL)
+    partial_leaf: str = ""
+    leaf_identity: tuple[str, ...] = ()

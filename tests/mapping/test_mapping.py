@@ -96,6 +96,7 @@ def test_casts_hash_redact_const_and_filter():
         entity: ride
         table: rides
         key: [id]
+        ops: [c]
         filter: {status: {ne: test}, distance_m: {gte: 1}}
         fields:
           id: id
@@ -285,3 +286,78 @@ def test_the_keyed_hash_is_rfc_2104_hmac_sha256(key, text):
     from cdc.mapping.projector import hmac_sha256
 
     assert hmac_sha256(key)(text) == hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+FULL_RIDES = TableShape("public", "rides", RIDES.columns, replica_identity="f")
+ACTIVE = "entity: ride\ntable: rides\nkey: [id]\nfilter: {status: active}\nfields: {id: id, status: status}\n"
+
+
+def test_a_filter_on_a_column_deletes_do_not_carry_is_refused_with_the_fixes():
+    """Without REPLICA IDENTITY FULL a delete carries only the key: a filter on another column would drop it."""
+    with pytest.raises(MappingError) as err:
+        Projector(mapping(ACTIVE), RIDES, TypeCatalog())
+    assert str(err.value) == (
+        "m.yaml:4: entity 'ride': filter on column 'status' cannot be judged on the updates and deletes of public.rides: "
+        "its replica identity (default: the primary key) does not carry the column, so the bridge cannot tell whether "
+        "the row passed the filter before the change; run: ALTER TABLE public.rides REPLICA IDENTITY FULL; or filter "
+        "only on replica identity columns (id); or publish only inserts (ops: [c])")
+    # each fix binds
+    Projector(mapping(ACTIVE), FULL_RIDES, TypeCatalog())
+    Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}")), RIDES, TypeCatalog())
+    Projector(mapping(ACTIVE + "ops: [c, t, r]\n"), RIDES, TypeCatalog())
+    with pytest.raises(MappingError, match="filter on column 'status' cannot be judged on the deletes of"):
+        Projector(mapping(ACTIVE + "ops: [c, d]\n"), RIDES, TypeCatalog())
+
+
+def _op(projected):
+    return None if projected is None else (fields_dict(projected)["op"].decode(), orjson.loads(fields_dict(projected)["key"]))
+
+
+def test_a_filter_is_judged_as_transitions_on_the_old_and_new_rows():
+    p = Projector(mapping(ACTIVE), FULL_RIDES, TypeCatalog())
+    row = lambda i, status: (str(i), "2", "1.000", status, "x", "n")  # noqa: E731
+    assert _op(p.update(row(5, "active"), row(5, "active"), True)) == ("u", {"id": 5})
+    assert _op(p.update(row(5, "gone"), row(5, "active"), True)) == ("d", {"id": 5})
+    assert _op(p.update(row(5, "active"), row(5, "gone"), True)) == ("c", {"id": 5})
+    assert p.update(row(5, "gone"), row(5, "new"), True) is None
+    # the key moved as well: the delete names the old key, the create the new one
+    assert _op(p.update(row(6, "gone"), row(5, "active"), True)) == ("d", {"id": 5})
+    assert _op(p.update(row(6, "active"), row(5, "gone"), True)) == ("c", {"id": 6})
+    # a create carries the whole row: an unchanged TOASTed value is taken from the old row
+    new = (*row(5, "active")[:5], UNCHANGED_TOAST)
+    assert orjson.loads(fields_dict(p.update(new, row(5, "gone"), True))["data"]) == {"id": 5, "status": "active"}
+    assert _op(p.delete(row(5, "active"), True)) == ("d", {"id": 5})
+    assert p.delete(row(5, "gone"), True) is None
+    # each only when its op is published
+    no_delete = Projector(mapping(ACTIVE + "ops: [c, u]\n"), FULL_RIDES, TypeCatalog())
+    assert no_delete.update(row(5, "gone"), row(5, "active"), True) is None
+    assert _op(no_delete.update(row(5, "active"), row(5, "gone"), True)) == ("c", {"id": 5})
+    no_create = Projector(mapping(ACTIVE + "ops: [u, d]\n"), FULL_RIDES, TypeCatalog())
+    assert no_create.update(row(5, "active"), row(5, "gone"), True) is None
+    inserts_only = Projector(mapping(ACTIVE + "ops: [c]\n"), RIDES, TypeCatalog())
+    assert inserts_only.update(row(5, "active"), None, False) is None
+
+
+def test_a_filter_on_the_key_is_judged_on_the_old_key():
+    p = Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}")), RIDES, TypeCatalog())
+    key = lambda i: (str(i), None, None, None, None, None)  # noqa: E731  what a delete carries without FULL
+    row = lambda i: (str(i), "2", "1.000", "s", "x", "n")  # noqa: E731
+    assert _op(p.delete(key(5), False)) == ("d", {"id": 5})
+    assert p.delete(key(2), False) is None
+    assert _op(p.update(row(5), None, False)) == ("u", {"id": 5})
+    assert p.update(row(2), None, False) is None
+    assert _op(p.update(row(2), key(5), False)) == ("d", {"id": 5})
+    assert _op(p.update(row(7), key(2), False)) == ("c", {"id": 7})
+
+
+def test_a_change_lacking_a_value_the_filter_or_a_create_needs_stops_rather_than_guess():
+    from cdc.mapping.projector import Unjudgeable
+
+    p = Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}").replace("status: status}", "note: note}")),
+                  RIDES, TypeCatalog())
+    with pytest.raises(Unjudgeable, match="an update brought a row of public.rides into the filter without resending "
+                                          "field 'note'.*ALTER TABLE public.rides REPLICA IDENTITY FULL"):
+        p.update(("7", "2", "1.000", "s", "x", UNCHANGED_TOAST), ("2", None, None, None, None, None), False)
+    q = Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}")), RIDES, TypeCatalog())
+    with pytest.raises(Unjudgeable, match="filter on column 'id': a change of public.rides did not carry"):
+        q.update((UNCHANGED_TOAST, "2", "1.000", "s", "x", "n"), None, False)

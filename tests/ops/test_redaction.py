@@ -306,3 +306,26 @@ def test_no_command_shows_a_password_on_any_error_path(env, tmp_path):
         failures.append(f"{what}: cdc {' '.join(command)} -> {result.returncode}\n{output}")
     assert not failures, "\n".join(failures)
     assert len(runs) == len(bad_dsns) * 10 + len(bad_urls) * len(_commands(env))
+
+
+def test_metric_labels_and_readiness_never_show_a_secret():
+    """A label value or a /readyz answer that quotes a secret (a stream or error named from an outside value)."""
+    import urllib.request
+
+    from cdc.metrics import Registry, serve
+
+    registry = Registry()
+    registry.gauge("cdc_test_up", "a test gauge", lambda: {(("error", "auth failed: password=S3cret token=T0ken"),): 1.0})
+    rendered = registry.render()
+    assert "password=***" in rendered and "token=***" in rendered
+    assert "S3cret" not in rendered and "T0ken" not in rendered
+    server = serve(registry, lambda: (False, "redis: cannot connect to redis://u:S3cret@h:6379/0"), "127.0.0.1", 0)
+    try:
+        port = server.server_address[1]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10)
+        body = refused.value.read().decode()
+        assert refused.value.code == 503 and body == "redis: cannot connect to redis://u:***@h:6379/0\n", body
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -14,8 +14,7 @@ import orjson
 import redis
 
 from .. import keys
-from ..errors import PublishError
-from ..sink.entry import Entry, parse_entry, stream_id_for
+from ..sink.entry import Entry, ForeignEntryError, foreign_entry, parse_entry, stream_id_for
 from .consumer import ensure_group
 
 __all__ = ["dead_letters", "read_range", "replay_dead_letters", "replay_group", "range_bound"]
@@ -50,23 +49,8 @@ def replay_group(client: redis.Redis, streams: Sequence[str], group: str, start:
 DEAD_LETTER_FIELDS = ("source_stream", "source_id", "deliveries", "error")
 
 
-def foreign_entry(stream: str, entry_id: str, reason: str) -> PublishError:
-    """An entry the bridge (or, in a dead-letter stream, a consumer) did not write: a one-line error."""
-    return PublishError(
-        f"{stream} {entry_id} is not a {'dead letter' if stream.startswith(keys.DEAD_LETTER_PREFIX) else 'bridge entry'} "
-        f"({reason}): something else writes to that stream",
-        hint=f"find what wrote it (redis-cli XRANGE {stream} {entry_id} {entry_id}) and give it a stream of its own; "
-        f"to drop it: redis-cli XDEL {stream} {entry_id}",
-    )
-
-
-def _why_foreign(fields: dict) -> str | None:
-    missing = [name for name in ("op", "lsn", "seq") if name.encode() not in fields]
-    return f"no {', '.join(missing)} field" if missing else None
-
-
 def read_range(client: redis.Redis, stream: str, start: str = "-", end: str = "+", page: int = 1000,
-               on_foreign: Callable[[PublishError], None] | None = None) -> Iterator[Entry]:
+               on_foreign: Callable[[ForeignEntryError], None] | None = None) -> Iterator[Entry]:
     """Every entry of `stream` between two bounds (inclusive), in pages.
 
     An entry the bridge did not write (no ``op``, ``lsn`` or ``seq``, or one that does not parse) raises
@@ -75,16 +59,11 @@ def read_range(client: redis.Redis, stream: str, start: str = "-", end: str = "+
     while True:
         items = client.xrange(stream, start, end, count=page)
         for entry_id, fields in items:
-            reason = _why_foreign(fields)
-            if reason is None:
-                try:
-                    entry = parse_entry(stream, entry_id, fields)
-                except (ValueError, UnicodeDecodeError) as exc:  # orjson.JSONDecodeError is a ValueError
-                    reason = f"a field that does not parse: {type(exc).__name__}"
-            if reason is not None:
-                error = foreign_entry(stream, entry_id.decode(), reason)
+            try:
+                entry = parse_entry(stream, entry_id, fields)
+            except ForeignEntryError as error:
                 if on_foreign is None:
-                    raise error
+                    raise
                 on_foreign(error)
                 continue
             yield entry

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def rides(env):
-    env.init_rides("ride.yaml", riders=3)
+    env.init_rides("ride.yaml", sql=("10_rocket_rides.sql", "20_consumer_state.sql"), riders=3)
     env.execute("INSERT INTO rides (id, rider_id, distance_m) SELECT g, g, g FROM generate_series(1, 3) g")
     env.cdc("run", "--until-caught-up", check=True)
     return env
@@ -72,3 +72,11 @@ def test_a_mapping_whose_stream_is_reserved_stops_cdc_check_at_its_line(env):
     result = env.cdc("consume", "--entity", "ride", "--group", "g", "--handler", "cdc.demo.rocketrides:ride_totals",
                      "--transactions", "{cdc:ride}:hwm")
     _one_error(result, 2, "--transactions {cdc:ride}:hwm is a reserved name")
+
+
+def test_a_consumer_handed_a_foreign_entry_stops_naming_it(rides):
+    foreign = rides.redis.xadd("cdc:ride", {"hello": "world"}).decode()
+    result = rides.cdc("consume", "--entity", "ride", "--group", "g", "--start", "0",
+                       "--handler", "cdc.demo.rocketrides:ride_totals", timeout=120)
+    _one_error(result, 5, f"cdc:ride {foreign} is not a bridge entry (no op, lsn, seq field)",
+               f"redis-cli XDEL cdc:ride {foreign}")

@@ -327,7 +327,7 @@ def _section(section_cls: type, name: str, raw: Any, parent: Mapping, env: Mappi
             raise ConfigError(f"{origin}: {name}.{key} is empty", hint=f"set it, or unset {origin}" if origin.startswith(
                 "CDC_") else "set it, or remove the key for the default")
         if check is not None and values[key]:
-            check(values[key], f"{origin}: {name}.{key}")
+            check(values[key], f"{name}.{key} (from {_source(env, origin)})")
     for rule in _SECTION_RULES.get(name, ()):
         rule(values, lambda key: _origin(env, name, key, raw))
     return section_cls(**values)
@@ -341,6 +341,15 @@ def _origin(env: Mapping[str, str], section: str, key: str, raw: Any) -> str:
     if env_name + "_FILE" in env:
         return env_name + "_FILE"
     return where(raw, key)
+
+
+def _source(env: Mapping[str, str], origin: str) -> str:
+    """An `_origin` as a connection string's error names it: file:line, env VAR, or file PATH (VAR)."""
+    if origin.endswith("_FILE") and origin in env:
+        return f"file {env[origin]} named by {origin}"
+    if origin.startswith("CDC_") and origin in env:
+        return f"env {origin}"
+    return origin
 
 
 def _range_hint(default: Any) -> str:
@@ -403,8 +412,9 @@ def check_dsn(value: str, what: str) -> None:
         params = conninfo.conninfo_to_dict(value)
     except Exception as exc:  # psycopg.ProgrammingError: libpq's own words, which may quote the password
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "cannot be parsed"
-        raise ConfigError(f"{what} is not a valid connection string: {redact.mask_quoted(reason, value)}",
-                          hint=_DSN_HINT) from None
+        hint = ("fix: write every setting as keyword=value, an = sign after each keyword (never a colon); " + _DSN_HINT
+                if 'missing "="' in reason else "fix: " + _DSN_HINT)
+        raise ConfigError(f"{what} is not a valid connection string: {redact.drop_quoted(reason)}", hint=hint) from None
     written = redact.written_password(value)
     if written is not None and params.get("password") != written:
         raise ConfigError(f"{what}: libpq would not read its password as written (a character in it, such as "
@@ -447,8 +457,8 @@ def _check_redis_url(value: str, what: str) -> None:
         url = urlsplit(value)
         password = url.password
     except ValueError as exc:
-        raise ConfigError(f"{what} is not a valid URL: {redact.mask_quoted(str(exc), value)}",
-                          hint=f"{hint}; {encode}") from None
+        raise ConfigError(f"{what} is not a valid URL: {redact.drop_quoted(str(exc))}",
+                          hint=f"fix: {hint}; {encode}") from None
     written = redact.written_password(value)
     if written is not None and (password is None or unquote(password) != written):
         raise ConfigError(f"{what}: its password would not be read as written (a character in it, such as /, ? or #, "
@@ -456,7 +466,7 @@ def _check_redis_url(value: str, what: str) -> None:
     try:
         url.port  # noqa: B018 (raises on a port that is not a number)
     except ValueError as exc:
-        raise ConfigError(f"{what} is not a valid URL: {redact.mask_quoted(str(exc), value)}", hint=hint) from None
+        raise ConfigError(f"{what} is not a valid URL: {redact.drop_quoted(str(exc))}", hint=f"fix: {hint}") from None
     if url.scheme not in ("redis", "rediss", "unix"):
         got = f"scheme {url.scheme + '://'!r}" if url.scheme else "no scheme"
         raise ConfigError(f"{what} has {got}; Redis URLs start with redis://, rediss:// or unix://", hint=hint)
@@ -473,7 +483,7 @@ def _check_redis_url(value: str, what: str) -> None:
     try:
         parse_url(value)  # redis-py's own reading: its query options (ssl_cert_reqs=..., socket_timeout=...)
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{what}: {redact.mask_quoted(str(exc), value)}", hint=hint) from None
+        raise ConfigError(f"{what} is not a valid URL: {redact.drop_quoted(str(exc))}", hint=f"fix: {hint}") from None
 
 
 #: query options of a Redis URL whose values are one of a few words (redis-py refuses others only when connecting)

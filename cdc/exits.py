@@ -33,7 +33,8 @@ EXIT_CODES = {
        "`cdc recover`; for a consumer, a missing state table or grant, or its handler's SQL refused for a reason no "
        "entry caused; a refused login (password, `pg_hba.conf`)",
     5: "Redis refused a command (ACL, login), or a key of another type sits where a mapped stream or its high-water "
-       "mark belongs, or an entry holds a value larger than Redis' `proto-max-bulk-len`",
+       "mark belongs, or an entry holds a value larger than Redis' `proto-max-bulk-len`; `cdc read` / `cdc dlq` found an "
+       "entry the bridge or a consumer did not write (named by its ID, skipped)",
     6: "Redis lost entries the slot was told it holds, or a mapped stream's history vanished (deleted, replaced by "
        "another type, or trimmed below what a consumer group had not consumed); for a transaction-mode consumer, a "
        "source transaction whose END record was read and whose entries did not all arrive in time, or one of its "

@@ -9,7 +9,8 @@ exactly like the plain stream key.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "owned_key_clash", "stream_key", "written_streams"]
+__all__ = ["DEAD_LETTER_PREFIX", "DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "owned_key_clash",
+           "reserved_name", "stream_key", "written_streams"]
 
 DEFAULT_STREAM_TEMPLATE = "cdc:{entity}"
 PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
@@ -59,7 +60,7 @@ def stream_key(template: str, **fields: object) -> str:
 
 def dead_letter_key(group: str) -> str:
     """Where `group`'s entries go after too many failed deliveries (one stream per group)."""
-    return f"cdc:dlq:{group}"
+    return DEAD_LETTER_PREFIX + group
 
 
 def lease_key(stream: str, group: str) -> str:
@@ -122,8 +123,34 @@ def holds_key(stream: str) -> str:
 #: what errors and `cdc status` name as the owner of the transactions stream (where a stream's entity goes)
 TRANSACTIONS_OWNER = "transactions (END records)"
 
-#: prefixes of keys the bridge and the consumers own beside the streams (state, records, statistics, dead letters)
-OWNED_PREFIXES = ("cdc:bridge:", "cdc:stats:", "cdc:dlq:")
+#: where a group's dead letters go: this prefix and the group's name (`dead_letter_key`)
+DEAD_LETTER_PREFIX = "cdc:dlq:"
+#: prefixes of keys the bridge and the consumers own beside the streams (state, records, statistics, dead
+#: letters, the claims of slots and streams); no stream may be named with one of them
+OWNED_PREFIXES = ("cdc:bridge:", "cdc:stats:", DEAD_LETTER_PREFIX, "{cdc:bridge}:")
+#: how the keys kept beside a stream end, after its hash tag: its high-water mark and its holds
+COMPANION_SUFFIXES = (MARK_SUFFIX, ":holds")
+#: what the keys kept beside a stream hold after its hash tag: leases (and their epochs) and failure counts
+COMPANION_PARTS = (":lease:", ":failures:")
+
+
+def reserved_name(key: str) -> str | None:
+    """Why no stream may be named `key`, or None: a key the bridge or its consumers keep for themselves has
+    that shape (`OWNED_PREFIXES`), or one kept beside a stream does (`COMPANION_SUFFIXES`, `COMPANION_PARTS`
+    after a hash tag, as `mark_key`, `holds_key`, `lease_key` and `failures_key` make them)."""
+    for prefix in OWNED_PREFIXES:
+        if key.startswith(prefix):
+            return f"names starting {prefix} belong to the bridge and its consumers"
+    if has_hash_tag(key):
+        tail = key[key.index("}", key.index("{") + 1):]
+        for suffix in COMPANION_SUFFIXES:
+            if tail.endswith(suffix):
+                return f"names with a hash tag ending {suffix} belong to the keys kept beside a stream (its mark, its holds)"
+        for part in COMPANION_PARTS:
+            if part in tail:
+                return (f"names with a hash tag followed by {part}... belong to the keys kept beside a stream "
+                        "(its consumers' leases and failure counts)")
+    return None
 
 
 def _companions(stream: str) -> str:
@@ -136,9 +163,9 @@ def owned_key_clash(key: str, streams: dict[str, str]) -> str | None:
     or a consumer owns, or None: `streams` maps each mapped stream key to its entity."""
     if key in streams:
         return f"it is the stream of entity {streams[key]}"
-    for prefix in OWNED_PREFIXES:
-        if key.startswith(prefix):
-            return f"keys starting {prefix} belong to the bridge and its consumers"
+    reserved = reserved_name(key)
+    if reserved is not None:
+        return reserved
     for stream, entity in streams.items():
         if key.startswith(_companions(stream)):
             return f"it is named like a key kept beside the stream {stream} of entity {entity} (its mark, holds, leases)"

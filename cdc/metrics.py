@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from .redact import redact
+
 if TYPE_CHECKING:
     from http.server import ThreadingHTTPServer
 
@@ -112,7 +114,7 @@ class Registry:
             label_names = [k for k, _ in items[0][0]] if items else []
             family = families[kind](name, help, labels=label_names)
             for labels, v in items:
-                family.add_metric([str(v) for _, v in labels], v)
+                family.add_metric([redact(str(v)) for _, v in labels], v)
             yield family
 
     def render(self) -> str:
@@ -143,7 +145,7 @@ def serve(
                 self._reply(200, registry.render(), CONTENT_TYPE_LATEST)
             elif self.path in ("/healthz", "/readyz"):
                 ok, why = (alive if self.path == "/healthz" else ready)()
-                self._reply(200 if ok else 503, why + "\n")
+                self._reply(200 if ok else 503, redact(why) + "\n")
             else:
                 self._reply(404, "not found\n")
 

@@ -6,7 +6,10 @@ Every line the CLI prints about a failure, and every log line, passes through
 - the password of anything shaped ``[scheme:[//]]user:password@host``, even when
   the scheme is mistyped (``postgresql:/user:pw@db``) or absent;
 - ``password=...`` in a libpq key/value connection string (quoted or not) and a
-  ``password`` query parameter in a URL;
+  ``password`` query parameter in a URL; likewise every ``<name>=<value>`` whose name
+  ends in ``password``, ``passwd``, ``pwd``, ``token``, ``secret`` or ``api_key``/``apikey``
+  (``access_token=``, ``client_secret=``), and ``password:<value>`` (a colon for the ``=``);
+- the credentials of an ``Authorization:`` header and of ``Bearer``/``Basic`` schemes;
 - every secret registered with `register` (the raw values of the configured DSN
   and URL, read from the environment or a file), wherever they appear verbatim.
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["MASK", "mask_quoted", "password_spans", "redact", "register", "register_password", "register_secret",
+__all__ = ["MASK", "NOT_SHOWN", "drop_quoted", "mask_quoted", "password_spans", "redact", "register", "register_password", "register_secret",
            "secrets_of", "written_password"]
 
 MASK = "***"
@@ -32,8 +35,15 @@ MASK = "***"
 # user:password@ inside anything URL-like; the user part may be empty (redis://:pw@host); the
 # password runs to the last '@' of the word (p@ss@host)
 _USERINFO = re.compile(r"(?P<lead>(?:[A-Za-z][A-Za-z0-9+.-]*:/{0,3})?[^\s:/@'\"]*:)(?P<pw>[^\s'\"/@][^\s'\"]*)(?=@[^\s@'\"]*)")
-# password=... in a conninfo string or a query string
-_KEYWORD = re.compile(r"(?P<lead>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*'?|[^\s&'\"]+)", re.IGNORECASE)
+# password=... in a conninfo string or a query string, and any other secret-named setting (token=, secret=,
+# client_secret=, api_key=); a password also after a colon (password:pw, a mistyped conninfo keyword)
+_KEYWORD = re.compile(
+    r"(?P<lead>\b\w*?(?:(?:password|passwd|pwd)\s*[=:]|(?:token|secret|api_?key)\s*=)\s*)"
+    r"(?P<pw>'(?:[^'\\]|\\.)*'?|\"(?:[^\"\\]|\\.)*\"?|[^\s&'\",;]+)", re.IGNORECASE)
+# an HTTP Authorization header's credentials, with or without a scheme, and a bare Bearer/Basic credential
+_AUTHORIZATION = re.compile(r"(?P<lead>\bauthorization\s*[:=]\s*(?:(?:bearer|basic|digest|token)\s+)?)"
+                            r"(?P<pw>[^\s'\",;]+)", re.IGNORECASE)
+_BEARER = re.compile(r"(?P<lead>\bbearer\s+)(?P<pw>[A-Za-z0-9._~+/=-]{8,})", re.IGNORECASE)
 
 # what a value looks like when it is a URL: a scheme, however mistyped (postgresql:/, redis:)
 _SCHEME = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.-]*:/{0,3}")
@@ -184,10 +194,42 @@ def mask_quoted(message: str, value: str) -> str:
     return redact(shown)
 
 
+#: what stands for a quoted fragment a parser's message held (`drop_quoted`)
+NOT_SHOWN = "(a part of it, not shown)"
+
+
+def drop_quoted(message: str) -> str:
+    """A parser's `message` about a connection string with every fragment it quotes left out.
+
+    libpq and URL parsers quote pieces of the string they read (``missing "=" after "password:pw"``),
+    and a piece of a mistyped string may hold its password whatever shape it has. A quoted lone
+    punctuation mark (``"="``) stays; any other fragment is left out from its opening quote to the
+    *last* quote of its kind (a quote inside the piece cannot end it early), or to the end.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(message):
+        char = message[i]
+        if char not in "\"'":
+            out.append(char)
+            i += 1
+            continue
+        if message[i + 2:i + 3] == char and not message[i + 1:i + 2].isalnum() and message[i + 1:i + 2] not in "\"'":
+            out.append(message[i:i + 3])  # "=": libpq's own punctuation
+            i += 3
+            continue
+        last = message.rfind(char)
+        out.append(NOT_SHOWN)
+        i = last + 1 if last > i else len(message)
+    return redact("".join(out))
+
+
 def redact(text: str) -> str:
     """`text` with every password it holds replaced by ``***``."""
     text = _USERINFO.sub(lambda m: m.group("lead") + MASK, text)
     text = _KEYWORD.sub(lambda m: m.group("lead") + MASK, text)
+    text = _AUTHORIZATION.sub(lambda m: m.group("lead") + MASK, text)
+    text = _BEARER.sub(lambda m: m.group("lead") + MASK, text)
     for secret in sorted(_registered, key=len, reverse=True):
         text = text.replace(secret, MASK)
     return text

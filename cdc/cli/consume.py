@@ -66,6 +66,13 @@ def cmd_consume(args: argparse.Namespace) -> int:
     if args.transactions in streams:
         raise UsageError(f"--transactions {args.transactions} is a mapped entity's stream",
                          hint="give the bridge's transactions.stream (cdc:transactions by default in its docs)")
+    if args.transactions:
+        from ..keys import reserved_name
+
+        reserved = reserved_name(args.transactions)
+        if reserved is not None:
+            raise UsageError(f"--transactions {args.transactions} is a reserved name: {reserved}",
+                             hint="give the bridge's transactions.stream (cdc:transactions by default in its docs)")
     if args.sink is not None and len(chosen) > 1:
         raise UsageError("--sink mirrors one entity into one table: give one --entity with it",
                          hint="use --handler to keep several entities' state in step")
@@ -219,6 +226,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_read(args: argparse.Namespace) -> int:
+    """Entries of an entity's streams as JSON lines. An entry the bridge did not write is skipped with a
+    warning naming it, the others are shown, and the command ends with that entry's error (exit 5)."""
     from ..consume.replay import range_bound, read_range
 
     check_position(args.start, "--from")
@@ -229,10 +238,11 @@ def cmd_read(args: argparse.Namespace) -> int:
         start, end = range_bound(args.start, "-"), range_bound(args.end, "+")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    foreign: list[PublishError] = []
     with redis_for(settings) as client:
         shown = 0
         for stream in entity_named(mappings, args.entity).stream_keys():
-            for e in read_range(client, stream, start, end):
+            for e in read_range(client, stream, start, end, on_foreign=lambda error: _skipped(error, foreign)):
                 row = {"stream": e.stream, "id": e.id, **{k.decode(): v.decode() for k, v in e.fields.items()}}
                 for name in ("key", "data", "before", "unchanged"):
                     if name in row:  # parsed already by read_range
@@ -240,35 +250,72 @@ def cmd_read(args: argparse.Namespace) -> int:
                 sys.stdout.write(orjson.dumps(row).decode() + "\n")
                 shown += 1
                 if args.limit and shown >= args.limit:
-                    return 0
-    return 0
+                    return _end_skipped(foreign)
+    return _end_skipped(foreign)
+
+
+def _skipped(error: PublishError, foreign: list[PublishError]) -> None:
+    foreign.append(error)
+    sys.stdout.flush()
+    print(redact.redact(f"warning: skipped: {error.message}"), file=sys.stderr, flush=True)
+
+
+def _end_skipped(foreign: list[PublishError]) -> int:
+    """0, or the first skipped entry's error when any was skipped: a script must not take the output as whole."""
+    if not foreign:
+        return 0
+    first = foreign[0]
+    more = f" ({len(foreign)} entries skipped in all)" if len(foreign) > 1 else ""
+    raise PublishError(first.message + more, hint=first.hint)
 
 
 def cmd_dlq(args: argparse.Namespace) -> int:
+    """Dead letters of a group. An entry of the dead-letter stream no consumer wrote is never shown or
+    replayed: `list` skips it with a warning naming it and ends with its error (exit 5); `show` and
+    `replay` naming it end with that error."""
     from ..consume.replay import dead_letters, replay_dead_letters
 
     settings, _ = load_config(args)
     with redis_for(settings) as client:
         if args.action == "list":
             rows = dead_letters(client, args.group)
+            foreign: list[PublishError] = []
             for row in rows:
-                print(f"{row['id']}  {row['source_stream']} {row['source_id']}  deliveries={row['deliveries']}  {row['error']}")
-            print(f"{len(rows)} dead letter(s) for group {args.group}")
+                if "foreign" in row:
+                    _skipped(row["foreign"], foreign)
+                    continue
+                print(f"{row['id']}  {row['source_stream']} {row['source_id']}  deliveries={row['deliveries']}  "
+                      f"{redact.redact(row['error'])}")
+            print(f"{len(rows) - len(foreign)} dead letter(s) for group {args.group}")
+            return _end_skipped(foreign)
         elif args.action == "show":
             rows = [r for r in dead_letters(client, args.group) if r["id"] in args.ids]
             if not rows:
                 raise UsageError(f"no dead letter {', '.join(args.ids)} for group {args.group}",
                                  hint=f"cdc dlq list --group {args.group} shows them")
+            foreign = []
             for row in rows:
+                if "foreign" in row:
+                    _skipped(row["foreign"], foreign)
+                    continue
+                row["error"] = redact.redact(row["error"])
                 if "entry" in row:
                     row["entry"] = orjson.loads(row["entry"])
                 sys.stdout.write(orjson.dumps(row, option=orjson.OPT_INDENT_2).decode() + "\n")
+            return _end_skipped(foreign)
         else:
-            known = {r["id"] for r in dead_letters(client, args.group)}
-            unknown = [i for i in args.ids if i not in known]
+            rows = dead_letters(client, args.group)
+            unknown = [i for i in args.ids if i not in {r["id"] for r in rows}]
             if unknown:
                 raise UsageError(f"no dead letter {', '.join(unknown)} for group {args.group}",
                                  hint=f"cdc dlq list --group {args.group} shows them")
+            named = [r for r in rows if "foreign" in r and (not args.ids or r["id"] in args.ids)]
+            if named and args.ids:
+                raise named[0]["foreign"]  # before anything is replayed
+            foreign = []
+            for row in named:
+                _skipped(row["foreign"], foreign)
             for line in replay_dead_letters(client, args.group, args.ids):
-                print(line)
-    return 0
+                if "not a dead letter; skipped" not in line:
+                    print(line)
+            return _end_skipped(foreign)

@@ -68,10 +68,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings, mappings = load_config(args)
     status = collect(settings, mappings, args.stale_after_s)
     if args.json:
-        sys.stdout.write(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(redact.redact(orjson.dumps(status, option=orjson.OPT_INDENT_2).decode()) + "\n")
     else:
-        terminal = sys.stdout.isatty()
-        sys.stdout.write(render(status, color=terminal, width=shutil.get_terminal_size().columns if terminal else None))
+        terminal = sys.stdout.isatty()  # errors recorded by others (a backfill's, the slot's) may quote a secret
+        sys.stdout.write(redact.redact(render(status, color=terminal,
+                                              width=shutil.get_terminal_size().columns if terminal else None)))
     alarm = status.get("slot_alarm")
     if alarm:  # a missing or invalidated slot: shown above, and the exit code says it (4)
         sys.stdout.flush()

@@ -34,6 +34,7 @@ import redis
 from redis.exceptions import ResponseError
 
 from .. import keys
+from ..redact import redact
 from ..sink.entry import Entry, parse_entry, reply_text, stream_id_for
 from ..sink.publisher import split_position
 from ..errors import CdcError
@@ -263,7 +264,7 @@ class Consumer:
         (nothing done) when the entry is no longer pending for this consumer (another one claimed it)."""
         fields: dict = {
             "source_stream": stream, "source_id": entry_id, "group": self.group, "consumer": self.name,
-            "deliveries": failures, "error": error[:2000],
+            "deliveries": failures, "error": redact(error)[:2000],
         }
         if entry is not None:
             fields["entry"] = orjson.dumps({k.decode(): v.decode() for k, v in entry.fields.items()})
@@ -396,7 +397,7 @@ class Consumer:
         or 0 (nothing counted) when the entry is no longer pending for this consumer: another one claimed
         it meanwhile, and may have finished or dead-lettered it (a count now would outlive the entry)."""
         failures = int(self._count_script(keys=[stream, keys.failures_key(stream, self.group)],
-                                          args=[self.group, self.name, entry_id, text[:2000]]))
+                                          args=[self.group, self.name, entry_id, redact(text)[:2000]]))
         if failures:
             self.failed += 1
             self.metrics.failures[stream] += 1
@@ -409,7 +410,7 @@ class Consumer:
         Failures are counted per entry in Redis (`keys.failures_key`), not from the delivery count:
         entries delivered again only because they sat behind a failing one, or in a dead
         consumer's hands, never count, and a consumer that takes over continues the count."""
-        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        text = redact(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
         failures = self._count_failure(entry.stream, entry.id, text)
         self._pending_phase.add(entry.stream)
         if not failures:  # claimed by another consumer meanwhile: its failures are that one's to count
@@ -666,7 +667,7 @@ class Consumer:
     def _fail_unit(self, unit: Unit, error: BaseException) -> None:
         """Count the handler's failure on a unit (on its END, or its entry); past `max_deliveries`
         the whole unit is dead-lettered. Otherwise it stays first in line, retried alone."""
-        text = f"{type(error).__name__}: {error}"
+        text = redact(f"{type(error).__name__}: {error}")
         head = unit.head
         failures = self._count_failure(head.stream, head.id, text)
         self._assembly.redelivered.add(head.id)  # a failure count to clear once it is done
@@ -681,7 +682,7 @@ class Consumer:
         pipe = self.client.pipeline(transaction=not self._cluster)
         for e in unit.entries + ([unit.end] if unit.end is not None else []):
             fields = {"source_stream": e.stream, "source_id": e.id, "group": self.group, "consumer": self.name,
-                      "deliveries": failures, "error": error[:2000],
+                      "deliveries": failures, "error": redact(error)[:2000],
                       "entry": orjson.dumps({k.decode(): v.decode() for k, v in e.fields.items()})}
             if unit.end is not None:
                 fields["transaction"] = unit.end.id

@@ -7,14 +7,14 @@ written at or after 09:00.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 
 import orjson
 import redis
 
 from .. import keys
-from ..sink.entry import Entry, parse_entry, stream_id_for
+from ..sink.entry import Entry, ForeignEntryError, foreign_entry, parse_entry, stream_id_for
 from .consumer import ensure_group
 
 __all__ = ["dead_letters", "read_range", "replay_dead_letters", "replay_group", "range_bound"]
@@ -45,22 +45,52 @@ def replay_group(client: redis.Redis, streams: Sequence[str], group: str, start:
     return done
 
 
-def read_range(client: redis.Redis, stream: str, start: str = "-", end: str = "+", page: int = 1000) -> Iterator[Entry]:
-    """Every entry of `stream` between two bounds (inclusive), in pages."""
+#: what a dead letter holds beside ``entry`` (which is missing when the entry was trimmed while pending)
+DEAD_LETTER_FIELDS = ("source_stream", "source_id", "deliveries", "error")
+
+
+def read_range(client: redis.Redis, stream: str, start: str = "-", end: str = "+", page: int = 1000,
+               on_foreign: Callable[[ForeignEntryError], None] | None = None) -> Iterator[Entry]:
+    """Every entry of `stream` between two bounds (inclusive), in pages.
+
+    An entry the bridge did not write (no ``op``, ``lsn`` or ``seq``, or one that does not parse) raises
+    `foreign_entry`'s error; with `on_foreign`, it is handed that error and skipped instead.
+    """
     while True:
         items = client.xrange(stream, start, end, count=page)
         for entry_id, fields in items:
-            yield parse_entry(stream, entry_id, fields)
+            try:
+                entry = parse_entry(stream, entry_id, fields)
+            except ForeignEntryError as error:
+                if on_foreign is None:
+                    raise
+                on_foreign(error)
+                continue
+            yield entry
         if len(items) < page:
             return
         start = "(" + items[-1][0].decode()
 
 
 def dead_letters(client: redis.Redis, group: str) -> list[dict]:
+    """The dead letters of `group`; a row the consumers did not write has ``foreign`` (the error naming it)."""
     rows = []
-    for entry_id, fields in client.xrange(keys.dead_letter_key(group)):
-        row = {k.decode(): v.decode() for k, v in fields.items()}
+    stream = keys.dead_letter_key(group)
+    for entry_id, fields in client.xrange(stream):
+        row = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
         row["id"] = entry_id.decode()
+        missing = [name for name in DEAD_LETTER_FIELDS if name not in row]
+        reason = f"no {', '.join(missing)} field" if missing else None
+        if reason is None and "entry" in row:
+            try:
+                entry = orjson.loads(row["entry"])
+            except orjson.JSONDecodeError:
+                reason = "its entry field is not JSON"
+            else:
+                if not isinstance(entry, dict):
+                    reason = "its entry field is not a JSON object"
+        if reason is not None:
+            row = {"id": row["id"], "foreign": foreign_entry(stream, row["id"], reason)}
         rows.append(row)
     return rows
 
@@ -76,6 +106,9 @@ def replay_dead_letters(client: redis.Redis, group: str, ids: Sequence[str] = ()
     done = []
     for row in dead_letters(client, group):
         if ids and row["id"] not in ids:
+            continue
+        if "foreign" in row:
+            done.append(f"{row['id']}: not a dead letter; skipped ({row['foreign'].message})")
             continue
         if "entry" not in row:
             done.append(f"{row['id']}: the original entry was gone (trimmed) when it was dead-lettered; skipped")

@@ -261,10 +261,10 @@ def _message_mapping(raw: dict, entity: str, stream: str | None, version: int) -
     if extra:
         bad = sorted(extra)[0]
         raise _fail(where(raw, bad), f"{bad!r} does not apply to a message mapping (one with message_prefix)")
-    return Mapping(
+    return _own_streams(raw, Mapping(
         entity=entity, message_prefix=prefix, stream=stream or keys.DEFAULT_STREAM_TEMPLATE,
         version=version, ops=frozenset({"m"}), before=False, where=where(raw),
-    )
+    ))
 
 
 def _parse_key(raw: dict, fields: tuple[FieldSpec, ...]) -> tuple[str, ...]:
@@ -348,11 +348,24 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None, hash_key: b
         stream = keys.PARTITIONED_STREAM_TEMPLATE if partitions > 1 else keys.DEFAULT_STREAM_TEMPLATE
     elif partitions > 1 and "{partition}" not in stream:
         raise _fail(where(raw, "stream"), "a partitioned mapping's stream template must contain {partition}")
-    return Mapping(
+    return _own_streams(raw, Mapping(
         entity=entity, table=table, key=key, fields=fields, stream=stream, version=version, ops=ops,
         before=before, filter=conditions, partitions=partitions, partition_by=partition_by, snapshot=snapshot, where=place,
         field_lines={f.name: f.where for f in fields}, key_where=where(raw, "key"),
-    )
+    ))
+
+
+def _own_streams(raw: dict, mapping: Mapping) -> Mapping:
+    """`mapping`, once none of its streams is named like a key the bridge or its consumers keep for themselves
+    (the dead letters, the bridge's records, a stream's mark, holds, leases, failure counts)."""
+    for stream in mapping.stream_keys():
+        reason = keys.reserved_name(stream)
+        if reason is not None:
+            raise _fail(where(raw, "stream") if "stream" in raw else mapping.where,
+                        f"stream {stream!r} of entity {mapping.entity!r} is a reserved name: {reason}",
+                        "give the mapping a stream of its own, such as stream: 'cdc:{entity}' (without a hash tag), "
+                        "or 'cdc:{{entity}}' for a hash tag")
+    return mapping
 
 
 def _documents(path: Path) -> Iterable[Any]:

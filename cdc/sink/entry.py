@@ -8,7 +8,10 @@ from typing import Any
 
 import orjson
 
-__all__ = ["Entry", "next_stream_id", "parse_entry", "parse_stream_id", "reply_text", "stream_id_for"]
+from ..errors import PublishError
+from ..keys import DEAD_LETTER_PREFIX
+
+__all__ = ["Entry", "ForeignEntryError", "foreign_entry", "next_stream_id", "parse_entry", "parse_stream_id", "reply_text", "stream_id_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +45,36 @@ def _json(fields: dict, name: bytes) -> Any:
     return None if raw is None else orjson.loads(raw)
 
 
+class ForeignEntryError(PublishError):
+    """An entry of a stream the bridge (or, in a dead-letter stream, a consumer) did not write."""
+
+
+def foreign_entry(stream: str, entry_id: str, reason: str) -> ForeignEntryError:
+    """The one-line error naming an entry the bridge or a consumer did not write, and the fix."""
+    what = "dead letter" if stream.startswith(DEAD_LETTER_PREFIX) else "bridge entry"
+    return ForeignEntryError(
+        f"{stream} {entry_id} is not a {what} ({reason}): something else writes to that stream",
+        hint=f"find what wrote it (redis-cli XRANGE {stream} {entry_id} {entry_id}) and give it a stream of its own; "
+        f"to drop it: redis-cli XDEL {stream} {entry_id}",
+    )
+
+
 def parse_entry(stream: str | bytes, entry_id: str | bytes, fields: dict) -> Entry:
-    """An `Entry` from XREADGROUP/XRANGE output (bytes keys and values)."""
+    """An `Entry` from XREADGROUP/XRANGE output (bytes keys and values); `ForeignEntryError` for an
+    entry the bridge did not write (no ``op``, ``lsn`` or ``seq``, or a field that does not parse)."""
     if isinstance(stream, bytes):
         stream = stream.decode()
     if isinstance(entry_id, bytes):
         entry_id = entry_id.decode()
+    try:
+        return _entry(stream, entry_id, fields)
+    except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:  # orjson.JSONDecodeError is a ValueError
+        missing = [name for name in ("op", "lsn", "seq") if name.encode() not in fields]
+        reason = f"no {', '.join(missing)} field" if missing else f"a field that does not parse: {type(exc).__name__}"
+        raise foreign_entry(stream, entry_id, reason) from None
+
+
+def _entry(stream: str, entry_id: str, fields: dict) -> Entry:
     return Entry(
         stream=stream,
         id=entry_id,

@@ -24,3 +24,15 @@ def logged_totals_except_fives(conn, entries, consumer: str) -> None:
     in the same transaction)."""
     totals_except_fives(conn, entries, consumer)
     conn.cursor().executemany("INSERT INTO applied_rides (ride) VALUES (%s)", [(int(e.key["id"]),) for e in entries])
+
+
+def raising_secrets(conn, entries, consumer: str) -> None:
+    """Fail on every ride with the error text the JSON file named by HANDLER_ERRORS_FILE holds for its id
+    (texts that quote a password, a token, a URL with credentials...)."""
+    import json
+    import os
+
+    with open(os.environ["HANDLER_ERRORS_FILE"]) as f:
+        texts = json.load(f)
+    for e in entries:
+        raise RuntimeError(texts[str(e.key["id"])])

@@ -361,3 +361,45 @@ def test_a_change_lacking_a_value_the_filter_or_a_create_needs_stops_rather_than
     q = Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}")), RIDES, TypeCatalog())
     with pytest.raises(Unjudgeable, match="filter on column 'id': a change of public.rides did not carry"):
         q.update((UNCHANGED_TOAST, "2", "1.000", "s", "x", "n"), None, False)
+
+
+@pytest.mark.parametrize("stream", [
+    "cdc:dlq:g1", "cdc:dlq:{entity}", "cdc:bridge:x", "cdc:stats:trim", "cdc:stats:{entity}", "'{cdc:bridge}:streams'",
+    "'{cdc:t}:hwm'", "'cdc:{{entity}}:hwm'", "'{cdc:t}:holds'", "'{cdc:ride}:lease:g1'", "'cdc:{{entity}}:lease:g:epoch'",
+    "'{cdc:ride}:failures:g1'",
+])
+def test_a_stream_named_like_a_key_the_bridge_keeps_is_refused_at_its_line(stream):
+    """Dead letters, the bridge's records and statistics, and the keys kept beside a stream (mark, holds,
+    leases, failure counts) are never a mapped stream, whether or not such a key exists yet."""
+    text = MINIMAL + f"stream: {stream}\n"
+    with pytest.raises(MappingError) as info:
+        mapping(text)
+    message = str(info.value)
+    assert message.startswith("m.yaml:8: stream ") and "is a reserved name" in message, message
+    assert "give the mapping a stream of its own, such as stream: 'cdc:{entity}'" in message
+    assert mapping(MINIMAL + "stream: 'cdc:{entity}'\n").stream_key() == "cdc:ride"  # the advice loads
+
+
+def test_a_partitioned_or_message_mapping_s_reserved_stream_is_refused_too():
+    partitioned = MINIMAL.replace("key: [id]", "key: [id]\npartitions: {count: 2, by: [id]}") + "stream: 'cdc:{{entity}}:{partition}:holds'\n"
+    with pytest.raises(MappingError, match=r"^m.yaml:9: stream 'cdc:\{ride\}:0:holds' of entity 'ride' is a reserved name"):
+        mapping(partitioned)
+    with pytest.raises(MappingError, match=r"^m.yaml:3: stream 'cdc:dlq:audit' of entity 'audit' is a reserved name"):
+        mapping("entity: audit\nmessage_prefix: audit\nstream: 'cdc:dlq:{entity}'\n")
+    # names that only look alike stay allowed: no hash tag before :hwm, a partition of an entity called lease
+    assert mapping(MINIMAL + "stream: 'cdc:ride:hwm'\n").stream_key() == "cdc:ride:hwm"
+    assert mapping(MINIMAL.replace("entity: ride", "entity: lease").replace("key: [id]", "key: [id]\npartitions: {count: 2, by: [id]}")
+                   ).stream_keys() == ["cdc:lease:0", "cdc:lease:1"]
+
+
+def test_a_reserved_transactions_stream_is_refused(tmp_path):
+    (tmp_path / "mappings").mkdir()
+    (tmp_path / "mappings" / "ride.yaml").write_text(MINIMAL)
+    for stream in ("cdc:dlq:tx", "'{cdc:tx}:hwm'", "'{cdc:bridge}:slots'"):
+        cfg = tmp_path / "cdc.yaml"
+        cfg.write_text(f"mappings: mappings/\ntransactions:\n  stream: {stream}\n")
+        settings = Settings.from_file(cfg, env={})
+        from cdc.cli.common import check_transactions_stream
+
+        with pytest.raises(ConfigError, match=f"^{cfg}:3: transactions.stream .* cannot be used: names "):
+            check_transactions_stream(settings, load_mappings(settings.mappings))

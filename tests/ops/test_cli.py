@@ -161,3 +161,19 @@ def test_the_demo_config_reconciles_and_reports_a_consumer_that_never_ran(server
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, "".join(lines) + out
+
+
+def test_status_masks_a_secret_in_a_recorded_error(env):
+    """An error recorded by another program (a failed backfill's) is shown with its secrets masked."""
+    env.init_rides("ride.yaml")
+    env.cdc("run", "--until-caught-up", check=True)
+    from cdc.bridge.backfill import ensure_table
+
+    with env.connect() as conn:
+        ensure_table(conn)
+        conn.execute("INSERT INTO cdc_backfills (slot, entity, status, error) VALUES (%s, 'ride', 'failed', %s)",
+                     (env.slot, "could not connect to postgresql://app:Hunter2Secret@db/app token=Tok3nValue"))
+    for args in (("status",), ("status", "--json")):
+        result = env.cdc(*args)
+        assert "postgresql://app:***@db/app" in result.stdout and "token=***" in result.stdout, result.stdout
+        assert "Hunter2Secret" not in result.stdout + result.stderr and "Tok3nValue" not in result.stdout + result.stderr

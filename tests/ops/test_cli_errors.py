@@ -211,7 +211,7 @@ def test_each_kind_of_failure_exits_with_its_code(env):
     assert result.returncode == 2 and f"{env.config_path}:2: invalid YAML" in result.stderr
     env.write_config(dsn="postgresql:/cdc_bridge:pw@db/app")
     result = env.cdc("status")
-    assert result.returncode == 2 and f"{env.config_path}:1: postgres.dsn is not a valid connection string" in result.stderr
+    assert result.returncode == 2 and f"postgres.dsn (from {env.config_path}:1) is not a valid connection string" in result.stderr
     # a missing slot: 4; a server that does not answer: 75
     env.write_config()
     result = env.cdc("run", env={"CDC_POSTGRES_SLOT": "nosuchslot"})

@@ -230,12 +230,12 @@ def test_every_cdc_variable_the_project_names_is_a_setting_or_listed_in_one_plac
     ("host=h connect_timeout=soon", "connect_timeout='soon' is not a whole number of at least 0"),
     ("host=h target_session_attrs=primary-ish", "target_session_attrs='primary-ish' is not one of"),
     ("host=h gssencmode=maybe", "gssencmode='maybe' is not one of disable, prefer, require"),
-    ("host=h nosuch=1", 'invalid connection option "nosuch"'),
+    ("host=h nosuch=1", 'invalid connection option (a part of it, not shown)'),
     ("postgresql://u@[::1/db", "is not a valid connection string"),
 ])
 def test_a_malformed_dsn_keyword_is_refused_at_load(dsn, says):
     message, error = _error({}, {"CDC_POSTGRES_DSN": dsn})
-    assert message.startswith("CDC_POSTGRES_DSN: postgres.dsn") and says in message and error.exit_code == 2, message
+    assert message.startswith("postgres.dsn (from env CDC_POSTGRES_DSN)") and says in message and error.exit_code == 2, message
 
 
 @pytest.mark.parametrize("url, says", [
@@ -243,13 +243,13 @@ def test_a_malformed_dsn_keyword_is_refused_at_load(dsn, says):
     ("redis://127.0.0.1:99999/0", "is not a valid URL"),
     ("redis://127.0.0.1:6379/zero", "database 'zero' is not a number"),
     ("redis://127.0.0.1:6379/0?ssl_cert_reqs=bogus", "ssl_cert_reqs='bogus' is not one of none, optional, required"),
-    ("redis://127.0.0.1:6379/0?socket_timeout=soon", "Invalid value for 'socket_timeout'"),
+    ("redis://127.0.0.1:6379/0?socket_timeout=soon", "Invalid value for (a part of it, not shown)"),
     ("http://127.0.0.1:6379/0", "has scheme 'http://'"),
     ("redis:///0", "names no host"),
 ])
 def test_a_malformed_redis_url_is_refused_at_load(url, says):
     message, error = _error({}, {"CDC_REDIS_URL": url})
-    assert message.startswith("CDC_REDIS_URL: redis.url") and says in message and error.exit_code == 2, message
+    assert message.startswith("redis.url (from env CDC_REDIS_URL)") and says in message and error.exit_code == 2, message
 
 
 def test_the_configuration_table_is_the_code():

@@ -114,14 +114,14 @@ def test_a_malformed_connection_setting_is_2_before_anything_connects(env):
         env.write_config()
         for command in (("init",), ("check",), ("run",)):
             result = _cdc(env, *command, extra_env={"CDC_POSTGRES_DSN": dsn})
-            if problem := _one_line(result, 2, "CDC_POSTGRES_DSN: postgres.dsn", says):
+            if problem := _one_line(result, 2, "postgres.dsn (from env CDC_POSTGRES_DSN)", says):
                 bad.append(f"dsn {what}: cdc {' '.join(command)}: {problem}\n{result.stderr}")
     for what, (url, says) in MALFORMED_URLS.items():
         url = url.format(rd=env.redis_server.port)
         env.write_config(redis_url=url)
         for command in (("init",), ("check",), ("status",)):
             result = _cdc(env, *command)
-            if problem := _one_line(result, 2, f"{env.config_path}:2: redis.url", says):
+            if problem := _one_line(result, 2, f"redis.url (from {env.config_path}:2)", says):
                 bad.append(f"url {what}: cdc {' '.join(command)}: {problem}\n{result.stderr}")
     assert not bad, "\n".join(bad)
     assert _server_objects(env) == before

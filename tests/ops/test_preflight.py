@@ -130,7 +130,7 @@ def test_an_unreachable_redis(rides):
 def test_a_redis_url_with_an_http_scheme(rides):
     result = check_as(rides, redis_url="http://127.0.0.1:6379/0")
     assert result.returncode == 2
-    assert result.stderr == (f"cdc: error: {rides.config_path}:2: redis.url has scheme 'http://'; Redis URLs start "
+    assert result.stderr == (f"cdc: error: redis.url (from {rides.config_path}:2) has scheme 'http://'; Redis URLs start "
                              "with redis://, rediss:// or unix://; write it as redis://user:***@host:6379/0, or "
                              "rediss:// for TLS, unix:///path.sock for a socket\n")
 

@@ -43,6 +43,16 @@ pytestmark = pytest.mark.integration
     ("host=db password='S3 cret' dbname=app", "host=db password=*** dbname=app"),
     ("postgresql://u@db/app?password=S3cret&sslmode=require", "postgresql://u@db/app?password=***&sslmode=require"),
     ("postgresql://u@db:5432/app lsn 0/16B3748 at 2026-11-21T09:00:00Z", None),  # nothing to hide
+    ("RuntimeError: connection failed: token=S3cret, retrying", "RuntimeError: connection failed: token=***, retrying"),
+    ("secret=S3cret access_token=S3cret2 client_secret='S3 cret' api_key=S3cret3",
+     "secret=*** access_token=*** client_secret=*** api_key=***"),
+    ("HTTP 401: Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.S3cret", "HTTP 401: Authorization: Bearer ***"),
+    ("Authorization: Basic dXNlcjpTM2NyZXQ=", "Authorization: Basic ***"),
+    ("sent bearer eyJhbGciOiJIUzI1NiJ9.S3cret", "sent bearer ***"),
+    ("postgresql://u:S3cret@h/db and redis://user:S3cret@host", "postgresql://u:***@h/db and redis://user:***@host"),
+    ("missing \"=\" after \"password:S3cret\" in connection info string",
+     "missing \"=\" after \"password:***\" in connection info string"),
+    ("basic authentication failed for user cdc", None),  # words, not credentials
 ])
 def test_redact_hides_passwords_however_written(text, shown):
     assert redact(text) == (text if shown is None else shown)
@@ -118,6 +128,8 @@ DSN_FORMS = {
     "key=value quoted": lambda pw: f"host=127.0.0.1 user=cdc_bridge password={_quoted(pw)} dbname=app",
     "key=value unterminated quote": lambda pw: f"host=127.0.0.1 user=cdc_bridge password='{pw} dbname=app",
     "key=value bad sslmode": lambda pw: f"host=127.0.0.1 password={_quoted(pw)} sslmode=bogus",
+    # a colon typed for the = sign: libpq's complaint quotes the whole pair
+    "key=value colon": lambda pw: f"host=127.0.0.1 user=cdc_bridge password:{pw} dbname=app",
 }
 URL_FORMS = {
     "raw": lambda pw: f"redis://cdc-bridge:{pw}@127.0.0.1:6379/0",
@@ -140,10 +152,10 @@ def _load(tmp: Path, setting: str, value: str, source: str) -> tuple[int | None,
     else:
         cfg.write_text("mappings: mappings/\n")
         if source == "env":
-            env[variable], where = value, variable
+            env[variable], where = value, f"env {variable}"
         else:
             (tmp / "secret").write_text(value + "\n")
-            env[variable + "_FILE"], where = str(tmp / "secret"), variable + "_FILE"
+            env[variable + "_FILE"], where = str(tmp / "secret"), f"file {tmp / 'secret'} named by {variable}_FILE"
     saved = set(redact_module._registered)
     redact_module._registered.clear()  # what this load registers, and nothing else, hides the password
     try:
@@ -158,6 +170,35 @@ def _load(tmp: Path, setting: str, value: str, source: str) -> tuple[int | None,
     finally:
         redact_module._registered.clear()
         redact_module._registered.update(saved)
+
+
+#: the typo: a colon for the = after password; libpq's complaint quotes the whole pair
+TYPO_PASSWORD = "Bs5Hy\\Qk7Jw"
+
+
+def test_a_dsn_typo_names_where_it_came_from_and_never_the_password(env):
+    """A colon for an = sign, in the config file, the environment or a _FILE: cdc check and cdc run say
+    where the string came from and libpq's reason without what it quotes."""
+    env.copy_mappings("ride.yaml")
+    pg = env.postgres.port
+    dsn = f"host=127.0.0.1 port={pg} dbname={env.dbname} user=cdc_bridge password:{TYPO_PASSWORD}"
+    secret = env.tmp / "dsn"
+    secret.write_text(dsn + "\n")
+    reason = 'is not a valid connection string: missing "=" after (a part of it, not shown) in connection info string; fix:'
+    for command in ("check", "run"):
+        env.write_config(dsn=dsn)  # single-quoted YAML: the backslash is kept as written
+        sources = [(f"{env.config_path}:1", {}), ("env CDC_POSTGRES_DSN", {"CDC_POSTGRES_DSN": dsn}),
+                   (f"file {secret} named by CDC_POSTGRES_DSN_FILE", {"CDC_POSTGRES_DSN_FILE": str(secret)})]
+        for source, extra in sources:
+            result = env.cdc(command, env=extra, timeout=60)
+            output = result.stdout + result.stderr
+            assert "Bs5Hy" not in output and "Qk7Jw" not in output, (command, source, output)
+            assert result.returncode == 2 and result.stderr.count("\n") == 1 and not result.stdout, (command, source, output)
+            assert result.stderr.startswith(f"cdc: error: postgres.dsn (from {source}) {reason}"), (command, source, output)
+    # the advice works: with an = sign the string parses, and check goes on to the server (the login is refused)
+    env.write_config(dsn=dsn.replace("password:", "password="))
+    result = env.cdc("check", timeout=60)
+    assert "is not a valid connection string" not in result.stderr and "Bs5Hy" not in result.stdout + result.stderr
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -175,7 +216,7 @@ def test_a_dsn_password_never_shows_however_malformed(password, form, source, tm
         return
     assert not any(marker in printed for marker in MARKERS), printed
     assert code == 2 and printed.count("\n") == 1, printed
-    assert printed.startswith(f"cdc: error: {where}: postgres.dsn"), printed
+    assert printed.startswith(f"cdc: error: postgres.dsn (from {where})"), printed
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -189,7 +230,7 @@ def test_a_redis_url_password_never_shows_however_malformed(password, form, sour
         return
     assert not any(marker in printed for marker in MARKERS), printed
     assert code == 2 and printed.count("\n") == 1, printed
-    assert printed.startswith(f"cdc: error: {where}: redis.url"), printed
+    assert printed.startswith(f"cdc: error: redis.url (from {where})"), printed
 
 
 def _commands(env) -> list[tuple[str, ...]]:
@@ -228,6 +269,7 @@ def test_no_command_shows_a_password_on_any_error_path(env, tmp_path):
         "unterminated quote": f"host=127.0.0.1 port={pg} user=cdc_bridge password='{HALVES[0]} {HALVES[1]} dbname={env.dbname}",
         "quoted, wrong": f"host=127.0.0.1 port={pg} user=cdc_bridge password='{HALVES[0]}\\'\\\\ {HALVES[1]}' dbname={env.dbname}",
         "bad sslmode": f"postgresql://cdc_bridge:{SECRET}@127.0.0.1:{pg}/{env.dbname}?sslmode=bogus",
+        "colon for =": f"host=127.0.0.1 port={pg} user=cdc_bridge password:{SECRET} dbname={env.dbname}",
         "sslmode=require, no SSL": f"postgresql://cdc_bridge:{SECRET}@127.0.0.1:{pg}/{env.dbname}?sslmode=require",
     }
     bad_urls = {
@@ -264,3 +306,26 @@ def test_no_command_shows_a_password_on_any_error_path(env, tmp_path):
         failures.append(f"{what}: cdc {' '.join(command)} -> {result.returncode}\n{output}")
     assert not failures, "\n".join(failures)
     assert len(runs) == len(bad_dsns) * 10 + len(bad_urls) * len(_commands(env))
+
+
+def test_metric_labels_and_readiness_never_show_a_secret():
+    """A label value or a /readyz answer that quotes a secret (a stream or error named from an outside value)."""
+    import urllib.request
+
+    from cdc.metrics import Registry, serve
+
+    registry = Registry()
+    registry.gauge("cdc_test_up", "a test gauge", lambda: {(("error", "auth failed: password=S3cret token=T0ken"),): 1.0})
+    rendered = registry.render()
+    assert "password=***" in rendered and "token=***" in rendered
+    assert "S3cret" not in rendered and "T0ken" not in rendered
+    server = serve(registry, lambda: (False, "redis: cannot connect to redis://u:S3cret@h:6379/0"), "127.0.0.1", 0)
+    try:
+        port = server.server_address[1]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10)
+        body = refused.value.read().decode()
+        assert refused.value.code == 503 and body == "redis: cannot connect to redis://u:***@h:6379/0\n", body
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -9,7 +9,7 @@ exactly like the plain stream key.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "owned_key_clash", "stream_key", "written_streams"]
+__all__ = ["DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "removed_key", "owned_key_clash", "stream_key", "written_streams"]
 
 DEFAULT_STREAM_TEMPLATE = "cdc:{entity}"
 PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
@@ -60,6 +60,14 @@ def stream_key(template: str, **fields: object) -> str:
 def dead_letter_key(group: str) -> str:
     """Where `group`'s entries go after too many failed deliveries (one stream per group)."""
     return f"cdc:dlq:{group}"
+
+
+def removed_key(stream: str) -> str:
+    """A hash (same cluster slot as `stream`) accounting for entries removed from `stream` knowingly:
+    "count", how many the bridge's own trimming removed (each trim and its count in one script) plus those
+    `cdc recover` accepted; "deleted", the largest ID deleted (XDEL) that `cdc recover` accepted. Entries
+    missing beyond that were removed by someone else (`cdc.sink.trim.removed_unconsumed`)."""
+    return mark_key(stream)[: -len(MARK_SUFFIX)] + ":removed"
 
 
 def lease_key(stream: str, group: str) -> str:

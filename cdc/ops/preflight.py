@@ -488,6 +488,10 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
                 report.ok.append(f"{where} holds the source up to slot {settings.postgres.slot}'s position {confirmed}")
             except DataLossError as exc:
                 report.problems.append(exc)
+        if settings.redis.append == "script":
+            from ..sink.script import SCRIPT_MODE_BLIND
+
+            report.warnings.append(SCRIPT_MODE_BLIND)
         problems = stream_problems(client, streams)  # a key of another type, a stream whose history vanished
         report.problems += problems
         if streams and not problems:

@@ -342,3 +342,22 @@ def test_recover_refuses_a_mark_key_of_another_type_and_changes_nothing(env):
         "cdc: error: redis key {cdc:b}:hwm holds a set, not the high-water mark of stream cdc:b (entity b); "
         "cdc recover changed nothing")
     assert env.redis.get(f"cdc:bridge:{env.slot}:flushed") == flushed and env.redis.type("{cdc:b}:hwm") == b"set"
+
+
+@pytest.mark.one_path
+def test_script_mode_says_at_start_that_it_cannot_detect_a_redis_emptied_under_it(env):
+    three_streams(env, "script")
+    warning = "redis.append is script: a Redis emptied under the running bridge (FLUSHALL, FLUSHDB) goes undetected"
+    assert warning in env.cdc("check").stderr
+    bridge = env.start_bridge()
+    write(env, ("a",), range(1, 6))
+    wait_for(lambda: env.redis.xlen("cdc:a") == 5, 30, "the first rows")
+    env.redis.flushall()
+    write(env, ("a",), range(6, 8))
+    wait_for(lambda: env.redis.xlen("cdc:a") == 2, 30, "the later rows, in a re-created stream")
+    assert bridge.poll() is None, "the loss this mode cannot see"
+    assert warning in bridge.log_path.read_text()
+    bridge.terminate()
+    bridge.wait(30)
+    env.write_config("batch: {max_delay_ms: 60000}\n", redis=", append: transaction")
+    assert warning not in env.cdc("check").stderr

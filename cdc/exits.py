@@ -33,7 +33,9 @@ EXIT_CODES = {
     5: "Redis refused a command (ACL, login), or a key of another type sits where a mapped stream or its high-water "
        "mark belongs",
     6: "Redis lost entries the slot was told it holds, or a mapped stream's history vanished (deleted, replaced by "
-       "another type, or trimmed below what a consumer group had not consumed); for a transaction-mode consumer, a "
+       "another type, trimmed below what a consumer group had not consumed, or entries a group had not consumed "
+       "deleted anywhere by someone other than the bridge, which a plain consumer reports too); for a transaction-mode "
+       "consumer, a "
        "source transaction whose END record was read and whose entries did not all arrive in time, or one of its "
        "entries deleted while pending (`IncompleteTransaction`; an END the bridge has not written yet is waited for)",
     7: "`cdc reconcile` left drift (a dry run, or a refused reset)",

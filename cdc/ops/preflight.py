@@ -395,6 +395,8 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
             ("cdc trim", ("XTRIM", s, "MINID", "0")), ("cdc trim", ("HGETALL", keys.holds_key(s))),
             ("cdc trim", ("EVAL", "return 1", "2", s, keys.removed_key(s))),
             ("cdc trim", ("HINCRBY", keys.removed_key(s), "count", "1")),
+            ("cdc trim", ("HMGET", keys.removed_key(s), "count")), ("cdc trim", ("HSET", keys.removed_key(s), "count", "0")),
+            ("cdc trim", ("HMGET", keys.TRIM_STATS, "f")),
             ("cdc run", ("HMGET", keys.removed_key(s), "count", "deleted")),
             ("cdc run", ("HMGET", keys.TRIM_STATS, "f")), ("cdc run", ("HSET", keys.removed_key(s), "count", "0")),
             ("consumers", ("XINFO", "STREAM", s)), ("consumers", ("HMGET", keys.removed_key(s), "count", "deleted")),

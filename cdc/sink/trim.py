@@ -104,18 +104,22 @@ def active_holds(client: redis.Redis, stream: str) -> dict[str, str]:
     return holds
 
 
-# KEYS: the stream, its removed_key; ARGV: MINID or MAXLEN, its value. The trim and its count, atomically:
-# a count short of a trim would read as entries someone else removed.
+# KEYS: the stream, its removed_key; ARGV: MINID or MAXLEN, its value, and what an older bridge counted (the
+# count's start, when the stream has none yet). The trim and its count, atomically: a count short of a trim would
+# read as entries someone else removed.
 TRIM_SCRIPT = """
 local n = redis.call('XTRIM', KEYS[1], ARGV[1], ARGV[2])
+if not redis.call('HMGET', KEYS[2], 'count')[1] then redis.call('HSET', KEYS[2], 'count', ARGV[3]) end
 if n > 0 then redis.call('HINCRBY', KEYS[2], 'count', n) end
 return n
 """
 
 
 def counted_trim(client: redis.Redis, stream: str, how: str, value: str | int) -> int:
-    """XTRIM `stream` (`how`: MINID or MAXLEN, exact) and count what it removed as the bridge's own."""
-    return int(client.eval(TRIM_SCRIPT, 2, stream, keys.removed_key(stream), how, str(value)))
+    """XTRIM `stream` (`how`: MINID or MAXLEN, exact) and count what it removed as the bridge's own. A stream
+    an older bridge trimmed starts its count at that bridge's trim counter (`keys.TRIM_STATS`)."""
+    older = client.hmget(keys.TRIM_STATS, f"{stream}:trimmed")[0]
+    return int(client.eval(TRIM_SCRIPT, 2, stream, keys.removed_key(stream), how, str(value), int(older or 0)))
 
 
 def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolicy()) -> TrimResult:

@@ -168,3 +168,17 @@ def test_a_hand_deletion_of_entries_every_group_consumed_is_no_loss(client):
     client.xtrim("s", minid=ids[1], approximate=False)
     assert removed_by_others(client, "s", client.xinfo_stream("s"))[0] == 3
     assert removed_unconsumed(client, "s") == []
+
+
+def test_a_stream_an_older_bridge_trimmed_is_no_hole_before_or_after_the_first_counted_trim(client):
+    add(client, 10)
+    client.xgroup_create("s", "g", id="0")
+    read = client.xreadgroup("g", "c", {"s": ">"}, count=4)[0][1]
+    client.xack("s", "g", *[i for i, _ in read])
+    client.xtrim("s", minid=read[-1][0], approximate=False)  # what an older bridge did: no count beside the trim
+    client.hincrby("cdc:stats:trim", "s:trimmed", 3)
+    assert removed_by_others(client, "s", client.xinfo_stream("s"))[0] == 0
+    client.xack("s", "g", read[-1][0])
+    assert trim_stream(client, "s").trimmed == 1
+    assert client.hget("{s}:removed", "count") == b"4"
+    assert removed_by_others(client, "s", client.xinfo_stream("s"))[0] == 0 and removed_unconsumed(client, "s") == []

@@ -247,7 +247,10 @@ def removed_unconsumed(client: redis.Redis, stream: str, info: dict | None = Non
                 continue
         if foreign <= 0:
             continue
-        if deleted is not None and parse_stream_id(deleted) >= needed:
+        if head_accounted:  # the head up to where the stream starts is the cap's (or a recovery's) doing
+            if deleted is not None and parse_stream_id(deleted) >= max(needed, parse_stream_id(start)):
+                found.append(UnconsumedRemoved(stream, name, after, start, foreign, pending, deleted))
+        elif deleted is not None and parse_stream_id(deleted) >= needed:
             found.append(UnconsumedRemoved(stream, name, after, start, foreign, pending, deleted))
         elif needed < parse_stream_id(start) and (g.get("entries-read") is None or g.get("lag") is None
                                                   or g["lag"] > info["length"]):

@@ -182,3 +182,19 @@ def test_a_stream_an_older_bridge_trimmed_is_no_hole_before_or_after_the_first_c
     assert trim_stream(client, "s").trimmed == 1
     assert client.hget("{s}:removed", "count") == b"4"
     assert removed_by_others(client, "s", client.xinfo_stream("s"))[0] == 0 and removed_unconsumed(client, "s") == []
+
+
+def test_after_the_cap_dropped_what_a_group_needed_only_a_later_hole_is_reported(client):
+    add(client, 10)
+    client.xgroup_create("s", "g", id="0")
+    client.xreadgroup("g", "c", {"s": ">"}, count=2)
+    trim_stream(client, "s", TrimPolicy(max_len=5))  # knowingly: counted as forced
+    client.xdel("s", client.xrange("s")[0][0])  # by hand, at the head the cap left
+    client.xtrim("s", maxlen=3, approximate=False)  # and by hand past it
+    assert removed_unconsumed(client, "s") != []
+    accept_removed(client, "s")
+    assert removed_unconsumed(client, "s") == []
+    kept = client.xrange("s")
+    client.xdel("s", kept[1][0])  # a hole in the middle
+    [found] = removed_unconsumed(client, "s")
+    assert found.through == kept[1][0].decode()

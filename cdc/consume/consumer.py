@@ -344,10 +344,11 @@ class Consumer:
         replies = pipe.execute(raise_on_error=False)
         for i, stream in enumerate(streams):
             info, account, older = replies[3 * i: 3 * i + 3]
-            if not isinstance(info, dict):
+            if isinstance(info, ResponseError) and "no such key" in str(info).lower():
                 continue  # no stream yet: nothing to skip
-            if isinstance(account, Exception) or isinstance(older, Exception):
-                raise account if isinstance(account, Exception) else older
+            for reply in (info, account, older):
+                if isinstance(reply, Exception):
+                    raise reply
             if foreign_removals(info, account, older)[0] <= 0:
                 continue
             gone = removed_unconsumed(self.client, stream, info, only=self.group)

@@ -36,7 +36,9 @@ EXIT_CODES = {
        "mark belongs, or an entry holds a value larger than Redis' `proto-max-bulk-len`; `cdc read` / `cdc dlq` found an "
        "entry the bridge or a consumer did not write (named by its ID, skipped)",
     6: "Redis lost entries the slot was told it holds, or a mapped stream's history vanished (deleted, replaced by "
-       "another type, or trimmed below what a consumer group had not consumed); for a transaction-mode consumer, a "
+       "another type, trimmed below what a consumer group had not consumed, or entries a group had not consumed "
+       "deleted anywhere by someone other than the bridge, which a plain consumer reports too); for a transaction-mode "
+       "consumer, a "
        "source transaction whose END record was read and whose entries did not all arrive in time, or one of its "
        "entries deleted while pending (`IncompleteTransaction`; an END the bridge has not written yet is waited for)",
     7: "`cdc reconcile` left drift (a dry run, or a refused reset)",

@@ -10,7 +10,7 @@ exactly like the plain stream key.
 from __future__ import annotations
 
 __all__ = ["DEAD_LETTER_PREFIX", "DEFAULT_STREAM_TEMPLATE", "has_hash_tag", "holds_key", "mark_key", "owned_key_clash",
-           "reserved_name", "stream_key", "written_streams"]
+           "removed_key", "reserved_name", "stream_key", "written_streams"]
 
 DEFAULT_STREAM_TEMPLATE = "cdc:{entity}"
 PARTITIONED_STREAM_TEMPLATE = "cdc:{entity}:{partition}"
@@ -61,6 +61,14 @@ def stream_key(template: str, **fields: object) -> str:
 def dead_letter_key(group: str) -> str:
     """Where `group`'s entries go after too many failed deliveries (one stream per group)."""
     return DEAD_LETTER_PREFIX + group
+
+
+def removed_key(stream: str) -> str:
+    """A hash (same cluster slot as `stream`) accounting for entries removed from `stream` knowingly:
+    "count", how many the bridge's own trimming removed (each trim and its count in one script) plus those
+    `cdc recover` accepted; "deleted", the largest ID deleted (XDEL) that `cdc recover` accepted. Entries
+    missing beyond that were removed by someone else (`cdc.sink.trim.removed_unconsumed`)."""
+    return mark_key(stream)[: -len(MARK_SUFFIX)] + ":removed"
 
 
 def lease_key(stream: str, group: str) -> str:
@@ -128,8 +136,9 @@ DEAD_LETTER_PREFIX = "cdc:dlq:"
 #: prefixes of keys the bridge and the consumers own beside the streams (state, records, statistics, dead
 #: letters, the claims of slots and streams); no stream may be named with one of them
 OWNED_PREFIXES = ("cdc:bridge:", "cdc:stats:", DEAD_LETTER_PREFIX, "{cdc:bridge}:")
-#: how the keys kept beside a stream end, after its hash tag: its high-water mark and its holds
-COMPANION_SUFFIXES = (MARK_SUFFIX, ":holds")
+#: how the keys kept beside a stream end, after its hash tag: its high-water mark, its holds and the count of
+#: entries removed from it knowingly
+COMPANION_SUFFIXES = (MARK_SUFFIX, ":holds", ":removed")
 #: what the keys kept beside a stream hold after its hash tag: leases (and their epochs) and failure counts
 COMPANION_PARTS = (":lease:", ":failures:")
 
@@ -145,7 +154,8 @@ def reserved_name(key: str) -> str | None:
         tail = key[key.index("}", key.index("{") + 1):]
         for suffix in COMPANION_SUFFIXES:
             if tail.endswith(suffix):
-                return f"names with a hash tag ending {suffix} belong to the keys kept beside a stream (its mark, its holds)"
+                return (f"names with a hash tag ending {suffix} belong to the keys kept beside a stream (its mark, its "
+                        "holds, its removal count)")
         for part in COMPANION_PARTS:
             if part in tail:
                 return (f"names with a hash tag followed by {part}... belong to the keys kept beside a stream "

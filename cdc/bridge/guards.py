@@ -16,7 +16,7 @@ import redis
 from .. import keys
 from ..errors import DataLossError, PublishError, SlotError
 from ..sink.streamkeys import STREAM, stream_key_error
-from ..sink.trim import UnconsumedRemoved, removed_unconsumed
+from ..sink.trim import UnconsumedRemoved, removed_unconsumed, unconsumed_loss_error
 from ..source.history import Divergence, ServerHistory, divergence
 from ..source.lsn import Lsn
 
@@ -306,19 +306,7 @@ def _stream_infos(client: redis.Redis, streams: list[str]) -> dict[str, dict]:
 
 def _unconsumed_loss(client: redis.Redis, gone: UnconsumedRemoved, entity: str, mark: bytes | None) -> DataLossError:
     """A stream that lost entries a consumer group had not consumed, other than by the trim caps (exit 6)."""
-    first = client.xrange(gone.stream, count=1)
-    lsn = Lsn(int(first[0][1][b"lsn"])) if first else Lsn(int(mark[:20])) if mark else Lsn(0)
-    what = (f"from ID {gone.after} (delivered to it, not acknowledged)" if gone.pending else f"after ID {gone.after}")
-    count = f" ({gone.count} entries)" if gone.count else ""
-    error = DataLossError(
-        f"stream {gone.stream} (stream of entity {entity}) lost entries consumer group {gone.group} had not consumed: "
-        f"IDs {what} up to before {gone.before}{count}, committed before {lsn}, were removed from it, "
-        "not by the bridge's trimming (its cap accounts for no such drop)",
-        hint="restore Redis from a backup holding them, or stop the bridge and run cdc recover to rebuild the stream "
-        "from its table (its consumers reset at the marker)",
-    )
-    error.lost_stream, error.lost_to = gone.stream, lsn
-    return error
+    return unconsumed_loss_error(client, gone, f"stream of entity {entity}", mark)
 
 
 def record_source(client: redis.Redis, slot: str, server: ServerHistory) -> None:

@@ -161,6 +161,10 @@ class Bridge:
             if error is not None:
                 raise error
         log.info("%s", speedups.describe())
+        if self.settings.redis.append == "script":
+            from ..sink.script import SCRIPT_MODE_BLIND
+
+            log.warning("%s", SCRIPT_MODE_BLIND)
         # Every change makes short-lived containers (its entry) and none makes a cycle: keep the
         # objects of the start-up out of the collector's sight and collect the young ones less often,
         # or full collections walk everything alive every few thousand changes.

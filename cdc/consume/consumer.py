@@ -37,6 +37,7 @@ from .. import keys
 from ..redact import redact
 from ..sink.entry import Entry, parse_entry, reply_text, stream_id_for
 from ..sink.publisher import split_position
+from ..sink.trim import foreign_removals, removal_reads, removed_unconsumed, unconsumed_loss_error
 from ..errors import CdcError
 from ..loader import check_signature
 from .defaults import BLOCK_MS, CLAIM_IDLE_MS, COUNT, LEASE_POLL_S, LEASE_TTL_MS, MAX_DELIVERIES, TRANSACTION_WAIT_MS
@@ -365,11 +366,38 @@ class Consumer:
         if self.exclusive:  # wake up in time to renew the leases
             block = max(1, min(block, int(max(0.0, self._next_lease_check - time.monotonic()) * 1000)))
         ids = {s: ">" for s in active if only is None or s in only}
+        if not self.transactions:
+            self._refuse_holes(list(ids or active))
         reply = self._xreadgroup(ids or {s: ">" for s in active}, self.count, block)
         self._read_pending = False
         entries = self._parse(reply)
         self.delivered += len(entries)
         return entries
+
+    def _refuse_holes(self, streams: Sequence[str]) -> None:
+        """Before reading new entries of `streams`: stop (exit 6) when entries this group had not been delivered
+        were removed by someone other than the bridge (XDEL, XTRIM by hand; `cdc.sink.trim`): a plain read would
+        skip them silently. Transaction mode finds them from its END records instead. One round trip; the full
+        judgement only for a stream someone else removed entries from."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_stream(stream)
+            removal_reads(pipe, stream)
+        replies = pipe.execute(raise_on_error=False)
+        for i, stream in enumerate(streams):
+            info, account, older = replies[3 * i: 3 * i + 3]
+            if isinstance(info, ResponseError) and "no such key" in str(info).lower():
+                continue  # no stream yet: nothing to skip
+            for reply in (info, account, older):
+                if isinstance(reply, Exception):
+                    raise reply
+            if foreign_removals(info, account, older)[0] <= 0:
+                continue
+            gone = removed_unconsumed(self.client, stream, info, only=self.group)
+            if gone:
+                error = unconsumed_loss_error(self.client, gone[0], f"read by consumer group {self.group}")
+                log.error("%s", error.message)
+                raise error
 
     def ack(self, entries: Sequence[Entry]) -> None:
         by_stream: dict[str, list[str]] = {}

@@ -416,6 +416,15 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
             ("cdc status", ("XLEN", s)), ("cdc status", ("XREVRANGE", s, "+", "-", "COUNT", "1")),
             ("cdc status", ("GET", mark)), ("cdc trim", ("XPENDING", s, group)),
             ("cdc trim", ("XTRIM", s, "MINID", "0")), ("cdc trim", ("HGETALL", keys.holds_key(s))),
+            ("cdc trim", ("EVAL", "return 1", "2", s, keys.removed_key(s))),
+            ("cdc trim", ("HINCRBY", keys.removed_key(s), "count", "1")),
+            ("cdc trim", ("HMGET", keys.removed_key(s), "count")), ("cdc trim", ("HSET", keys.removed_key(s), "count", "0")),
+            ("cdc trim", ("HMGET", keys.TRIM_STATS, "f")),
+            ("cdc run", ("HMGET", keys.removed_key(s), "count", "deleted")),
+            ("cdc run", ("HMGET", keys.TRIM_STATS, "f")), ("cdc run", ("HSET", keys.removed_key(s), "count", "0")),
+            ("consumers", ("XINFO", "STREAM", s)), ("consumers", ("HMGET", keys.removed_key(s), "count", "deleted")),
+            ("consumers", ("HMGET", keys.TRIM_STATS, "f")), ("consumers", ("HMGET", keys.TRIM_ACCOUNTED, "f")),
+            ("consumers", ("XPENDING", s, group)),
             ("consumers", ("XGROUP", "CREATE", s, group, "$", "MKSTREAM")),
             ("consumers", ("XREADGROUP", "GROUP", group, consumer, "COUNT", "1", "STREAMS", s, ">")),
             ("consumers", ("XACK", s, group, "0-1")), ("consumers", ("XAUTOCLAIM", s, group, consumer, "1", "0-0")),
@@ -504,6 +513,10 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
                 report.ok.append(f"{where} holds the source up to slot {settings.postgres.slot}'s position {confirmed}")
             except DataLossError as exc:
                 report.problems.append(exc)
+        if settings.redis.append == "script":
+            from ..sink.script import SCRIPT_MODE_BLIND
+
+            report.warnings.append(SCRIPT_MODE_BLIND)
         problems = stream_problems(client, streams)  # a key of another type, a stream whose history vanished
         report.problems += problems
         if streams and not problems:

@@ -54,7 +54,7 @@ from ..reconcile.exported_snapshot import ExportedSnapshot, import_snapshot
 from ..sink.claims import BridgeIdentity, claim
 from ..sink.entry import next_stream_id
 from ..sink.publisher import Publisher, StreamBatch, position
-from ..sink.trim import account_removed
+from ..sink.trim import accept_removed
 from ..source.history import read_history
 from ..source.lsn import Lsn
 from ..source.replication import classify_pg_error
@@ -346,7 +346,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                         say(f"backfill {backfill_id} of {entity}: superseded (the rebuild holds every row)")
                     for stream in written:  # entries removed before the rebuild are accounted for by its marker
                         if client.exists(stream):
-                            account_removed(client, stream)
+                            accept_removed(client, stream)
                     publisher.record_flushed(confirmed)
                     # the streams replay to the tables as they are now: bind them from the snapshot on
                     record_current(conn, client, slot, [m.table for m in mappings if m.table], snap.position)

@@ -26,7 +26,14 @@ from redis.exceptions import NoScriptError, ResponseError
 from .node import Node, classify
 from .streamkeys import stream_key_error
 
-__all__ = ["APPEND_SCRIPT", "ScriptLane"]
+__all__ = ["APPEND_SCRIPT", "SCRIPT_MODE_BLIND", "ScriptLane"]
+
+#: what `cdc run` (at start) and `cdc check` warn of in this mode
+SCRIPT_MODE_BLIND = (
+    "redis.append is script: a Redis emptied under the running bridge (FLUSHALL, FLUSHDB) goes undetected: the script "
+    "re-creates each stream holding only the later entries, with marks and a flushed record that agree with them; "
+    "redis.append: transaction (the default) refuses the batch instead (exit 6)")
+
 
 # KEYS: stream 1, its mark, stream 2, its mark, ..., then the flushed record's key if it is moved.
 # ARGV[1]: how many streams; then per stream a MessagePack array of entries, each its field/value

@@ -10,6 +10,13 @@ is logged loudly and counted, and where the stream then starts is recorded
 (`keys.TRIM_ACCOUNTED`): entries a group had not
 consumed that are missing below that point were dropped knowingly. Missing
 anywhere else, they vanished: `removed_unconsumed` finds them.
+
+Each trim and its count go in one script: the stream's `keys.removed_key` hash counts every entry the
+bridge removed itself ("count"). Redis counts every entry ever added to a stream (XINFO STREAM
+`entries-added`); what it added, less what it holds, less what the bridge removed or `cdc recover`
+accepted, was removed by someone else (XDEL, XTRIM by hand). Such a hole anywhere a consumer group
+had not consumed yet is a loss: XDEL leaves the largest ID it deleted (`max-deleted-entry-id`), a trim
+leaves the stream starting later.
 """
 
 from __future__ import annotations
@@ -22,11 +29,14 @@ from dataclasses import dataclass, field
 import redis
 
 from .. import keys
+from ..errors import DataLossError
+from ..source.lsn import Lsn
 from .entry import next_stream_id, parse_stream_id, reply_text
 from ..mapping.model import Mapping
 
-__all__ = ["TrimPolicy", "TrimResult", "UnconsumedRemoved", "account_removed", "active_holds", "removed_unconsumed", "safe_trim_point",
-           "trim_mapped", "trim_stream"]
+__all__ = ["TrimPolicy", "TrimResult", "UnconsumedRemoved", "accept_removed", "account_removed", "active_holds",
+           "counted_trim", "foreign_removals", "removal_reads", "removed_by_others", "removed_unconsumed",
+           "safe_trim_point", "trim_mapped", "trim_stream", "unconsumed_loss_error"]
 
 log = logging.getLogger("cdc.trim")
 
@@ -94,16 +104,34 @@ def active_holds(client: redis.Redis, stream: str) -> dict[str, str]:
     return holds
 
 
+# KEYS: the stream, its removed_key; ARGV: MINID or MAXLEN, its value, and what an older bridge counted (the
+# count's start, when the stream has none yet). The trim and its count, atomically: a count short of a trim would
+# read as entries someone else removed.
+TRIM_SCRIPT = """
+local n = redis.call('XTRIM', KEYS[1], ARGV[1], ARGV[2])
+if not redis.call('HMGET', KEYS[2], 'count')[1] then redis.call('HSET', KEYS[2], 'count', ARGV[3]) end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'count', n) end
+return n
+"""
+
+
+def counted_trim(client: redis.Redis, stream: str, how: str, value: str | int) -> int:
+    """XTRIM `stream` (`how`: MINID or MAXLEN, exact) and count what it removed as the bridge's own. A stream
+    an older bridge trimmed starts its count at that bridge's trim counter (`keys.TRIM_STATS`)."""
+    older = client.hmget(keys.TRIM_STATS, f"{stream}:trimmed")[0]
+    return int(client.eval(TRIM_SCRIPT, 2, stream, keys.removed_key(stream), how, str(value), int(older or 0)))
+
+
 def trim_stream(client: redis.Redis, stream: str, policy: TrimPolicy = TrimPolicy()) -> TrimResult:
     result = TrimResult(stream)
     point, result.groups = safe_trim_point(client, stream)
     result.safe_point = point
-    safe = client.xtrim(stream, minid=point, approximate=False) if point is not None else 0
+    safe = counted_trim(client, stream, "MINID", point) if point is not None else 0
     dropped = 0  # by the hard cap: what is older than max_age_s, then what exceeds max_len
     if policy.max_age_s:
-        dropped += client.xtrim(stream, minid=f"{int((time.time() - policy.max_age_s) * 1000)}-0", approximate=False)
+        dropped += counted_trim(client, stream, "MINID", f"{int((time.time() - policy.max_age_s) * 1000)}-0")
     if policy.max_len:
-        dropped += client.xtrim(stream, maxlen=policy.max_len, approximate=False)
+        dropped += counted_trim(client, stream, "MAXLEN", policy.max_len)
     if dropped and point is not None:
         # everything before the safe point is gone already: what the cap drops, a group still needed
         result.forced = dropped
@@ -131,22 +159,64 @@ def account_removed(client: redis.Redis, stream: str) -> None:
     client.hset(keys.TRIM_ACCOUNTED, stream, start)
 
 
+def accept_removed(client: redis.Redis, stream: str) -> None:
+    """Account for every entry missing from `stream` now, wherever it was, as removed knowingly (cdc recover,
+    which rebuilds the stream behind a marker): only removals after this one are reported."""
+    info = client.xinfo_stream(stream)
+    client.hset(keys.removed_key(stream), mapping={
+        "count": int(info["entries-added"]) - int(info["length"]),
+        "deleted": reply_text(info.get("max-deleted-entry-id") or b"0-0")})
+    account_removed(client, stream)
+
+
+def removal_reads(pipe, stream: str) -> None:
+    """Queue on `pipe` the two reads `removed_by_others` judges with (see `foreign_removals`)."""
+    pipe.hmget(keys.removed_key(stream), "count", "deleted")
+    pipe.hmget(keys.TRIM_STATS, f"{stream}:trimmed")
+
+
+def foreign_removals(info: dict, account: list, older: list) -> tuple[int, str | None]:
+    """How many entries someone other than the bridge removed from a stream (`info`: its XINFO STREAM;
+    `account`, `older`: the replies of `removal_reads`), and the largest ID deleted (XDEL) not yet accepted
+    (None: none). A stream without the count (written by an older bridge) is judged against the trim counter
+    that bridge kept."""
+    (count, accepted), (trimmed,) = account, older
+    removed = int(info.get("entries-added") or 0) - int(info["length"])
+    known = int(count) if count is not None else int(trimmed or 0)
+    deleted = reply_text(info.get("max-deleted-entry-id") or b"0-0")
+    if deleted == "0-0" or (accepted is not None and parse_stream_id(deleted) <= parse_stream_id(reply_text(accepted))):
+        return removed - known, None
+    return removed - known, deleted
+
+
+def removed_by_others(client: redis.Redis, stream: str, info: dict) -> tuple[int, str | None]:
+    """`foreign_removals` of `stream`, read now."""
+    pipe = client.pipeline(transaction=False)
+    removal_reads(pipe, stream)
+    account, older = pipe.execute()
+    return foreign_removals(info, account, older)
+
+
 @dataclass(frozen=True)
 class UnconsumedRemoved:
     """Entries of `stream` that group `group` had not consumed, removed: IDs from `after` (exclusive; the
-    group's last delivered or first pending) up to `before` (exclusive, where the stream starts now)."""
+    group's last delivered or first pending) up to `before` (exclusive, where the stream starts now), or up to
+    `through` (inclusive: the largest ID deleted, XDEL, anywhere in the stream)."""
     stream: str
     group: str
     after: str
     before: str
     count: int | None  # how many, when Redis can tell
     pending: bool  # a delivered, unacknowledged entry is among them
+    through: str | None = None
 
 
-def removed_unconsumed(client: redis.Redis, stream: str, info: dict | None = None) -> list[UnconsumedRemoved]:
-    """Entries some group still needed (pending, or not delivered yet) that are gone from the start of
-    `stream`, other than below where the bridge's cap or a recovery accounted for removals. `info`: the
-    stream's XINFO STREAM, if the caller read it already (for many streams, in one round trip)."""
+def removed_unconsumed(client: redis.Redis, stream: str, info: dict | None = None,
+                       only: str | None = None) -> list[UnconsumedRemoved]:
+    """Entries some group (or group `only`) still needed (pending, or not delivered yet) that are gone from
+    `stream`: from its start, other than below where the bridge's cap or a recovery accounted for removals;
+    or anywhere, removed by someone other than the bridge (`removed_by_others`). `info`: the stream's XINFO
+    STREAM, if the caller read it already (for many streams, in one round trip)."""
     if info is None:
         info = client.xinfo_stream(stream)
     if not info.get("groups"):
@@ -154,19 +224,65 @@ def removed_unconsumed(client: redis.Redis, stream: str, info: dict | None = Non
     first = info.get("first-entry")
     start = reply_text(first[0]) if first else next_stream_id(info["last-generated-id"])
     accounted = client.hmget(keys.TRIM_ACCOUNTED, stream)[0]
-    if accounted is not None and parse_stream_id(start) <= parse_stream_id(accounted):
+    head_accounted = accounted is not None and parse_stream_id(start) <= parse_stream_id(accounted)
+    foreign, deleted = removed_by_others(client, stream, info)
+    if head_accounted and foreign <= 0:
         return []
     found = []
     for g in client.xinfo_groups(stream):
         name, delivered = reply_text(g["name"]), reply_text(g["last-delivered-id"])
-        low = oldest_pending(client, stream, g)
-        if low is not None and parse_stream_id(low) < parse_stream_id(start):
-            found.append(UnconsumedRemoved(stream, name, low, start, None, True))
+        if only is not None and name != only:
             continue
-        lag = g.get("lag")
-        if lag is not None and parse_stream_id(delivered) < parse_stream_id(start) and lag > info["length"]:
-            found.append(UnconsumedRemoved(stream, name, delivered, start, lag - info["length"], False))
+        low = oldest_pending(client, stream, g)
+        needed = min([parse_stream_id(next_stream_id(delivered))] + ([parse_stream_id(low)] if low else []))
+        after = low if low is not None and parse_stream_id(low) == needed else delivered
+        pending = after == low
+        if not head_accounted:
+            if low is not None and parse_stream_id(low) < parse_stream_id(start):
+                found.append(UnconsumedRemoved(stream, name, low, start, None, True))
+                continue
+            lag = g.get("lag")
+            if lag is not None and parse_stream_id(delivered) < parse_stream_id(start) and lag > info["length"]:
+                found.append(UnconsumedRemoved(stream, name, delivered, start, lag - info["length"], False))
+                continue
+        if foreign <= 0:
+            continue
+        if head_accounted:  # the head up to where the stream starts is the cap's (or a recovery's) doing
+            if deleted is not None and parse_stream_id(deleted) >= max(needed, parse_stream_id(start)):
+                found.append(UnconsumedRemoved(stream, name, after, start, foreign, pending, deleted))
+        elif deleted is not None and parse_stream_id(deleted) >= needed:
+            found.append(UnconsumedRemoved(stream, name, after, start, foreign, pending, deleted))
+        elif needed < parse_stream_id(start) and (g.get("entries-read") is None or g.get("lag") is None
+                                                  or g["lag"] > info["length"]):
+            # Redis cannot tell (a group never delivered anything estimates its lag from what is left)
+            found.append(UnconsumedRemoved(stream, name, after, start, foreign, pending))
     return found
+
+
+def unconsumed_loss_error(client: redis.Redis, gone: UnconsumedRemoved, what: str,
+                          mark: bytes | None = None) -> DataLossError:
+    """The one-line loss for `gone`, `what` naming the stream's role."""
+    after = gone.through and next_stream_id(gone.through)
+    first = client.xrange(gone.stream, min=after, count=1) if after else client.xrange(gone.stream, count=1)
+    fields = first[0][1] if first else None
+    lsn = Lsn(int(fields[b"lsn"])) if fields else Lsn(int(mark[:20])) if mark else Lsn(0)
+    what_ids = (f"from ID {gone.after} (delivered to it, not acknowledged)" if gone.pending else f"after ID {gone.after}")
+    if gone.through:
+        where = f"IDs {what_ids} up to ID {gone.through} (deleted, XDEL)"
+        count = f" ({gone.count} entries removed from the stream other than by the bridge)" if gone.count else ""
+    else:
+        where = f"IDs {what_ids} up to before {gone.before}"
+        count = f" ({gone.count} entries)" if gone.count else ""
+    error = DataLossError(
+        f"stream {gone.stream} ({what}) lost entries consumer group {gone.group} had not consumed: "
+        f"{where}{count}, committed before {lsn}, were removed from it, "
+        "not by the bridge's trimming (its cap accounts for no such drop)",
+        hint="restore Redis from a backup holding them, or stop the bridge and run cdc recover to rebuild the stream "
+        "from its table (its consumers reset at the marker)",
+    )
+    setattr(error, "lost_stream", gone.stream)  # what the bridge records for cdc status
+    setattr(error, "lost_to", lsn)
+    return error
 
 
 def trim_mapped(client: redis.Redis, mappings: Iterable[Mapping], policy: TrimPolicy, entity: str | None = None,

@@ -213,6 +213,101 @@ def test_entries_a_group_had_not_consumed_removed_are_a_data_loss_unless_the_tri
     env.cdc("run", "--until-caught-up", check=True)
 
 
+def plain_consumer(env, name: str = "consumer"):
+    """`cdc consume` of entity a in group g from its start, without transaction mode (a table mirror)."""
+    return env._start(name, "consume", "--entity", "a", "--group", "g", "--start", "0", "--sink", "public.a_mirror",
+                      env=None)
+
+
+def consumer_error(proc) -> str:
+    assert proc.wait(60) == 6, proc.log_path.read_text()
+    return error_line(proc.log_path.read_text())
+
+
+def fix_and_run_again(env) -> None:
+    """The advised fix, followed literally: cdc recover; then the bridge and the plain consumer run again."""
+    env.cdc("recover", check=True)
+    assert env.cdc("check").returncode == 0
+    write(env, ("a",), range(21, 31), v="y")
+    env.cdc("run", "--until-caught-up", check=True)
+    exact(env)
+    proc = plain_consumer(env, "consumer-again")
+    client = env.redis
+
+    def caught_up() -> bool:
+        [g] = client.xinfo_groups("cdc:a")
+        return g["last-delivered-id"] == client.xrevrange("cdc:a", count=1)[0][0] and g["pending"] == 0
+
+    wait_for(caught_up, 60, "the plain consumer to read the rebuilt stream to its end")
+    assert proc.poll() is None, proc.log_path.read_text()
+
+
+@pytest.mark.one_path
+def test_entries_deleted_mid_stream_a_group_had_not_read_stop_run_check_and_a_plain_consumer(env):
+    three_streams(env, "transaction")
+    write(env, ("a",), range(1, 21))
+    env.cdc("run", "--until-caught-up", check=True)
+    client = env.redis
+    client.xgroup_create("cdc:a", "g", id="0")
+    read = client.xreadgroup("g", "c1", {"cdc:a": ">"}, count=5)[0][1]
+    client.xack("cdc:a", "g", *[entry_id for entry_id, _ in read])
+    assert env.cdc("check").returncode == 0
+    ids = [entry_id.decode() for entry_id, _ in client.xrange("cdc:a")]
+    client.xdel("cdc:a", *ids[9:12])  # in the middle, not read yet by g: Redis reports the lag unknown
+    hole = (f"stream cdc:a (stream of entity a) lost entries consumer group g had not consumed: IDs after ID {ids[4]} "
+            f"up to ID {ids[11]} (deleted, XDEL) (3 entries removed from the stream other than by the bridge)")
+    result = env.cdc("check")
+    assert result.returncode == 6 and hole in result.stderr, result.stderr
+    result = env.cdc("run", "--until-caught-up")
+    assert result.returncode == 6 and hole in error_line(result.stderr)
+    assert "cdc:a" in orjson.loads(env.cdc("status", "--json", check=True).stdout)["bridge"]["data_loss"]["message"]
+    line = consumer_error(plain_consumer(env))
+    assert (f"stream cdc:a (read by consumer group g) lost entries consumer group g had not consumed: IDs after ID "
+            f"{ids[4]} up to ID {ids[11]} (deleted, XDEL)") in line
+    assert client.xinfo_groups("cdc:a")[0]["last-delivered-id"].decode() == ids[4], "the consumer read nothing past it"
+    fix_and_run_again(env)
+
+
+@pytest.mark.one_path
+def test_entries_trimmed_by_hand_before_any_delivery_stop_run_check_and_a_plain_consumer(env):
+    three_streams(env, "transaction")
+    write(env, ("a",), range(1, 21))
+    env.cdc("run", "--until-caught-up", check=True)
+    client = env.redis
+    client.xgroup_create("cdc:a", "g", id="0")  # nothing delivered yet
+    assert env.cdc("check").returncode == 0
+    client.xtrim("cdc:a", maxlen=15, approximate=False)  # Redis then reports the lag of what is left
+    assert client.xinfo_groups("cdc:a")[0]["lag"] == 15
+    start = client.xrange("cdc:a", count=1)[0][0].decode()
+    hole = (f"stream cdc:a (stream of entity a) lost entries consumer group g had not consumed: IDs after ID 0-0 "
+            f"up to before {start} (5 entries)")
+    result = env.cdc("check")
+    assert result.returncode == 6 and hole in result.stderr, result.stderr
+    result = env.cdc("run", "--until-caught-up")
+    assert result.returncode == 6 and hole in error_line(result.stderr)
+    assert "up to before " + start in consumer_error(plain_consumer(env))
+    assert client.xinfo_groups("cdc:a")[0]["last-delivered-id"] == b"0-0", "the consumer read nothing past it"
+    fix_and_run_again(env)
+
+
+@pytest.mark.one_path
+def test_the_bridges_own_trimming_while_it_runs_is_no_hole(env):
+    three_streams(env, "transaction")
+    env.write_config("batch: {max_delay_ms: 60000}\ntrim: {max_len: 4, interval_s: 0.1}\n",
+                     redis=", append: transaction")
+    client = env.redis
+    client.xgroup_create("cdc:a", "g", id="0", mkstream=True)
+    for n in range(1, 6):
+        write(env, ("a",), range(10 * n, 10 * n + 5))
+        env.cdc("run", "--until-caught-up", check=True)
+        read = client.xreadgroup("g", "c1", {"cdc:a": ">"}, count=3)
+        if read:
+            client.xack("cdc:a", "g", *[entry_id for entry_id, _ in read[0][1]])
+        env.cdc("trim", check=True)
+        assert env.cdc("check").returncode == 0
+    assert int(client.hget("{cdc:a}:removed", "count")) > 0, "the bridge trimmed"
+
+
 @pytest.mark.one_path
 def test_a_mark_replaced_by_another_type_names_it_and_recover_rebuilds_behind_a_new_mark(env):
     three_streams(env, "transaction")
@@ -247,3 +342,22 @@ def test_recover_refuses_a_mark_key_of_another_type_and_changes_nothing(env):
         "cdc: error: redis key {cdc:b}:hwm holds a set, not the high-water mark of stream cdc:b (entity b); "
         "cdc recover changed nothing")
     assert env.redis.get(f"cdc:bridge:{env.slot}:flushed") == flushed and env.redis.type("{cdc:b}:hwm") == b"set"
+
+
+@pytest.mark.one_path
+def test_script_mode_says_at_start_that_it_cannot_detect_a_redis_emptied_under_it(env):
+    three_streams(env, "script")
+    warning = "redis.append is script: a Redis emptied under the running bridge (FLUSHALL, FLUSHDB) goes undetected"
+    assert warning in env.cdc("check").stderr
+    bridge = env.start_bridge()
+    write(env, ("a",), range(1, 6))
+    wait_for(lambda: env.redis.xlen("cdc:a") == 5, 30, "the first rows")
+    env.redis.flushall()
+    write(env, ("a",), range(6, 8))
+    wait_for(lambda: env.redis.xlen("cdc:a") == 2, 30, "the later rows, in a re-created stream")
+    assert bridge.poll() is None, "the loss this mode cannot see"
+    assert warning in bridge.log_path.read_text()
+    bridge.terminate()
+    bridge.wait(30)
+    env.write_config("batch: {max_delay_ms: 60000}\n", redis=", append: transaction")
+    assert warning not in env.cdc("check").stderr

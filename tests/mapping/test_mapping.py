@@ -365,7 +365,7 @@ def test_a_change_lacking_a_value_the_filter_or_a_create_needs_stops_rather_than
 
 @pytest.mark.parametrize("stream", [
     "cdc:dlq:g1", "cdc:dlq:{entity}", "cdc:bridge:x", "cdc:stats:trim", "cdc:stats:{entity}", "'{cdc:bridge}:streams'",
-    "'{cdc:t}:hwm'", "'cdc:{{entity}}:hwm'", "'{cdc:t}:holds'", "'{cdc:ride}:lease:g1'", "'cdc:{{entity}}:lease:g:epoch'",
+    "'{cdc:t}:hwm'", "'cdc:{{entity}}:hwm'", "'{cdc:t}:holds'", "'{cdc:t}:removed'", "'{cdc:ride}:lease:g1'", "'cdc:{{entity}}:lease:g:epoch'",
     "'{cdc:ride}:failures:g1'",
 ])
 def test_a_stream_named_like_a_key_the_bridge_keeps_is_refused_at_its_line(stream):

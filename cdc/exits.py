@@ -37,9 +37,9 @@ EXIT_CODES = {
        "entry the bridge or a consumer did not write (named by its ID, skipped)",
     6: "Redis lost entries the slot was told it holds, or a mapped stream's history vanished (deleted, replaced by "
        "another type, trimmed below what a consumer group had not consumed, or entries a group had not consumed "
-       "deleted anywhere by someone other than the bridge, which a plain consumer reports too); for a transaction-mode "
-       "consumer, a "
-       "source transaction whose END record was read and whose entries did not all arrive in time, or one of its "
+       "deleted anywhere by someone other than the bridge, which a plain consumer reports too); for a consumer, its "
+       "stream or group vanished while it ran; for a transaction-mode consumer, a source transaction whose END "
+       "record was read and whose entries did not all arrive in time, or one of its "
        "entries deleted while pending (`IncompleteTransaction`; an END the bridge has not written yet is waited for)",
     7: "`cdc reconcile` left drift (a dry run, or a refused reset)",
     75: "transient: a server unreachable or restarting, or another bridge holds the slot (`cdc run`; see `--standby`); "

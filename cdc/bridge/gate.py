@@ -192,7 +192,7 @@ class TableGate:
             if now.partitioned and publication.exists and not publication.via_root:
                 # its changes come as those of its partitions, which no mapping reads: _judge stops the bridge
                 self._record_gap("publish_via_partition_root")
-            self._judge(conn, t, bound, now, publication)
+            self._judge(conn, t, bound, now, publication, known=t not in adopt)
             problem = sends_less(now, self.columns.get(t, ()), self.publication, self.slot)
             if problem is not None:
                 raise problem
@@ -227,7 +227,7 @@ class TableGate:
         if self.client is None or publication.oid is None:
             return
         key = keys.bound_tables_key(self.slot)
-        raw = self.client.hget(key, PUBLICATION_FIELD)
+        raw = self.client.hmget(key, [PUBLICATION_FIELD])[0]  # HMGET: what the bridge's ACL allows
         if raw is None:
             self.client.hset(key, PUBLICATION_FIELD, str(publication.oid))
         elif int(raw) != publication.oid:
@@ -235,12 +235,13 @@ class TableGate:
             raise recreated_error(self.publication, self.slot, int(raw), publication.oid)
 
     def _record_gap(self, lacking: str) -> None:
-        if self.client is not None:
-            self.client.hset(keys.bound_tables_key(self.slot), GAP_FIELD, lacking)
+        """Record what the publication left out, until `cdc recover`; the first finding stays (it came first)."""
+        if self.client is not None and self.client.hmget(keys.bound_tables_key(self.slot), [GAP_FIELD])[0] is None:
+            self.client.hset(keys.bound_tables_key(self.slot), GAP_FIELD, lacking)  # one bridge per slot writes it
 
     def _gap(self, client: redis.Redis) -> SlotError | None:
         """The record that a reading found the publication leaving out operations, until `cdc recover`."""
-        raw = client.hget(keys.bound_tables_key(self.slot), GAP_FIELD)
+        raw = client.hmget(keys.bound_tables_key(self.slot), [GAP_FIELD])[0]
         if raw is None:
             return None
         if raw.startswith(b"itself"):
@@ -274,7 +275,9 @@ class TableGate:
             log.info("entities %s: %s", ", ".join(self.filtered), FILTERS_IN_BRIDGE)
 
     def _judge(self, conn: psycopg.Connection, t: tuple[str, str], bound: Bound | None, now: TableCoverage,
-               publication: Publication) -> None:
+               publication: Publication, known: bool = False) -> None:
+        """Raise what stops the bridge about table `t`; `known`: bound by an earlier session (a reading that finds
+        it out of the publication is then recorded, as only `cdc recover` brings back what it left out)."""
         name = _field(t)
         if now.oid is None:
             if bound is None:
@@ -293,6 +296,8 @@ class TableGate:
                 hint=f"run: cdc init, then {RECOVER}")
         problem = publication_problem(now, publication, f"run: cdc init, then {RECOVER}")
         if problem is not None:
+            if known:  # its changes while out are in no slot: cdc init putting it back must not be enough
+                self._record_gap(f"table {name}")
             raise SlotError(f"{problem.message}: its changes are not decoded, slot {self.slot} held before them",
                             hint=problem.hint)
         problem = identity_problem(now, publication)
@@ -340,7 +345,7 @@ class TableGate:
         gap = self._gap(client)
         problems: list[CdcError] = [] if gap is None else [gap]
         publication = read_publication(conn, self.publication)
-        recorded = client.hget(keys.bound_tables_key(self.slot), PUBLICATION_FIELD)
+        recorded = client.hmget(keys.bound_tables_key(self.slot), [PUBLICATION_FIELD])[0]
         if gap is None and recorded is not None and publication.oid is not None and int(recorded) != publication.oid:
             problems.append(recreated_error(self.publication, self.slot, int(recorded), publication.oid))
         bound = {t: b for t, b in load_bound(client, self.slot).items() if t in self.tables}

@@ -387,6 +387,7 @@ def acl_probes(settings: Settings, mappings: Sequence[Mapping]) -> list[tuple[st
         ("cdc status", ("HGETALL", keys.bridge_state_key(settings.postgres.slot))),
         ("cdc run", ("HGETALL", keys.bound_tables_key(settings.postgres.slot))),
         ("cdc run", ("HSET", keys.bound_tables_key(settings.postgres.slot), "f", "v")),
+        ("cdc run", ("HMGET", keys.bound_tables_key(settings.postgres.slot), "f")),
         ("cdc run", ("HGETALL", keys.source_key(settings.postgres.slot))),
         ("cdc run", ("HGETALL", keys.BRIDGE_SLOTS)), ("cdc run", ("HGETALL", keys.STREAM_OWNERS)),
         ("cdc run", ("EVAL", "return 1", "2", keys.BRIDGE_SLOTS, keys.STREAM_OWNERS)),

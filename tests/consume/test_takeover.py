@@ -194,6 +194,7 @@ def test_another_consumer_takes_a_dead_ones_stream_within_the_lease_ttl(rides):
 
 
 RIDES = 60_000
+MAX_KILLS = 40  # kills per run at most: the count, not a clock, bounds the loop
 
 
 @pytest.mark.slow
@@ -222,7 +223,8 @@ def test_the_group_recovers_after_every_kill_and_crash_and_stays_exact(rides, na
                 group.procs[index].send_signal(signal.SIGKILL)
                 group.kills += 1
             kills.append((time.monotonic(), epoch))
-            assert time.monotonic() - progress.moves[0][0] < 240, "the group did not finish its backlog"
+            if len(kills) >= MAX_KILLS:  # enough seen: let the group finish (a slow machine makes fewer moves a second)
+                wait_for(lambda: state(rides, "g") == expected, 600, "the group to finish its backlog")
     finally:
         group.stop()
         progress.stopped.set()

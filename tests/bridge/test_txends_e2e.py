@@ -94,7 +94,7 @@ def test_a_clashing_transactions_stream_is_a_config_error(env):
     env.apply_sql("10_rocket_rides.sql")
     env.copy_mappings("ride.yaml")
     for key, why in (("cdc:ride", "it is the stream of entity ride"), ("{cdc:ride}:x", "named like a key kept beside"),
-                     ("cdc:bridge:x", "keys starting cdc:bridge:")):
+                     ("cdc:bridge:x", "names starting cdc:bridge:")):
         env.write_config(f"transactions:\n  stream: '{key}'\n")
         result = env.cdc("check")
         assert result.returncode == 2, result.stderr

@@ -79,7 +79,7 @@ def test_a_malformed_sentinel_url_is_refused_at_load_with_its_line(tmp_path, url
     path.write_text(f"postgres: {{dsn: 'postgresql://localhost/app'}}\nredis:\n  url: '{url}'\n")
     with pytest.raises(ConfigError) as err:
         Settings.from_file(path, env={})
-    assert str(err.value).startswith(f"{path}:3") and message in str(err.value)
+    assert str(err.value).startswith(f"redis.url (from {path}:3)") and message in str(err.value)
     assert err.value.exit_code == 2
 
 

@@ -129,6 +129,34 @@ def _group_view(client: redis.Redis, stream: str, group: str) -> tuple[tuple[int
     return None, set()
 
 
+def _deliver_up_to(client: redis.Redis, stream: str, group: str, position: int) -> None:
+    """After a reset to `position`, count every entry before it as delivered to `group` (the checkpoint makes the
+    consumer skip them anyway): entries deleted from that part of the stream meanwhile are the reset's to account
+    for, so the consumer's check for removed entries no longer stops it there. The group only moves forward."""
+    last, _ = _group_view(client, stream, group)
+    if last is None:
+        return
+    start = f"{last[0]}-{last[1]}"
+    beyond = None
+    while beyond is None:
+        page = client.xrange(stream, min="(" + start, max="+", count=1000)
+        for entry_id, fields in page:
+            lsn, seq = fields.get(b"lsn"), fields.get(b"seq")
+            if lsn is not None and seq is not None and (int(lsn), int(seq)) > (position, -1):
+                beyond = parse_stream_id(entry_id)
+                break
+        if beyond is not None or len(page) < 1000:
+            break
+        start = reply_text(page[-1][0])
+    if beyond is None:
+        target = reply_text(client.xinfo_stream(stream)["last-generated-id"])
+    else:
+        ms, seq_ = beyond
+        target = f"{ms}-{seq_ - 1}" if seq_ > 0 else f"{ms - 1}-18446744073709551615"
+    if parse_stream_id(target) > last:
+        client.xgroup_setid(stream, group, target)
+
+
 def plan_stream(
     client: redis.Redis, stream: str, group: str, checkpoint: Position, entry_id: str, position: int, hold: str,
 ) -> StreamPlan:
@@ -291,6 +319,9 @@ def reset_consumer(
                 return outcome
             locked_at = time.monotonic()
             _reset_locked(conn, client, spec, target, sorted(streams), position, holds, apply, dry_run, outcome)
+        if outcome.status == "repaired":
+            for stream in sorted(streams):
+                _deliver_up_to(client, stream, target.name, position)
     finally:
         if locked_at is not None:  # how long the consumer's batches had to wait
             outcome.locked_seconds = time.monotonic() - locked_at

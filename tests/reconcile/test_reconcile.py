@@ -20,6 +20,7 @@ from cdc.source.lsn import Lsn
 from cdc.mapping.model import load_mappings
 from cdc.reconcile.job import preflight, reconcile_spec
 from cdc.reconcile.spec import load_specs, parse_spec
+from cdc.sink.entry import parse_stream_id
 from cdc.demo.rocketrides import ride_totals
 from cdc.yamlsrc import load_yaml_documents
 
@@ -220,7 +221,8 @@ def test_injected_drift_is_reported_then_repaired_exactly_and_a_second_run_chang
         last = env.redis.xinfo_stream("cdc:ride")["last-generated-id"].decode()
         env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (7, 100.5), (7, 200.25)")
         wait_for(lambda: len(env.redis.xrange("cdc:ride", "(" + last, "+")) == 2, 30, "the two rides in the stream")
-        env.redis.xdel("cdc:ride", *[i for i, _ in env.redis.xrange("cdc:ride", "(" + last, "+")])
+        deleted = [i for i, _ in env.redis.xrange("cdc:ride", "(" + last, "+")]
+        env.redis.xdel("cdc:ride", *deleted)
 
         expected = truth(env)
         states_before, checkpoints_before = rows(env, "consumer_states", "1, 2"), checkpoints(env)
@@ -244,6 +246,10 @@ def test_injected_drift_is_reported_then_repaired_exactly_and_a_second_run_chang
         result = reconcile(env, spark)
         assert [o.status for o in result.outcomes] == ["repaired"] and result.exact
         assert state(env, "ride-totals") == truth(env)
+        # the reset counts what lies before its snapshot as delivered to the group, the deleted rides included
+        [group] = env.redis.xinfo_groups("cdc:ride")
+        past_the_hole = group["last-delivered-id"].decode()
+        assert parse_stream_id(past_the_hole) >= max(parse_stream_id(i) for i in deleted)
 
         # the consumer goes on from the reset: exact after more changes
         consumers = Supervisor(env, "ride-totals", 1, {})
@@ -251,10 +257,11 @@ def test_injected_drift_is_reported_then_repaired_exactly_and_a_second_run_chang
         insert_rides(env, 100, seed=2)
         wait_for(lambda: state(env, "ride-totals") == truth(env), 60, "the consumer to stay exact after the reset")
 
-        # drift 3: the checkpoint is dropped and the group rewound, so everything is applied twice
+        # drift 3: the checkpoint is dropped and the group rewound, so everything since the reset is applied twice
+        # (rewound no further: a group rewound across the deleted rides stops there, as nothing is skipped silently)
         consumers.stop()
         env.execute("DELETE FROM cdc_checkpoints WHERE consumer = 'ride-totals'")
-        env.redis.xgroup_setid("cdc:ride", "ride-totals", "0")
+        env.redis.xgroup_setid("cdc:ride", "ride-totals", past_the_hole)
         consumers = Supervisor(env, "ride-totals", 1, {})
         consumers.start()
         wait_for(lambda: caught_up(env, "ride-totals"), 60, "the rewound consumer to re-read everything")

@@ -35,12 +35,11 @@ from ..config import Settings
 from ..errors import (CdcError, ConfigError, DataLossError, MappingError, SlotError, SlotTaken, SourceError,
                       TransientError)
 from ..mapping.judge import InexactFilter, changed_while_running, judge
-from ..mapping.projector import Unjudgeable
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
-from ..mapping.projector import Projector
+from ..mapping.projector import Unjudgeable
 from ..source.catalog import load_types, table_shape
 from ..source.deadline import bounded
 from ..sink.claims import BridgeIdentity, claim, unmapped_owned
@@ -58,7 +57,7 @@ from .counters import Counters
 from .changes import Target, bind
 from .encoding import InvalidText, invalid_text_error, is_invalid_text
 from ..mapping.uniqueness import key_uniqueness_problem
-from .gate import TableGate
+from .gate import TableGate, recreated_error
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
 from ..metrics import Registry, serve
@@ -72,6 +71,9 @@ GC_YOUNG_THRESHOLD = 20_000
 #: how long a bridge tries again to bind a metrics port in use (s): a bridge of this host that released
 #: the slot to a standby (`cdc run --standby`, same settings) closes its metrics server last
 PORT_WAIT_S = 5.0
+
+#: what to do about a slot another bridge took first (`SlotTaken`)
+_TAKEN_HINT = "stop it first, or start this one with cdc run --standby to take over when the slot is free"
 
 log = logging.getLogger("cdc.bridge")
 
@@ -299,8 +301,7 @@ class Bridge:
         if holder is not None:
             raise SlotTaken(
                 f"a bridge is already running on slot {pgs.slot}, {holder}, and serves metrics on "
-                f"{self.settings.http.host}:{self.settings.http.port}",
-                hint="stop it first, or start this one with cdc run --standby to take over when the slot is free")
+                f"{self.settings.http.host}:{self.settings.http.port}", hint=_TAKEN_HINT)
 
     # -- one session ---------------------------------------------------------------------
 
@@ -350,10 +351,8 @@ class Bridge:
                     stream.start(0, messages=True, streaming=pgs.streaming)
                 except TransientError as exc:
                     if not self.streamed and isinstance(exc.__cause__, psycopg.errors.ObjectInUse):
-                        raise SlotTaken(
-                            f"another bridge started streaming slot {pgs.slot} first ({exc})",
-                            hint="stop it first, or start this one with cdc run --standby to take over when the "
-                                 "slot is free") from exc
+                        raise SlotTaken(f"another bridge started streaming slot {pgs.slot} first ({exc})",
+                                        hint=_TAKEN_HINT) from exc
                     raise
                 self.streamed = True
                 self.state = "streaming"
@@ -631,7 +630,7 @@ class Bridge:
             return exc
         try:
             for m in mappings:
-                Projector(m, shape, self.catalog)
+                judge(m, shape, self.catalog)
         except MappingError:
             return exc  # the table as it is now is refused too: the fix the error names applies
         return MappingError(
@@ -689,24 +688,14 @@ class Bridge:
 
 
 def publication_recreated(conn: psycopg.Connection, slot: str, publication: str, exc: SlotError) -> SlotError | None:
-    """The error for a publication the server says is missing while decoding though it exists now: it was
-    dropped and re-created after the slot's position, and the changes written in between cannot be decoded
-    with it (PostgreSQL decodes each change with the catalog of its time), on every restart. None when the
-    publication is really missing, or the catalog cannot be asked."""
+    """The server says the publication is missing while decoding though it exists now: it was dropped and
+    re-created after the slot's position (PostgreSQL 15 to 17 decode each change with the catalog of its time,
+    and fail on every restart), the case the gate knows by the publication's OID (`recreated_error`) when it
+    recorded one. None when the publication is really missing, or the catalog cannot be asked."""
     if "publication" not in exc.message or "does not exist" not in exc.message:
         return None
     try:
-        row = conn.execute(
-            "SELECT confirmed_flush_lsn::text FROM pg_publication p, pg_replication_slots s "
-            "WHERE p.pubname = %s AND s.slot_name = %s", (publication, slot)).fetchone()
+        row = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
     except psycopg.Error:
         return None
-    if row is None:
-        return None
-    return SlotError(
-        f"publication {publication!r} exists but was dropped and re-created after slot {slot!r}'s position "
-        f"{row[0]}: PostgreSQL decodes each change with the catalog of its time, so the changes written while it did "
-        "not exist can never be decoded through it (nor were they published)",
-        hint=f"drop the slot (SELECT pg_drop_replication_slot('{slot}')), then run cdc init, then cdc recover before "
-             "cdc run (the streams are rebuilt from the tables' current state; the individual changes in between "
-             "cannot be restored)")
+    return None if row is None else recreated_error(publication, slot, None, None)

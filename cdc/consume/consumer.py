@@ -421,11 +421,12 @@ class Consumer:
             self.metrics.handled[stream] += len(ids)
 
     def _count_failure(self, stream: str, entry_id: str, text: str) -> int:
-        """Count one more failure of the handler on `entry_id` in Redis, with its error; the count so far,
+        """Count one more failure of the handler on `entry_id` in Redis, with its error (`text`, masked by the
+        caller); the count so far,
         or 0 (nothing counted) when the entry is no longer pending for this consumer: another one claimed
         it meanwhile, and may have finished or dead-lettered it (a count now would outlive the entry)."""
         failures = int(self._count_script(keys=[stream, keys.failures_key(stream, self.group)],
-                                          args=[self.group, self.name, entry_id, redact(text)[:2000]]))
+                                          args=[self.group, self.name, entry_id, text[:2000]]))
         if failures:
             self.failed += 1
             self.metrics.failures[stream] += 1

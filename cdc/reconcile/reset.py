@@ -133,7 +133,11 @@ def _deliver_up_to(client: redis.Redis, stream: str, group: str, position: int) 
     """After a reset to `position`, count every entry before it as delivered to `group` (the checkpoint makes the
     consumer skip them anyway): entries deleted from that part of the stream meanwhile are the reset's to account
     for, so the consumer's check for removed entries no longer stops it there. The group only moves forward."""
-    last, _ = _group_view(client, stream, group)
+    try:  # the group's position only: its pending entries (`_group_view`) do not matter here
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:
+        return
+    last = next((parse_stream_id(g["last-delivered-id"]) for g in groups if reply_text(g["name"]) == group), None)
     if last is None:
         return
     start = f"{last[0]}-{last[1]}"

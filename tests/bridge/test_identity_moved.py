@@ -19,15 +19,19 @@ def rows(env) -> dict:
     return {i: {"id": i, "email": e, "v": v} for i, e, v in env.execute("SELECT id, email, v FROM p")}
 
 
-def test_a_primary_key_moved_and_back_names_recover_and_recover_makes_the_stream_exact(env):
+def streamed_then_key_moved(env, count: int) -> None:
+    """Table p keyed on id, `count` rows streamed, then its primary key moved to email and one row updated."""
     env.execute("CREATE TABLE p (id int PRIMARY KEY, email text NOT NULL, v int)")
     env.write_mapping("p.yaml", MAPPING)
     env.cdc("init", check=True)
-    env.execute("INSERT INTO p SELECT g, 'e' || g, g FROM generate_series(1, 6) g")
+    env.execute("INSERT INTO p SELECT g, 'e' || g, g FROM generate_series(1, %s) g", (count,))
     env.cdc("run", "--until-caught-up", check=True)
-
     env.execute("ALTER TABLE p DROP CONSTRAINT p_pkey, ADD PRIMARY KEY (email)")
     env.execute("UPDATE p SET v = 10 WHERE id = 1")
+
+
+def test_a_primary_key_moved_and_back_names_recover_and_recover_makes_the_stream_exact(env):
+    streamed_then_key_moved(env, 6)
     env.execute("DELETE FROM p WHERE id = 5")
     run = env.cdc("run", "--until-caught-up")  # the key is out of the identity now: the table's fix first
     assert run.returncode == 3, run.stderr
@@ -55,13 +59,7 @@ def test_a_primary_key_moved_and_back_names_recover_and_recover_makes_the_stream
 
 def test_recover_refuses_while_the_key_is_out_of_the_identity(env):
     """`cdc recover` rebuilds only a table its mappings bind to: the table's own fix comes first."""
-    env.execute("CREATE TABLE p (id int PRIMARY KEY, email text NOT NULL, v int)")
-    env.write_mapping("p.yaml", MAPPING)
-    env.cdc("init", check=True)
-    env.execute("INSERT INTO p SELECT g, 'e' || g, g FROM generate_series(1, 3) g")
-    env.cdc("run", "--until-caught-up", check=True)
-    env.execute("ALTER TABLE p DROP CONSTRAINT p_pkey, ADD PRIMARY KEY (email)")
-    env.execute("UPDATE p SET v = 10 WHERE id = 1")
+    streamed_then_key_moved(env, 3)
     recovered = env.cdc("recover")
     assert recovered.returncode == 3, recovered.stderr
     assert "is not in the replica identity of public.p" in recovered.stderr

@@ -62,6 +62,10 @@ class PostgresSettings:
     #: `cdc init` creates the slot as a failover slot (PostgreSQL 17+; ignored on older servers), or makes an
     #: existing slot one, so physical standbys with sync_replication_slots keep a copy a promoted standby resumes from
     failover_slot: bool = True
+    #: the standbys that could be promoted, whose copies of the slot `cdc status`, `cdc check` and the bridge read
+    #: to judge failover readiness: a connection string naming their hosts (``host=db-b,db-c port=5432,5432``;
+    #: its other keywords override the DSN's); empty: every host of `dsn` other than the primary
+    standbys: str = ""
 
 
 @dataclass(frozen=True)
@@ -494,6 +498,7 @@ _REQUIRED = {("postgres", "dsn"), ("redis", "url"), ("postgres", "slot"), ("post
 
 _CONNECTION_STRINGS = {
     ("postgres", "dsn"): check_dsn,
+    ("postgres", "standbys"): check_dsn,
     ("reconcile", "state_dsn"): check_dsn,
     ("redis", "url"): _check_redis_url,
 }

@@ -21,6 +21,7 @@ import errno
 import gc
 import logging
 import os
+import re
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from ..source.catalog import load_types, table_shape
 from ..source.deadline import bounded
 from ..sink.claims import BridgeIdentity, claim, unmapped_owned
 from ..source.history import ServerHistory, read_history
-from ..source.failover import FailoverReadiness, failover_readiness
+from ..source.failover import FailoverReadiness, failover_readiness, supports_failover
 from ..source.lsn import Lsn
 from ..source.pubcolumns import ColumnsNotSent, columns_not_sent
 from ..source.replication import SESSION_OPTIONS, ReplicationStream, classify_pg_error
@@ -58,6 +59,7 @@ from .changes import Target, bind
 from .encoding import InvalidText, invalid_text_error, is_invalid_text
 from ..mapping.uniqueness import key_uniqueness_problem
 from .gate import TableGate, recreated_error
+from .standby_watch import StandbyWatch
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
 from ..metrics import Registry, serve
@@ -121,6 +123,9 @@ class Bridge:
         self.slot_watch = SlotWatch(pgs.slot, pgs.retained_wal_warn_bytes, pgs.retained_wal_critical_bytes)
         #: whether the slot would survive a failover to a standby, as of the last slot check (None: not checked yet)
         self.failover: FailoverReadiness | None = None
+        #: reads the standbys' own copies of the slot, off the streaming thread
+        self.standby_watch = StandbyWatch(pgs.dsn, pgs.standbys, pgs.slot, pgs.slot_check_interval_s,
+                                          lambda: self.durable_lsn)
         self.memory: MemoryWatch | None = None
         # transactions the server streams while they run, held until they end (emptied by each session's end)
         self.streams = StreamedTransactions(batch.stream_buffer_mb << 20, batch.spill_dir)
@@ -180,6 +185,7 @@ class Bridge:
                 raise
         finally:
             self.state = "stopped"
+            self.standby_watch.close()
             if server is not None:
                 server.shutdown()
                 server.server_close()
@@ -223,9 +229,11 @@ class Bridge:
                 self._alarm_levels)
         r.gauge("cdc_slot_wal_keep_size_bytes", "the server's max_slot_wal_keep_size: retained WAL past it invalidates the slot "
                 "(left out when unlimited)", lambda: self.slot_watch.health.max_keep_bytes if self.slot_watch.health.max_keep_bytes >= 0 else None)
-        r.gauge("cdc_slot_failover_ready", "1 when the slot would survive a failover to a standby (failover slot, "
-                "synchronized_standby_slots naming an active standby slot; PostgreSQL 17+), else 0",
-                lambda: None if self.failover is None else int(self.failover.ready))
+        r.gauge("cdc_slot_failover_ready", "1 when a failover now would lose nothing: a failover slot, "
+                "synchronized_standby_slots naming an active standby slot, and every standby holding a persisted copy "
+                "of the slot and the WAL of what Redis holds (PostgreSQL 17+); 0 when not, or when a standby "
+                "cannot be read; left out while no standby is in sight (no physical slot, none named)",
+                lambda: None if self.failover is None or not self.failover.standby_in_evidence else int(self.failover.ready))
         r.counter("cdc_transient_failures_total", "failures retried, by side (redis or postgres)",
                   lambda: {(("side", k),): v for k, v in self.failures.items()})
         r.counter("cdc_sessions_total", "replication sessions started (1 + reconnections)", lambda: self.sessions)
@@ -529,15 +537,18 @@ class Bridge:
             raise TransientError(f"redis unavailable: {exc}") from exc
 
     def _check_failover(self, catalog_conn: psycopg.Connection) -> None:
-        """Log when the slot's failover readiness changes (cdc_slot_failover_ready shows it)."""
+        """Log when the slot's failover readiness or its reason changes, positions and counts aside
+        (cdc_slot_failover_ready shows it)."""
+        copies, held = None, None
+        if supports_failover(catalog_conn):
+            copies, held = self.standby_watch.reading(catalog_conn.info.host, str(catalog_conn.info.port))
         try:
-            readiness = failover_readiness(catalog_conn, self.settings.postgres.slot)
+            readiness = failover_readiness(catalog_conn, self.settings.postgres.slot, copies, held)
         except psycopg.errors.InsufficientPrivilege as exc:  # a report, never a reason to stop
             log.warning("failover readiness unknown: %s", str(exc).strip())
             return
-        if self.failover is None or readiness.ready != self.failover.ready:
-            (log.info if readiness.ready else log.warning)(
-                "failover-ready %s: %s", "yes" if readiness.ready else "no", readiness.reason)
+        if self.failover is None or _shape(readiness.reason) != _shape(self.failover.reason):
+            (log.info if readiness.ready else log.warning)("failover-ready %s: %s", readiness.state, readiness.reason)
         self.failover = readiness
 
     def heartbeat(self, catalog_conn: psycopg.Connection) -> bool:
@@ -699,3 +710,8 @@ def publication_recreated(conn: psycopg.Connection, slot: str, publication: str,
     except psycopg.Error:
         return None
     return None if row is None else recreated_error(publication, slot, None, None)
+
+
+def _shape(reason: str) -> str:
+    """A readiness reason without its positions and counts, which move while nothing else changes."""
+    return re.sub(r"[0-9A-F]+/[0-9A-F]+|\d+", "#", reason)

@@ -41,6 +41,7 @@ from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, Slot
 from ..mapping.model import Mapping, mapped_columns
 from ..sink.claims import BridgeIdentity, claim_problems, unmapped_owned
 from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
+from ..source.standbys import read_copies
 from ..source.failover import failover_readiness, supports_failover
 from ..source.history import ServerHistory, read_history
 from ..source.lsn import Lsn
@@ -317,15 +318,19 @@ def _check_failover(conn: psycopg.Connection, settings: Settings, report: CheckR
         return
     if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone() is None:
         return  # reported above
-    readiness = failover_readiness(conn, pgs.slot)
-    ha = ha or bool(readiness.synchronized_standby_slots)
+    held = _redis_held(settings)
+    copies = read_copies(conn, pgs.dsn, pgs.standbys, pgs.slot)
+    readiness = failover_readiness(conn, pgs.slot, copies, held if isinstance(held, Lsn) else None)
+    ha = ha or bool(readiness.synchronized_standby_slots) or bool(pgs.standbys.strip())
     if readiness.ready:
-        report.ok.append(f"failover-ready: {readiness.reason}")
+        report.ok.append(f"failover-ready: yes: {readiness.reason}")
     elif not ha:
         report.ok.append(f"failover-ready: no standby (no physical replication slot): {readiness.reason}")
     else:
         for problem in readiness.problems:
             report.warnings.append(f"slot {pgs.slot} would not survive a failover: {problem}")
+        for unknown in readiness.unknowns:
+            report.warnings.append(f"slot {pgs.slot}: failover readiness unknown: {unknown}")
     if ha and hosts < 2:
         report.warnings.append(
             "postgres.dsn names one host: after a failover the bridge follows the new primary only if this address "

@@ -22,6 +22,8 @@ from ..sink.claims import other_bridges
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source.failover import failover_readiness
+from ..source.lsn import Lsn
+from ..source.standbys import read_copies
 from ..source.replication import classify_pg_error
 
 __all__ = ["STALE_AFTER_S", "collect"]  # `cdc.ops.status_view.render` shows it
@@ -81,7 +83,7 @@ def _read_postgres(settings: Settings) -> tuple:
             row = conn.execute(SLOT_QUERY, (settings.postgres.slot,)).fetchone()
             decoding = (conn.execute(DECODING_QUERY, (settings.postgres.slot,)).fetchone()
                         if row and conn.info.server_version >= 140000 else None)  # the view is new in 14
-            failover = failover_readiness(conn, settings.postgres.slot) if row else None
+            failover = _failover(conn, settings) if row else None
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         try:
@@ -103,6 +105,25 @@ def _read_postgres(settings: Settings) -> tuple:
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
     return row, decoding, failover, backfills, reconciliations
+
+
+def _failover(conn: psycopg.Connection, settings: Settings):
+    """Failover readiness, each standby's copy read where it is and held to what Redis holds."""
+    pgs = settings.postgres
+    return failover_readiness(conn, pgs.slot, read_copies(conn, pgs.dsn, pgs.standbys, pgs.slot), _redis_holds(settings))
+
+
+def _redis_holds(settings: Settings) -> Lsn | None:
+    """How far Redis records holding the source (None: no record, or Redis cannot say)."""
+    try:
+        client = connect_redis(settings.redis)
+    except Exception:  # an unreachable Redis is reported by the Redis half of the status
+        return None
+    try:
+        held = redis_record(client, settings.postgres.slot)
+    finally:
+        client.close()
+    return held if isinstance(held, Lsn) else None
 
 
 def _collect_redis(settings: Settings, mappings: Sequence[Mapping], stale_after_s: float, result: dict) -> None:

@@ -143,7 +143,7 @@ def render(status: dict, *, color: bool = False, width: int | None = None) -> st
         console.print(decoding, soft_wrap=True)
     failover = (status["slot"] or {}).get("failover")
     if failover:
-        console.print(f"failover-ready: {'yes' if failover['ready'] else 'no'}: {failover['reason']}", soft_wrap=True)
+        console.print(f"failover-ready: {failover['state']}: {failover['reason']}", soft_wrap=True)
     for line in _bridge_lines(status.get("bridge") or {}):
         console.print(line, soft_wrap=True)
     others = _others_line(status.get("other_bridges") or [])

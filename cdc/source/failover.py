@@ -7,9 +7,11 @@ as the standby has confirmed, which is why the primary must hold logical walsend
 back with ``synchronized_standby_slots`` until the standby has flushed: otherwise the
 bridge can publish changes that a promoted standby never received.
 
-Only the primary's side can be read from the bridge's connection (the slot's flag,
-``synchronized_standby_slots``, the physical slots of the standbys); what the standby
-must set is named in the advice.
+Readiness is judged on both sides: the primary's (the slot's flag,
+``synchronized_standby_slots``, the physical slots of the standbys) and each standby's own
+copy of the slot (`cdc.source.standbys`): "yes" only when every standby that could be
+promoted holds a persisted synced copy and has what Redis holds; "unknown" when a standby
+cannot be read; "no" with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from .lsn import Lsn
 from .replication import quote_ident
+from .standbys import PrimarySlot, StandbyCopy, copy_summary, judge_copy
 
 __all__ = ["FAILOVER_MIN_VERSION", "FailoverReadiness", "StandbySlot", "create_slot", "failover_readiness",
            "make_failover_slot", "standby_settings", "supports_failover"]
@@ -50,22 +54,42 @@ class FailoverReadiness:
     standby_slots: tuple[StandbySlot, ...] = ()
     #: why the slot would not survive a failover, each with the setting that fixes it (empty: ready)
     problems: tuple[str, ...] = field(default=())
+    #: the standbys' copies of the slot, as each standby says (`cdc.source.standbys`)
+    copies: tuple[StandbyCopy, ...] = ()
+    #: why readiness cannot be told (a standby that cannot be read): never "yes" while there is one
+    unknowns: tuple[str, ...] = ()
+    #: how far Redis holds the source, which each standby must have received
+    redis_holds: Lsn | None = None
 
     @property
     def ready(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unknowns
+
+    @property
+    def standby_in_evidence(self) -> bool:
+        """A standby is in sight (a physical slot, synchronized_standby_slots, a standby named to read)."""
+        return bool(self.standby_slots or self.synchronized_standby_slots or self.copies)
+
+    @property
+    def state(self) -> str:
+        """yes, no or unknown (a problem found wins over a standby that could not be read)."""
+        return "no" if self.problems else "unknown" if self.unknowns else "yes"
 
     @property
     def reason(self) -> str:
-        if self.problems:
-            return "; ".join(self.problems)
+        if self.problems or self.unknowns:
+            return "; ".join(self.problems + self.unknowns)
         names = ", ".join(f"{s.name} ({_behind(s)})" for s in self.standby_slots if s.name in self.synchronized_standby_slots)
-        return f"slot {self.slot} is a failover slot and the primary waits for standby slot(s) {names}"
+        copies = ", ".join(copy_summary(c, self.redis_holds) for c in self.copies)
+        return (f"slot {self.slot} is a failover slot, the primary waits for standby slot(s) {names}, and each "
+                f"standby holds a copy a promotion keeps: {copies}")
 
     def as_dict(self) -> dict:
         return {
             "ready": self.ready,
+            "state": self.state,
             "reason": self.reason,
+            "standbys": [c.as_dict() for c in self.copies],
             "slot_failover": self.slot_failover,
             "synchronized_standby_slots": list(self.synchronized_standby_slots),
             "standby_slots": [{"name": s.name, "active": s.active, "behind_bytes": s.behind_bytes}
@@ -122,23 +146,27 @@ def make_failover_slot(dsn: str, conn: psycopg.Connection, slot: str) -> str | N
     return f"made slot {slot} a failover slot"
 
 
-def failover_readiness(conn: psycopg.Connection, slot: str) -> FailoverReadiness:
-    """Whether `slot` would survive a failover to a physical standby, read on the primary."""
+def failover_readiness(conn: psycopg.Connection, slot: str, copies: tuple[StandbyCopy, ...] | None = None,
+                       redis_holds: Lsn | None = None) -> FailoverReadiness:
+    """Whether `slot` would survive a failover to a physical standby: the primary's side read on `conn`, each
+    standby's side from `copies` (`cdc.source.standbys.read_copy`; None: not read, so never "yes"), each
+    standby held to having received `redis_holds` (how far Redis holds the source)."""
     version = conn.info.server_version
-    if version < FAILOVER_MIN_VERSION:
-        return FailoverReadiness(slot, version, problems=(
-            f"PostgreSQL {version // 10000} has no failover slots (17 and later): a promoted standby would not "
-            "have the slot",))
-    row = conn.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
-    synchronized = tuple(
-        name.strip().strip('"') for name in conn.execute("SELECT current_setting('synchronized_standby_slots')").fetchone()[0].split(",")
-        if name.strip())
     in_recovery = conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]
     behind = "NULL" if in_recovery else "pg_current_wal_lsn() - restart_lsn"
     standbys = tuple(
         StandbySlot(name, active, int(lag) if lag is not None else None)
         for name, active, lag in conn.execute(
             f"SELECT slot_name, active, {behind} FROM pg_replication_slots WHERE slot_type = 'physical' ORDER BY slot_name"))
+    if version < FAILOVER_MIN_VERSION:
+        return FailoverReadiness(slot, version, standby_slots=standbys, copies=tuple(copies or ()), problems=(
+            f"PostgreSQL {version // 10000} has no failover slots (17 and later): a promoted standby would not "
+            "have the slot",))
+    row = conn.execute("SELECT failover, restart_lsn::text, catalog_xmin::text FROM pg_replication_slots "
+                       "WHERE slot_name = %s", (slot,)).fetchone()
+    synchronized = tuple(
+        name.strip().strip('"') for name in conn.execute("SELECT current_setting('synchronized_standby_slots')").fetchone()[0].split(",")
+        if name.strip())
     problems: list[str] = []
     physical = {s.name: s for s in standbys}
     example = standbys[0].name if standbys else "standby1"
@@ -165,4 +193,19 @@ def failover_readiness(conn: psycopg.Connection, slot: str) -> FailoverReadiness
             problems.append(f"standby slot {name} is not active ({_behind(standby)}): no standby streams from it, so "
                             "its copy of the slot falls behind and the primary holds the bridge back until it returns; "
                             "start the standby with " + standby_settings(name, dbname))
-    return FailoverReadiness(slot, version, bool(row[0]) if row else None, synchronized, standbys, tuple(problems))
+    unknowns: list[str] = []
+    primary = None if row is None else PrimarySlot(None if row[1] is None else Lsn.parse(row[1]), row[2])
+    if copies is None:
+        unknowns.append("the standbys' copies of the slot were not read")
+    elif not copies and standbys:
+        unknowns.append(f"the standbys' copies of slot {slot} cannot be read: postgres.dsn names one server; name "
+                        "every server in it (host=a,b port=5432,5432 target_session_attrs=read-write) or the "
+                        "standbys in postgres.standbys")
+    for copy in copies or ():
+        problem, unknown = judge_copy(copy, slot, primary, redis_holds)
+        if problem:
+            problems.append(problem)
+        if unknown:
+            unknowns.append(unknown)
+    return FailoverReadiness(slot, version, bool(row[0]) if row else None, synchronized, standbys, tuple(problems),
+                             tuple(copies or ()), tuple(unknowns), redis_holds)

@@ -66,6 +66,15 @@ class PostgresSettings:
     #: to judge failover readiness: a connection string naming their hosts (``host=db-b,db-c port=5432,5432``;
     #: its other keywords override the DSN's); empty: every host of `dsn` other than the primary
     standbys: str = ""
+    #: where the slot lives and is decoded: a physical standby (PostgreSQL 16+) spares the primary the decoding;
+    #: the bridge's writes (heartbeats, backfill bookkeeping and watermarks) still go to `dsn`, the primary,
+    #: and reach the standby in WAL order; empty: `dsn`
+    slot_dsn: str = ""
+
+    @property
+    def slot_server(self) -> str:
+        """The connection string of the server holding the slot (`slot_dsn`, else `dsn`)."""
+        return self.slot_dsn or self.dsn
 
 
 @dataclass(frozen=True)
@@ -499,6 +508,7 @@ _REQUIRED = {("postgres", "dsn"), ("redis", "url"), ("postgres", "slot"), ("post
 _CONNECTION_STRINGS = {
     ("postgres", "dsn"): check_dsn,
     ("postgres", "standbys"): check_dsn,
+    ("postgres", "slot_dsn"): check_dsn,
     ("reconcile", "state_dsn"): check_dsn,
     ("redis", "url"): _check_redis_url,
 }

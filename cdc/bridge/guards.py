@@ -19,6 +19,7 @@ from ..sink.streamkeys import STREAM, stream_key_error
 from ..sink.trim import UnconsumedRemoved, removed_unconsumed, unconsumed_loss_error
 from ..source.history import Divergence, ServerHistory, divergence
 from ..source.lsn import Lsn
+from ..source.slot_server import POSITION_SQL
 
 __all__ = ["DATA_LOSS_FIELDS", "MemoryWatch", "SlotHealth", "SlotWatch", "check_redis_has_flushed", "clear_data_loss",
            "invalidated_slot_error", "missing_slot_error", "slot_database_error", "record_data_loss", "record_stream_loss",
@@ -29,10 +30,11 @@ log = logging.getLogger("cdc.guard")
 
 LEVELS = ("ok", "warning", "critical")
 
-SLOT_QUERY = """
+#: the slot on its server; a standby's position is what it replayed (`cdc.source.slot_server`)
+SLOT_QUERY = f"""
 SELECT wal_status,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
+       pg_wal_lsn_diff({POSITION_SQL}, restart_lsn)::bigint,
+       pg_wal_lsn_diff({POSITION_SQL}, confirmed_flush_lsn)::bigint,
        confirmed_flush_lsn::text,
        current_setting('max_slot_wal_keep_size')
 FROM pg_replication_slots WHERE slot_name = %s
@@ -331,7 +333,8 @@ def record_divergence(client: redis.Redis, slot: str, error: DataLossError, foun
 
 
 def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, *,
-                         reread: Callable[[], ServerHistory] | None, record: bool = True) -> None:
+                         reread: Callable[[], ServerHistory] | None, record: bool = True,
+                         decoded_here: Lsn | None = None) -> None:
     """Stop (exit 6, recorded for cdc status) when Redis holds positions the server's history lacks: another
     system, an older timeline, or a newer one that branched off below Redis' record (`cdc.source.history`);
     or when such a divergence was recorded (by cdc init) and cdc recover has not repaired it yet.
@@ -344,6 +347,11 @@ def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, 
     WAL position `server` saw. So a divergence is judged again on `reread()`, a reading of the server taken
     after the record: every position a bridge records is WAL the server had written before that reading.
     `reread` None: `server` was read after the record.
+
+    `decoded_here`: the confirmed position of a slot the bridge created on this server while it was a standby
+    (postgres.slot_dsn). A standby promoted under a running bridge goes on decoding its own new timeline in the
+    same session, so Redis holds positions past the branch point labelled with the old timeline; when the
+    slot here confirmed past the branch point, those positions were decoded here: nothing diverged.
     """
     pipe = client.pipeline(transaction=False)  # one round trip
     pipe.hgetall(keys.bridge_state_key(slot))
@@ -359,6 +367,11 @@ def check_source_history(client: redis.Redis, slot: str, server: ServerHistory, 
     found = _diverged(recorded, held, server)
     if found is not None and reread is not None:
         found = _diverged(recorded, held, reread())
+    if (found is not None and decoded_here is not None and found.since is not None and decoded_here > found.since
+            and "branched off" in found.cause):
+        log.info("slot %s on this server decoded its own timeline past the branch point %s: redis' positions up to "
+                 "%s are this server's", slot, found.since, held)
+        found = None
     if found is not None:
         error = diverged_error(slot, found)
         record_divergence(client, slot, error, found)

@@ -60,6 +60,7 @@ from .encoding import InvalidText, invalid_text_error, is_invalid_text
 from ..mapping.uniqueness import key_uniqueness_problem
 from .gate import TableGate, recreated_error
 from .standby_watch import StandbyWatch
+from ..source.slot_server import in_recovery, standby_problems
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
 from ..metrics import Registry, serve
@@ -302,7 +303,7 @@ class Bridge:
 
         pgs = self.settings.postgres
         try:
-            with psycopg.connect(pgs.dsn, autocommit=True, connect_timeout=10) as conn:
+            with psycopg.connect(pgs.slot_server, autocommit=True, connect_timeout=10) as conn:
                 holder = slot_holder(conn, pgs.slot)
         except psycopg.Error:
             return
@@ -313,9 +314,11 @@ class Bridge:
 
     # -- one session ---------------------------------------------------------------------
 
-    def _connect_catalog(self) -> psycopg.Connection:
+    def _connect_catalog(self, dsn: str | None = None) -> psycopg.Connection:
+        """The slot's server (types, slot health, the ack gate), or `dsn`."""
         try:
-            return psycopg.connect(self.settings.postgres.dsn, autocommit=True, options=SESSION_OPTIONS, connect_timeout=10)
+            return psycopg.connect(dsn or self.settings.postgres.slot_server, autocommit=True, options=SESSION_OPTIONS,
+                                   connect_timeout=10)
         except Exception as exc:
             raise classify_pg_error(exc) from exc
 
@@ -325,6 +328,12 @@ class Bridge:
         self.sessions += 1
         pgs = self.settings.postgres
         catalog_conn = self._connect_catalog()
+        try:
+            # what the bridge writes goes to the primary, whose WAL a standby holding the slot decodes in order
+            writer = self._connect_catalog(pgs.dsn) if pgs.slot_dsn else catalog_conn
+        except BaseException:
+            catalog_conn.close()
+            raise
         rs = self.settings.redis
         publisher = Publisher(
             rs.url, cluster=rs.cluster, flushed_key=keys.flushed_key(pgs.slot), wait_replicas=rs.wait_replicas,
@@ -334,17 +343,18 @@ class Bridge:
         )
         client = connect_redis(rs, socket_timeout=self.redis_timeout)
         self._streams_client = client
-        stream = ReplicationStream(pgs.dsn, pgs.slot, pgs.publication, timeout=pgs.receive_timeout_s)
+        stream = ReplicationStream(pgs.slot_server, pgs.slot, pgs.publication, timeout=pgs.receive_timeout_s)
         try:
-            self._check_server(catalog_conn)
+            self._check_server(catalog_conn, writer)
             self._judge_mappings(catalog_conn)
             publisher.ping()
             self.slot_watch.redis_held = lambda: redis_record(client, pgs.slot)  # for a missing slot's error
             health = self.check_slot(catalog_conn)
-            server = read_history(pgs.dsn)  # once per session: whose history Redis' positions belong to
+            server = read_history(pgs.slot_server)  # once per session: whose history Redis' positions belong to
             try:
                 self.claim(client, server)  # nothing another bridge on this Redis writes or reads
-                check_source_history(client, pgs.slot, server, reread=lambda: read_history(pgs.dsn))
+                check_source_history(client, pgs.slot, server, reread=lambda: read_history(pgs.slot_server),
+                                     decoded_here=health.confirmed_lsn if pgs.slot_dsn else None)
                 held = check_redis_has_flushed(client, pgs.slot, health.confirmed_lsn, self.stream_entities)
                 self.memory = MemoryWatch(client, rs.pause_at_memory_fraction, rs.resume_at_memory_fraction, pgs.slot,
                                           reserve=publisher.memory_reserve)
@@ -365,7 +375,7 @@ class Bridge:
                 self.streamed = True
                 self.state = "streaming"
                 self.backoff.streaming(time.monotonic())
-                self._stream(Session(self, stream, publisher, catalog_conn, held, health.confirmed_lsn))
+                self._stream(Session(self, stream, publisher, catalog_conn, held, health.confirmed_lsn, writer))
             except DataLossError as exc:  # a stream's history vanished while streaming: cdc status shows it
                 self._stale_pid = stream.backend_pid
                 record_stream_loss(client, pgs.slot, exc)
@@ -384,11 +394,16 @@ class Bridge:
             publisher.close()
             client.close()
             catalog_conn.close()
+            if writer is not catalog_conn:
+                writer.close()
 
-    def _check_server(self, catalog_conn: psycopg.Connection) -> None:
-        """wal_level is logical; with --until-caught-up, the position to catch up to (once). One round trip:
-        the position is read only once wal_level passed (CASE evaluates its branch only then)."""
+    def _check_server(self, catalog_conn: psycopg.Connection, writer: psycopg.Connection) -> None:
+        """wal_level is logical; with --until-caught-up, the position to catch up to (once), the primary's. One
+        round trip: the position is read only once wal_level passed (CASE evaluates its branch only then)."""
         catching_up = self.until_caught_up and self.target_lsn is None
+        if writer is not catalog_conn:
+            self._check_standby(catalog_conn, writer)
+            catalog_conn = writer  # the primary's wal_level, and the position its writes reached
         try:
             with self._bounded(catalog_conn, "checking settings"):
                 row = catalog_conn.execute(
@@ -406,6 +421,17 @@ class Bridge:
                 if catching_up:
                     self.target_lsn = Lsn.parse(position)
                     log.info("catching up to %s", self.target_lsn)
+        except psycopg.Error as exc:
+            raise classify_pg_error(exc) from exc
+
+    def _check_standby(self, catalog_conn: psycopg.Connection, writer: psycopg.Connection) -> None:
+        """The server of postgres.slot_dsn can decode: a standby of PostgreSQL 16+ with what it needs
+        (`cdc.source.slot_server`), or a server that accepts writes (a promoted standby)."""
+        try:
+            with self._bounded(catalog_conn, "checking the standby"):
+                if in_recovery(catalog_conn):
+                    for what, fix in standby_problems(catalog_conn, writer):
+                        raise SourceError(what, hint=fix)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
 
@@ -540,7 +566,7 @@ class Bridge:
         """Log when the slot's failover readiness or its reason changes, positions and counts aside
         (cdc_slot_failover_ready shows it)."""
         copies, held = None, None
-        if supports_failover(catalog_conn):
+        if supports_failover(catalog_conn) and not self.settings.postgres.slot_dsn:  # a standby's slot: see failover
             copies, held = self.standby_watch.reading(catalog_conn.info.host, str(catalog_conn.info.port))
         try:
             readiness = failover_readiness(catalog_conn, self.settings.postgres.slot, copies, held)

@@ -133,13 +133,15 @@ class Session:
     """Streams one replication connection into Redis until stopped, caught up or failed."""
 
     def __init__(self, host: SessionHost, stream: ReplicationStream, publisher: Publisher, conn: psycopg.Connection,
-                 held: Lsn, confirmed: Lsn | None = None) -> None:
+                 held: Lsn, confirmed: Lsn | None = None, writer: psycopg.Connection | None = None) -> None:
         settings = host.settings
         self.host = host
         self.counters = host.counters
         self.stream = stream
         self.publisher = publisher
-        self.conn = conn  # the catalog connection: types, slot health, heartbeats, backfill chunks
+        self.conn = conn  # the catalog connection, on the slot's server: types, slot health, the ack gate
+        #: the primary: heartbeats, backfill chunks and their watermarks (`conn` unless the slot is on a standby)
+        self.writer = writer or conn
         self.status_interval = settings.batch.status_interval_s
         self.receive_timeout = settings.postgres.receive_timeout_s
         self.decoder = pg.PgOutputDecoder()
@@ -467,7 +469,7 @@ class Session:
         if now >= t.heartbeat:
             heartbeat = pgs.heartbeat_interval_s
             t.heartbeat = now + heartbeat
-            if now - t.heard >= heartbeat and not host.heartbeat(self.conn):
+            if now - t.heard >= heartbeat and not host.heartbeat(self.writer):
                 t.heartbeat = float("inf")
         if now >= t.trim:
             host.trim_streams()
@@ -484,7 +486,7 @@ class Session:
         t.guard = min(t.guard, t.backfill)
 
     def drive_backfill(self) -> None:
-        self.host.drive_backfill(self.backfill, self.conn)
+        self.host.drive_backfill(self.backfill, self.writer)
 
     def watermark(self, msg: pg.Message) -> None:
         """Open or close a backfill window; at the high watermark queue the chunk's unchanged rows.
@@ -545,8 +547,8 @@ class Session:
             return  # cannot happen: this session's windows close only with its own watermarks
         backfill_id = int(chunk.partition(":")[0])
         try:
-            with bounded(self.conn, self.receive_timeout, "marking a backfill failed"):
-                self.backfill.fail(self.conn, backfill_id, entity, None,
+            with bounded(self.writer, self.receive_timeout, "marking a backfill failed"):
+                self.backfill.fail(self.writer, backfill_id, entity, None,
                                    f"chunk {chunk} was read by a writer that had lost the slot; run cdc backfill again")
         except psycopg.Error as exc:
             log.error("could not mark backfill %d failed: %s", backfill_id, exc)

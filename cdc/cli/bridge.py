@@ -37,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     while True:
         # before the metrics port is bound: a second bridge on the slot says so, or waits as the standby
-        wait_for_slot(settings.postgres.dsn, settings.postgres.slot, standby=args.standby,
+        wait_for_slot(settings.postgres.slot_server, settings.postgres.slot, standby=args.standby,
                       stopping=lambda: bridge.stopping)
         if bridge.stopping:
             return 0

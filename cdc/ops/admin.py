@@ -7,8 +7,9 @@ the stream uses.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import psycopg
@@ -25,6 +26,7 @@ from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_pro
 from ..source.pubcolumns import ColumnPlan, plan
 from ..source.history import Divergence, ServerHistory, read_history
 from ..source.failover import create_slot, make_failover_slot
+from ..source.slot_server import create_on_standby, in_recovery, standby_problems
 from ..config import Settings
 from .. import keys
 from ..errors import MappingError, SlotError, SourceError
@@ -39,16 +41,31 @@ from ..mapping.projector import Projector
 from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident, quote_literal
 from ..source.values import TypeCatalog, json_schema_for
 
-__all__ = ["bind_live", "connect", "init", "judge_live", "json_schemas"]
+__all__ = ["bind_live", "connect", "init", "judge_live", "json_schemas", "slot_connection"]
 
 log = logging.getLogger("cdc.admin")
 
 
 def connect(settings: Settings) -> psycopg.Connection:
+    """The primary (postgres.dsn): the tables, the publication, and whatever the bridge writes."""
+    return _connect(settings.postgres.dsn)
+
+
+def _connect(dsn: str) -> psycopg.Connection:
     try:
-        return psycopg.connect(settings.postgres.dsn, autocommit=True, options=SESSION_OPTIONS, connect_timeout=10)
+        return psycopg.connect(dsn, autocommit=True, options=SESSION_OPTIONS, connect_timeout=10)
     except Exception as exc:
         raise classify_pg_error(exc) from exc
+
+
+@contextlib.contextmanager
+def slot_connection(settings: Settings, primary: psycopg.Connection) -> Iterator[psycopg.Connection]:
+    """The server holding the slot: `primary` itself, or the standby of postgres.slot_dsn (closed after)."""
+    if not settings.postgres.slot_dsn:
+        yield primary
+        return
+    with _connect(settings.postgres.slot_dsn) as conn:
+        yield conn
 
 
 def _wal_level(conn: psycopg.Connection) -> None:
@@ -205,38 +222,55 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
         try:
             _wal_level(conn)
             _refuse(conn, pgs.publication, mappings)  # what cdc check and cdc run refuse, before anything is created
-            _claim(settings, mappings, read_history(pgs.dsn))  # before anything is created: nothing another bridge holds
+            _claim(settings, mappings, read_history(pgs.slot_server))  # before anything is created: nothing another bridge holds
             _publication(conn, pgs.publication, mappings, done)
             ensure_table(conn)
-            slot = conn.execute(
-                "SELECT plugin, confirmed_flush_lsn::text, wal_status FROM pg_replication_slots WHERE slot_name = %s",
-                (pgs.slot,),
-            ).fetchone()
-            created = slot is None
-            if slot is not None and slot[2] == "lost":
-                raise invalidated_slot_error(pgs.slot)
-            if slot is not None and (other := slot_database_error(conn, pgs.slot)) is not None:
-                raise other
-            if slot is None:
-                # what the function returns is the new slot's confirmed position
-                confirmed, created = create_slot(conn, pgs.slot, pgs.failover_slot)
-                done.append(created)
+            with slot_connection(settings, conn) as sconn:
+                confirmed, created = _slot(settings, conn, sconn, done)
+            if created:
                 for m in mappings:
                     if m.snapshot == "initial":
                         backfill_id = enqueue(conn, pgs.slot, m)
                         done.append(f"initial snapshot of {m.entity} queued (backfill {backfill_id}); cdc run publishes it")
-            elif slot[0] != "pgoutput":
-                raise SourceError(f"slot {pgs.slot} exists with plugin {slot[0]!r}, not pgoutput", hint="drop it or choose another postgres.slot")
-            else:
-                done.append(f"slot {pgs.slot} already exists")
-                confirmed = slot[1]
-                converted = make_failover_slot(pgs.dsn, conn, pgs.slot) if pgs.failover_slot else None
-                if converted:
-                    done.append(converted)
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication, role=conn.info.user) from exc
-    done.append(_register_redis(settings, Lsn.parse(confirmed), created, read_history(pgs.dsn)))
+    done.append(_register_redis(settings, Lsn.parse(confirmed), created, read_history(pgs.slot_server)))
     return done
+
+
+def _slot(settings: Settings, conn: psycopg.Connection, sconn: psycopg.Connection, done: list[str]) -> tuple[str, bool]:
+    """The slot on its server (`sconn`: the primary `conn`, or a standby that decodes), created if missing;
+    returns (its confirmed position, whether it was created)."""
+    pgs = settings.postgres
+    standby = sconn is not conn and in_recovery(sconn)
+    if standby:
+        for what, fix in standby_problems(sconn, conn):
+            raise SourceError(f"{what}; nothing was created on the standby", hint=fix)
+    slot = sconn.execute(
+        "SELECT plugin, confirmed_flush_lsn::text, wal_status FROM pg_replication_slots WHERE slot_name = %s",
+        (pgs.slot,),
+    ).fetchone()
+    if slot is not None and slot[2] == "lost":
+        raise invalidated_slot_error(pgs.slot)
+    if slot is not None and (other := slot_database_error(sconn, pgs.slot)) is not None:
+        raise other
+    if slot is None:
+        if standby:
+            confirmed = create_on_standby(sconn, conn, pgs.slot)
+            done.append(f"created logical slot {pgs.slot} (pgoutput) at {confirmed} on the standby of "
+                        "postgres.slot_dsn, which decodes it")
+        else:
+            # what the function returns is the new slot's confirmed position
+            confirmed, what = create_slot(sconn, pgs.slot, pgs.failover_slot)
+            done.append(what)
+        return confirmed, True
+    if slot[0] != "pgoutput":
+        raise SourceError(f"slot {pgs.slot} exists with plugin {slot[0]!r}, not pgoutput", hint="drop it or choose another postgres.slot")
+    done.append(f"slot {pgs.slot} already exists" + (" on the standby of postgres.slot_dsn" if standby else ""))
+    converted = make_failover_slot(pgs.slot_server, sconn, pgs.slot) if pgs.failover_slot and not standby else None
+    if converted:
+        done.append(converted)
+    return slot[1], False
 
 
 def _refuse_ambiguous_keys(conn: psycopg.Connection, mappings: Sequence[Mapping]) -> None:
@@ -292,7 +326,7 @@ def _register_redis(settings: Settings, confirmed: Lsn, created: bool = False, s
             below = created and confirmed < current
             # stops on a divergence (recorded), else records the history (not yet when the new slot is below)
             check_source_history(client, slot, server, record=not below,
-                                 reread=lambda: read_history(settings.postgres.dsn))
+                                 reread=lambda: read_history(settings.postgres.slot_server))
             if below:
                 found = Divergence(confirmed, current, f"slot {slot!r} was created at {confirmed}, below the position "
                                    "redis holds, which this server's WAL never reached: a promoted standby or a restored "

@@ -20,6 +20,7 @@ failing command would exit with; `CheckReport.exit_code` is the smallest among t
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,11 +38,12 @@ from ..bridge.encoding import sql_ascii_warning
 from ..bridge.guards import (check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error,
                              redis_record, slot_database_error, stream_problems)
 from ..bridge.held_transactions import spill_dir_error, spill_place
-from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, TransientError
+from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, SourceError, TransientError
 from ..mapping.model import Mapping, mapped_columns
 from ..sink.claims import BridgeIdentity, claim_problems, unmapped_owned
 from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
 from ..source.standbys import read_copies
+from ..source.slot_server import in_recovery, standby_problems
 from ..source.failover import failover_readiness, supports_failover
 from ..source.history import ServerHistory, read_history
 from ..source.lsn import Lsn
@@ -52,7 +54,7 @@ from ..source.privileges import BACKFILL_GRANTS
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
 from ..mapping.uniqueness import key_uniqueness_problem
-from .admin import bind_live, _tables, _wal_level, connect
+from .admin import bind_live, _tables, _wal_level, connect, slot_connection
 
 __all__ = ["CheckReport", "acl_probes", "check"]
 
@@ -161,11 +163,21 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
                 report.problems.append(exc)
             superuser = _check_role(conn, report)
             _check_mappings(conn, mappings, superuser, report)
-            _check_publication_and_slot(conn, settings, mappings, report)
-            _check_failover(conn, settings, report)
-            _check_backfills(conn, superuser, report)
-            row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s "
-                               "AND wal_status IS DISTINCT FROM 'lost'", (pgs.slot,)).fetchone()  # lost: nothing to compare
+            with contextlib.ExitStack() as stack:
+                sconn: psycopg.Connection | None = None
+                try:
+                    sconn = stack.enter_context(slot_connection(settings, conn))  # the slot's server
+                except CdcError as exc:
+                    report.problems.append(exc)
+                if sconn is not None:
+                    _check_slot_server(conn, sconn, settings, report)
+                _check_publication_and_slot(conn, sconn, settings, mappings, report)
+                if sconn is not None:
+                    _check_failover(sconn, settings, report)
+                _check_backfills(conn, superuser, report)
+                row = None if sconn is None else sconn.execute(
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s "
+                    "AND wal_status IS DISTINCT FROM 'lost'", (pgs.slot,)).fetchone()  # lost: nothing to compare
             return Lsn.parse(row[0]) if row and row[0] else None
         except psycopg.Error as exc:
             report.problems.append(classify_pg_error(exc, slot=pgs.slot, publication=pgs.publication,
@@ -219,14 +231,39 @@ def _check_mappings(conn: psycopg.Connection, mappings: Sequence[Mapping], super
             report.ok.append(f"entity {m.entity}: {m.qualified_table} -> {', '.join(m.stream_keys())}")
 
 
-def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, mappings: Sequence[Mapping],
-                                report: CheckReport) -> None:
+def _check_slot_server(conn: psycopg.Connection, sconn: psycopg.Connection, settings: Settings,
+                       report: CheckReport) -> None:
+    """With postgres.slot_dsn: the standby can decode (PostgreSQL 16+, wal_level, hot_standby_feedback, a
+    physical slot) and belongs to the primary's cluster."""
+    if sconn is conn:
+        return
+    if not in_recovery(sconn):
+        report.warnings.append("postgres.slot_dsn names a server that accepts writes, not a standby (a promoted "
+                               "standby?): the slot is decoded there; its writes still go to postgres.dsn")
+    else:
+        problems = standby_problems(sconn, conn)
+        for what, fix in problems:
+            report.problems.append(SourceError(what, hint=fix))
+        if not problems:
+            report.ok.append("postgres.slot_dsn: the standby can decode (PostgreSQL 16+, wal_level logical on both, "
+                             "hot_standby_feedback on, a physical slot on the primary)")
+    primary, standby = read_history(settings.postgres.dsn), read_history(settings.postgres.slot_dsn)
+    if primary.system_id != standby.system_id:
+        report.problems.append(SourceError(
+            f"postgres.slot_dsn names a server of another cluster (system identifier {standby.system_id}, the "
+            f"primary's is {primary.system_id}): it does not replay the primary's WAL",
+            hint="point postgres.slot_dsn at a physical standby of postgres.dsn's server"))
+
+
+def _check_publication_and_slot(conn: psycopg.Connection, sconn: psycopg.Connection | None, settings: Settings,
+                                mappings: Sequence[Mapping], report: CheckReport) -> None:
     pgs = settings.postgres
     init = "run: cdc init --config <file> (as the tables' owner)"
     pub = read_publication(conn, pgs.publication)
     if not pub.exists:
         report.problems.append(SlotError(f"publication {pgs.publication!r} does not exist", hint=init))
-    slot = conn.execute("SELECT plugin, wal_status FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
+    slot = None if sconn is None else sconn.execute(
+        "SELECT plugin, wal_status FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone()
     # an operation left out is never decoded: once the slot exists, what it held meanwhile needs a rebuild
     fix = "run: cdc init --config <file> as the tables' owner (or {alter})"
     if slot is not None:
@@ -251,6 +288,8 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
             report.ok.append(f"publication {pgs.publication} covers {c.qualified}"
                              + (" and every partition of it" if c.partitioned else ""))
             _check_columns(c, mapped_columns(mappings).get((c.schema, c.name), ()), pub, report)
+    if sconn is None:
+        return  # the slot's server could not be reached: reported
     held = _redis_held(settings) if slot is None else None
     if slot is None and held is None:  # a new deployment
         report.problems.append(SlotError(f"replication slot {pgs.slot!r} does not exist", hint=init))
@@ -258,7 +297,7 @@ def _check_publication_and_slot(conn: psycopg.Connection, settings: Settings, ma
         report.problems.append(missing_slot_error(pgs.slot, held))
     elif slot[1] == "lost":
         report.problems.append(invalidated_slot_error(pgs.slot))
-    elif (other := slot_database_error(conn, pgs.slot)) is not None:
+    elif (other := slot_database_error(sconn, pgs.slot)) is not None:
         report.problems.append(other)
     elif slot[0] != "pgoutput":
         report.problems.append(SlotError(f"replication slot {pgs.slot!r} uses plugin {slot[0]!r}, not pgoutput",
@@ -319,7 +358,7 @@ def _check_failover(conn: psycopg.Connection, settings: Settings, report: CheckR
     if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone() is None:
         return  # reported above
     held = _redis_held(settings)
-    copies = read_copies(conn, pgs.dsn, pgs.standbys, pgs.slot)
+    copies = () if pgs.slot_dsn else read_copies(conn, pgs.dsn, pgs.standbys, pgs.slot)  # a standby's slot: see failover
     readiness = failover_readiness(conn, pgs.slot, copies, held if isinstance(held, Lsn) else None)
     ha = ha or bool(readiness.synchronized_standby_slots) or bool(pgs.standbys.strip())
     if readiness.ready:
@@ -470,11 +509,13 @@ def _check_claims(client, settings: Settings, streams: dict[str, str], server: S
             f"changes without an entry); if the mapping was removed, release it: redis-cli HDEL {keys.STREAM_OWNERS} {stream}")
 
 
-def _check_history(client, settings: Settings, server: ServerHistory, report: CheckReport) -> bool:
+def _check_history(client, settings: Settings, server: ServerHistory, report: CheckReport,
+                   confirmed: Lsn | None) -> bool:
     """True when Redis holds positions the server's history lacks (cdc run refuses, exit 6; recorded for status)."""
     try:
         check_source_history(client, settings.postgres.slot, server, record=False,
-                             reread=lambda: read_history(settings.postgres.dsn))
+                             reread=lambda: read_history(settings.postgres.slot_server),
+                             decoded_here=confirmed if settings.postgres.slot_dsn else None)
     except DataLossError as exc:
         report.problems.append(exc)
         return True
@@ -507,12 +548,12 @@ def _check_redis(settings: Settings, mappings: Sequence[Mapping], report: CheckR
         _check_acl(node, where, acl_probes(settings, mappings), report)
         streams = written_streams(settings, mappings)
         try:
-            server = read_history(settings.postgres.dsn)
+            server = read_history(settings.postgres.slot_server)
         except CdcError:  # the connection's problem is reported by the postgres checks
             server = None
         if server is not None:
             _check_claims(client, settings, streams, server, report)
-        diverged = server is not None and _check_history(client, settings, server, report)
+        diverged = server is not None and _check_history(client, settings, server, report, confirmed)
         if confirmed is not None and not diverged:  # what cdc run checks first on every connection
             try:
                 check_redis_has_flushed(client, settings.postgres.slot, confirmed)

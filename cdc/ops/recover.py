@@ -60,7 +60,7 @@ from ..source.lsn import Lsn
 from ..source.replication import classify_pg_error
 from ..source.values import TypeCatalog
 from . import rebuild
-from .admin import bind_live, connect
+from .admin import bind_live, connect, slot_connection
 
 __all__ = ["recover"]
 
@@ -306,17 +306,17 @@ def _past_redis(conn: psycopg.Connection, client, settings: Settings, written: d
 def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str], None]) -> None:
     """Rebuild every mapped table's streams (see the module's docstring); `say` prints one line per step."""
     slot = settings.postgres.slot
-    with connect(settings) as conn, redis_for(settings) as client:
+    with connect(settings) as conn, slot_connection(settings, conn) as sconn, redis_for(settings) as client:
         try:
-            confirmed = _idle_slot(conn, slot)
-            server = read_history(settings.postgres.dsn)  # the slot and streams must be this bridge's own
+            confirmed = _idle_slot(sconn, slot)
+            server = read_history(settings.postgres.slot_server)  # the slot and streams must be this bridge's own
             written = written_streams(settings, mappings)
             claim(client, BridgeIdentity(slot, server.system_id, server.database, settings.postgres.publication), written)
             vanished = _vanished_streams(client, written)  # keys of another type first: their marks cannot be read
             _past_redis(conn, client, settings, written)
             lost_from, lost_to = _fence(client, settings, say)
             _forget_vanished(client, mappings, vanished, say)
-            _idle_slot(conn, slot)
+            _idle_slot(sconn, slot)
             say(f"slot {slot} is at {confirmed}; no bridge is attached, and one started now stops until this ends")
             with ExportedSnapshot(settings.postgres.dsn, label="recover") as snap:
                 base = int(snap.position) - 1
@@ -339,7 +339,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                     if settings.transactions.stream:
                         _mark_transactions(publisher, settings.transactions.stream, base, marker, say)
                     conn.execute("COMMIT")
-                    _idle_slot(conn, slot)
+                    _idle_slot(sconn, slot)
                     _still_fenced(client, slot)
                     # the rebuild holds every row: a snapshot or backfill published after it would repeat them
                     for backfill_id, entity in supersede(conn, slot, rebuilt, f"superseded by cdc recover at {snap.position}"):
@@ -352,7 +352,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                     record_current(conn, client, slot, [m.table for m in mappings if m.table], snap.position)
                 finally:
                     publisher.close()
-            record_source(client, slot, read_history(settings.postgres.dsn))  # the streams are this server's now
+            record_source(client, slot, read_history(settings.postgres.slot_server))  # the streams are this server's now
             clear_data_loss(client, slot)
         except psycopg.Error as exc:
             raise classify_pg_error(exc, slot=slot) from exc

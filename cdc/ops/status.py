@@ -10,7 +10,7 @@ import redis
 from datetime import datetime, timezone
 
 from .. import keys
-from .admin import connect
+from .admin import connect, slot_connection
 from ..bridge.backfill import has_error_column
 from ..bridge.guards import invalidated_slot_error, missing_slot_error, redis_record
 from ..config import Settings
@@ -24,6 +24,7 @@ from ..sink.redisconn import connect_redis
 from ..source.failover import failover_readiness
 from ..source.lsn import Lsn
 from ..source.standbys import read_copies
+from ..source.slot_server import POSITION_SQL
 from ..source.replication import classify_pg_error
 
 __all__ = ["STALE_AFTER_S", "collect"]  # `cdc.ops.status_view.render` shows it
@@ -31,10 +32,10 @@ __all__ = ["STALE_AFTER_S", "collect"]  # `cdc.ops.status_view.render` shows it
 #: a consumer that has not read for this long is listed as stale (`cdc status --stale-after-s`)
 STALE_AFTER_S = 3600.0
 
-SLOT_QUERY = """
-SELECT s.active, s.confirmed_flush_lsn::text, pg_current_wal_lsn()::text,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint, s.wal_status,
+SLOT_QUERY = f"""
+SELECT s.active, s.confirmed_flush_lsn::text, ({POSITION_SQL})::text,
+       pg_wal_lsn_diff({POSITION_SQL}, s.confirmed_flush_lsn)::bigint,
+       pg_wal_lsn_diff({POSITION_SQL}, s.restart_lsn)::bigint, s.wal_status,
        extract(epoch FROM r.flush_lag)::float8, current_setting('max_slot_wal_keep_size'), s.safe_wal_size
 FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
 WHERE s.slot_name = %s
@@ -80,10 +81,11 @@ def _read_postgres(settings: Settings) -> tuple:
     """The slot's row, its decoding statistics and failover readiness, the backfills and the last reconciliations."""
     with connect(settings) as conn:
         try:
-            row = conn.execute(SLOT_QUERY, (settings.postgres.slot,)).fetchone()
-            decoding = (conn.execute(DECODING_QUERY, (settings.postgres.slot,)).fetchone()
-                        if row and conn.info.server_version >= 140000 else None)  # the view is new in 14
-            failover = _failover(conn, settings) if row else None
+            with slot_connection(settings, conn) as sconn:  # the slot's server: the primary, or a standby
+                row = sconn.execute(SLOT_QUERY, (settings.postgres.slot,)).fetchone()
+                decoding = (sconn.execute(DECODING_QUERY, (settings.postgres.slot,)).fetchone()
+                            if row and sconn.info.server_version >= 140000 else None)  # the view is new in 14
+                failover = _failover(sconn, settings) if row else None
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
         try:
@@ -110,7 +112,8 @@ def _read_postgres(settings: Settings) -> tuple:
 def _failover(conn: psycopg.Connection, settings: Settings):
     """Failover readiness, each standby's copy read where it is and held to what Redis holds."""
     pgs = settings.postgres
-    return failover_readiness(conn, pgs.slot, read_copies(conn, pgs.dsn, pgs.standbys, pgs.slot), _redis_holds(settings))
+    copies = () if pgs.slot_dsn else read_copies(conn, pgs.dsn, pgs.standbys, pgs.slot)  # a standby's slot: see failover
+    return failover_readiness(conn, pgs.slot, copies, _redis_holds(settings))
 
 
 def _redis_holds(settings: Settings) -> Lsn | None:

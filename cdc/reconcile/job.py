@@ -294,7 +294,8 @@ def reconcile_spec(
                 f"{result.read_seconds:.1f}s ({rate:,.0f} rows/s): {len(truth)} keys")
             if truth.skipped_null_keys:
                 say(f"{spec.name}: {truth.skipped_null_keys} source rows have a null key and belong to no state row")
-            _wait_for_bridge(dsn, settings.postgres.slot, result.position, settings.reconcile.wait_for_bridge_s, say)
+            _wait_for_bridge(settings.postgres.slot_dsn or dsn, settings.postgres.slot, result.position,
+                             settings.reconcile.wait_for_bridge_s, say)  # where the slot lives
             for target, streams, apply in targets:
                 outcome = _reset_target(settings, client, spec, target, streams, apply, holds, truth, result,
                                         started_wall, dry_run)

@@ -153,6 +153,11 @@ def failover_readiness(conn: psycopg.Connection, slot: str, copies: tuple[Standb
     standby held to having received `redis_holds` (how far Redis holds the source)."""
     version = conn.info.server_version
     in_recovery = conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]
+    if in_recovery and conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone():
+        return FailoverReadiness(slot, version, problems=(
+            f"slot {slot} lives on a standby (postgres.slot_dsn), which keeps it when it is promoted; a failover to "
+            "any other server leaves the bridge without it: it then stops with the missing slot's error (cdc init, "
+            "then cdc recover)",))
     behind = "NULL" if in_recovery else "pg_current_wal_lsn() - restart_lsn"
     standbys = tuple(
         StandbySlot(name, active, int(lag) if lag is not None else None)

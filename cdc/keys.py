@@ -78,7 +78,23 @@ def lease_key(stream: str, group: str) -> str:
 
 def lease_epoch_key(stream: str, group: str) -> str:
     """A counter: each new lease holder gets a higher epoch, used to fence old holders."""
-    return lease_key(stream, group) + ":epoch"
+    return lease_key(stream, group) + EPOCH_SUFFIX
+
+
+#: what a group's lease epoch adds to its lease key (`lease_epoch_key`)
+EPOCH_SUFFIX = ":epoch"
+
+
+def group_problem(group: str) -> str | None:
+    """Why `group` cannot name a consumer group, or None: empty, or shaped like another group's companion key
+    (group ``g:epoch``'s lease would be group ``g``'s lease epoch counter)."""
+    if not group.strip():
+        return "a consumer group name cannot be empty"
+    if group.endswith(EPOCH_SUFFIX):
+        base = group[: -len(EPOCH_SUFFIX)]
+        return (f"consumer group {group!r} ends with {EPOCH_SUFFIX}: its lease key would be the lease epoch counter "
+                f"of group {base!r}; choose another name")
+    return None
 
 
 def failures_key(stream: str, group: str) -> str:

@@ -97,6 +97,16 @@ def number(text: str) -> float:
     return value
 
 
+def group_name(text: str) -> str:
+    """A consumer group name (`cdc.keys.group_problem`)."""
+    from ..keys import group_problem
+
+    problem = group_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 _POSITION = re.compile(r"^(\$|\d+|\d+-\d+)$")
 
 

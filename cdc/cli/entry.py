@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import orjson
 
 from .. import redact
-from .args import ABOUT, Formatter, Parser, VersionAction, number
+from .args import ABOUT, Formatter, Parser, VersionAction, group_name, number
 from ..consume import defaults as c
 from ..exits import RedactingFilter, report, silence_stdout
 
@@ -61,7 +61,7 @@ def _consume_options(consume: argparse.ArgumentParser) -> None:
     consume.add_argument("--entity", required=True, action="append",
                          help="the mapping whose streams to read (all its partitions); with --transactions, "
                               "give it once per entity whose transactions the consumer sees whole")
-    consume.add_argument("--group", required=True, help="consumer group (also names the state and checkpoints it keeps)")
+    consume.add_argument("--group", required=True, type=group_name, help="consumer group (also names the state and checkpoints it keeps)")
     consume.add_argument("--name", help="consumer name in the group (default: host-pid); a consumer restarted under "
                                         "the same name takes its streams back at once, and a consumer on this host "
                                         "takes a default-named one's streams at once when its pid is gone")
@@ -171,7 +171,7 @@ def _reading_commands(sub, command) -> None:
     """replay, read, dlq."""
     replay = command("replay", "consume", "start a group at, or rewind it to, a time or an entry ID")
     replay.add_argument("--entity", required=True, help="the mapping whose streams the group reads")
-    replay.add_argument("--group", required=True, help="the consumer group to create or rewind")
+    replay.add_argument("--group", required=True, type=group_name, help="the consumer group to create or rewind")
     replay.add_argument("--from", dest="start", required=True, help="ISO-8601 time (e.g. 2026-11-21T00:00:00Z), entry ID, 0 or $")
     read = command("read", "consume", "print an entity's entries in a time or ID range as JSON lines")
     read.add_argument("--entity", required=True, help="the mapping whose streams to read")
@@ -191,7 +191,7 @@ def _reading_commands(sub, command) -> None:
     ):
         p = command(action, "consume", text, parent=actions, about=(f"{ABOUT['dlq'][0]} {action}: {text}.", example),
                     config_default=argparse.SUPPRESS, func="cmd_dlq")
-        p.add_argument("--group", required=True, help="the consumer group")
+        p.add_argument("--group", required=True, type=group_name, help="the consumer group")
         if ids_help:
             p.add_argument("ids", nargs="+" if action == "show" else "*", help=ids_help)
         else:

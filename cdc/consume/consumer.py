@@ -116,6 +116,9 @@ class Consumer:
         transactions: str | None = None,
         transaction_wait_ms: int = TRANSACTION_WAIT_MS,
     ) -> None:
+        problem = keys.group_problem(group)
+        if problem is not None:
+            raise ValueError(problem)
         if transactions is not None and not exclusive:
             raise ValueError("transaction mode needs exclusive=True: one consumer assembles each transaction")
         if transactions is not None and transactions in streams:

@@ -206,6 +206,10 @@ def _consumer(raw: Any, place: str) -> ConsumerTarget:
     group = raw.get("group", raw["name"])
     if not isinstance(group, str) or not group:
         raise _fail(where(raw, "group"), "group must be a consumer group name")
+    from ..keys import group_problem
+
+    if (problem := group_problem(group)) is not None:
+        raise _fail(where(raw, "group"), problem)
     return ConsumerTarget(raw["name"], raw["entity"], raw["handler"], table, scope, group, dsn, where(raw))
 
 

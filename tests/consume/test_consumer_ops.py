@@ -238,3 +238,15 @@ def test_cdc_consume_rides_out_a_redis_restart(rides):
         proc.terminate()
         assert proc.wait(30) == 0, proc.log_path.read_text()
     assert "transient failure, retrying" in proc.log_path.read_text()
+
+
+def test_a_group_named_like_another_groups_lease_epoch_is_refused(env):
+    """Group g:epoch's lease key would be group g's epoch counter: refused, one line, exit 2, before any key."""
+    env.init_rides("ride.yaml")
+    result = env.cdc("consume", "--entity", "ride", "--group", "totals:epoch", "--start", "0",
+                     "--handler", "cdc.demo.rocketrides:ride_totals")
+    assert result.returncode == 2, result.stderr
+    assert "ends with :epoch" in result.stderr and "Traceback" not in result.stderr
+    assert not env.redis.keys("*totals*")
+    with pytest.raises(ValueError, match="lease epoch counter of group 'totals'"):
+        Consumer(env.redis, ["cdc:ride"], "totals:epoch", "c1")

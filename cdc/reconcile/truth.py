@@ -18,6 +18,7 @@ module that imports pyspark.
 from __future__ import annotations
 
 import logging
+import atexit
 import os
 import pickle
 import shutil
@@ -147,6 +148,7 @@ def start_spark(master: str, jdbc_jar: str, driver_memory: str = "2g", executor_
         conf_dir = Path(tempfile.mkdtemp(prefix="cdc-spark-conf-"))
         (conf_dir / "log4j2.properties").write_text(_log4j_properties())
         os.environ["SPARK_CONF_DIR"] = str(conf_dir)
+        atexit.register(shutil.rmtree, conf_dir, True)  # read by the JVM at its start; gone with this process
     builder = (
         SparkSession.builder.master(master)
         .appName("cdc-reconcile")

@@ -577,9 +577,12 @@ def test_cdc_reconcile_reports_repairs_and_exits_by_outcome(env):
         env.execute("UPDATE consumer_states SET total_distance = total_distance - 1 WHERE consumer = 'ride-totals' AND rider_id = 2")
         report = env.tmp / "report.json"
         prom = env.tmp / "cdc.prom"
+        scratch = env.tmp / "scratch"
+        scratch.mkdir()
         dry = env.cdc("reconcile", "--dry-run", "--master", "local[1]", "--report", str(report), "--metrics-file", str(prom),
-                      timeout=300)
+                      timeout=300, env={"TMPDIR": str(scratch)})
         assert dry.returncode == 7, dry.stderr
+        assert not list(scratch.glob("cdc-spark-conf-*"))  # Spark's log settings go with the process
         assert "NOT repaired (dry run)" in dry.stdout
         assert "rider_id" in dry.stdout and "difference" in dry.stdout
         assert "reading" in dry.stderr and "snapshot" in dry.stderr

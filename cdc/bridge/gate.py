@@ -144,8 +144,10 @@ WITH asked(schema, name) AS (SELECT * FROM unnest(%(schemas)s::text[], %(names)s
 pub AS (SELECT oid, xmin FROM pg_publication WHERE pubname = %(pub)s),
 up AS (SELECT a.schema, a.name, x.relid, xc.relnamespace
        FROM asked a JOIN pg_namespace n ON n.nspname = a.schema
-       JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = a.name AND c.relkind IN ('r', 'p'),
-       pg_partition_ancestors(c.oid) x JOIN pg_class xc ON xc.oid = x.relid)
+       JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = a.name AND c.relkind IN ('r', 'p')
+       -- itself, and its partition ancestors (none for a table that is no partition)
+       CROSS JOIN LATERAL (SELECT c.oid AS relid UNION SELECT relid FROM pg_partition_ancestors(c.oid)) x
+       JOIN pg_class xc ON xc.oid = x.relid)
 SELECT NULL, NULL, 'p', oid::text || ':' || xmin::text, false FROM pub
 UNION ALL
 SELECT u.schema, u.name, 'r' || r.prrelid::text, r.oid::text || ':' || r.xmin::text, r.cmin::text::int > 0

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from cdc.bridge.gate import PublicationRows
 from cdc.demo.local import wait_for
 from conftest import read_stream
 from replay import replay, ride_rows
@@ -142,3 +143,22 @@ def test_init_for_new_mappings_and_an_unmapped_table_joining_leave_the_bridge_ru
     assert proc.wait(30) == 0
     rides.cdc("run", "--until-caught-up", check=True)  # with the new mappings
     assert rides.cdc("check").returncode == 0
+
+
+def test_what_counts_as_a_change_of_the_publications_rows():
+    rides, riders = ("public", "rides"), ("public", "riders")
+    was = PublicationRows("10:100", {rides: {"r1": "20:100", "n2": "21:100"}, riders: {"r3": "22:100"}})
+    same = PublicationRows.decode(was.encode())
+    assert same == was and same.changed_since(was, [rides, riders]) is None
+    # the publication's own row: any change (another publication, another OID, is not this check's)
+    assert "pg_publication row changed" in PublicationRows("10:105", was.tables).changed_since(was, [rides])
+    assert PublicationRows("11:105", {}).changed_since(was, [rides]) is None
+    # a member removed or replaced, unless it stayed covered by another row or came back in one transaction
+    replaced = {rides: {"r1": "30:105", "n2": "31:106"}, riders: was.tables[riders]}
+    assert "entries for table public.rides were removed" in PublicationRows("10:100", replaced).changed_since(was, [rides])
+    assert PublicationRows("10:100", replaced, frozenset({"30:105", "31:106"})).changed_since(was, [rides]) is None
+    assert PublicationRows("10:100", replaced, frozenset({"30:105"})).changed_since(was, [rides]) is not None
+    kept = {rides: {"r1": "30:105", "n2": "21:100"}}
+    assert PublicationRows("10:100", kept).changed_since(was, [rides]) is None
+    # tables the mappings do not read, and rows added, do not count
+    assert PublicationRows("10:100", {rides: {**was.tables[rides], "r9": "40:107"}}).changed_since(was, [rides]) is None

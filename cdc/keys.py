@@ -132,8 +132,9 @@ def bound_tables_key(slot: str) -> str:
     """A hash of the mapped tables the bridge of `slot` bound (field: "<schema>.<table>", value:
     "<oid> <since LSN> <leaf partition OIDs, comma-separated>"): a table found with another OID
     was dropped and re-created (see `cdc.bridge.gate`). Its field ``publish-gap`` (no dot: no table's) records what
-    a reading found the publication leaving out (operations, or ``publish_via_partition_root``), until
-    `cdc recover`."""
+    a reading found the publication leaving out (operations, or ``publish_via_partition_root``, or a change to its
+    catalog rows), until `cdc recover`; ``publication-oid`` the publication's OID, and ``publication-rows`` its
+    catalog rows for the mapped tables as the last passing reading (or `cdc init`) found them."""
     return f"cdc:bridge:{slot}:tables"
 
 

@@ -33,10 +33,24 @@ A partition that joins empty is bound as it is (it brings no rows; rows written 
 parent after it joined were published); one that joins holding rows written before it joined
 (judged by their inserting transaction against the attaching one), or one that leaves, stops the
 bridge: the rows came or went without a change.
+
+A reading sees the publication only as it is at that moment: an option turned off and on again, or a
+mapped table dropped from the publication and added again, between two readings (or while the bridge
+is stopped) leaves it as it was, while pgoutput skipped the changes of the window. So a passing
+reading records the catalog rows that decide what the publication sends of the mapped tables
+(`PublicationRows`: the ``pg_publication`` row, and each table's ``pg_publication_rel`` and
+``pg_publication_namespace`` rows, its partition ancestors' too, by OID and ``xmin``; `ROWS_FIELD`), and
+the next reading (`cdc run` at start, the gate, `cdc check`, `cdc init` before its own changes) compares:
+every change to one of them writes a new row version (a new ``xmin``, and a new OID for a member added
+again; freezing keeps ``xmin`` readable), so a row changed and changed back still differs, and a gap
+is recorded as above. A member dropped and added again within one transaction (what `cdc init` does to
+set a column list) never left the publication: its new row was inserted after another write of that
+transaction (``cmin`` above 0), and is taken as it is.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -55,7 +69,8 @@ from ..source.lsn import Lsn
 from ..source.pubcolumns import FILTERS_IN_BRIDGE, plan, sends_less
 from ..source.replication import quote_ident
 
-__all__ = ["Bound", "TableGate", "load_bound", "needed_operations", "record_bound", "record_current"]
+__all__ = ["Bound", "PublicationRows", "TableGate", "load_bound", "needed_operations", "read_rows", "record_bound",
+           "record_current", "record_rows"]
 
 log = logging.getLogger("cdc.gate")
 
@@ -65,6 +80,10 @@ RECOVER = "cdc recover (rebuilds the streams from the tables), then cdc run"
 GAP_FIELD = "publish-gap"
 #: the OID of the publication the bridge streamed through (one dropped and re-created has another)
 PUBLICATION_FIELD = "publication-oid"
+#: the catalog rows that decide what the publication sends of the mapped tables, as a passing reading found them
+ROWS_FIELD = "publication-rows"
+#: how a gap found in those rows starts in `GAP_FIELD`
+CHANGED = "changed: "
 
 
 def needed_operations(mappings: Iterable[Mapping]) -> dict[str, list[str]]:
@@ -104,7 +123,7 @@ def load_bound(client: redis.Redis, slot: str) -> dict[tuple[str, str], Bound]:
     raw = client.hgetall(keys.bound_tables_key(slot))
     bound = {}
     for field, value in raw.items():
-        if field in (GAP_FIELD.encode(), PUBLICATION_FIELD.encode()):
+        if field in (GAP_FIELD.encode(), PUBLICATION_FIELD.encode(), ROWS_FIELD.encode()):
             continue
         schema, _, name = field.decode().partition(".")
         bound[(schema, name)] = Bound.decode(value.decode())
@@ -116,12 +135,141 @@ def record_bound(client: redis.Redis, slot: str, bound: dict[tuple[str, str], Bo
         client.hset(keys.bound_tables_key(slot), mapping={_field(t): b.encode() for t, b in bound.items()})
 
 
+# per mapped table found: the rows of pg_publication_rel (kind r, keyed by the member's OID) and
+# pg_publication_namespace (kind n, keyed by the schema's OID) of the publication that cover it or a
+# partition ancestor of it; and one row (no table) for the publication itself. A row is "<oid>:<xmin>";
+# `again`: inserted after another write of its own transaction (cmin > 0), as when dropped and added again in it.
+ROWS_QUERY = """
+WITH asked(schema, name) AS (SELECT * FROM unnest(%(schemas)s::text[], %(names)s::text[])),
+pub AS (SELECT oid, xmin FROM pg_publication WHERE pubname = %(pub)s),
+up AS (SELECT a.schema, a.name, x.relid, xc.relnamespace
+       FROM asked a JOIN pg_namespace n ON n.nspname = a.schema
+       JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = a.name AND c.relkind IN ('r', 'p')
+       -- itself, and its partition ancestors (none for a table that is no partition)
+       CROSS JOIN LATERAL (SELECT c.oid AS relid UNION SELECT relid FROM pg_partition_ancestors(c.oid)) x
+       JOIN pg_class xc ON xc.oid = x.relid)
+SELECT NULL, NULL, 'p', oid::text || ':' || xmin::text, false FROM pub
+UNION ALL
+SELECT u.schema, u.name, 'r' || r.prrelid::text, r.oid::text || ':' || r.xmin::text, r.cmin::text::int > 0
+FROM up u JOIN pg_publication_rel r ON r.prrelid = u.relid AND r.prpubid = (SELECT oid FROM pub)
+{schemas}
+"""
+# PostgreSQL 15 and later: FOR TABLES IN SCHEMA
+_SCHEMA_ROWS = """UNION ALL
+SELECT u.schema, u.name, 'n' || s.pnnspid::text, s.oid::text || ':' || s.xmin::text, s.cmin::text::int > 0
+FROM up u JOIN pg_publication_namespace s ON s.pnnspid = u.relnamespace AND s.pnpubid = (SELECT oid FROM pub)"""
+
+
+@dataclass(frozen=True)
+class PublicationRows:
+    """The catalog rows deciding what the publication sends of the mapped tables, by OID and xmin.
+
+    Every change to a catalog row writes a new version of it (another xmin; a member dropped and
+    added again is another row, with another OID), so a change undone is still a change.
+    """
+
+    publication: str | None  # "<oid>:<xmin>" of its pg_publication row; None: no such publication
+    tables: dict[tuple[str, str], dict[str, str]]  # each mapped table found -> {"r<relid>"/"n<nspid>": "<oid>:<xmin>"}
+    again: frozenset[str] = frozenset()  # rows inserted after another write of their own transaction
+
+    def encode(self) -> str:
+        return json.dumps({"publication": self.publication,
+                           "tables": {_field(t): rows for t, rows in sorted(self.tables.items())}}, sort_keys=True)
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> PublicationRows:
+        raw = json.loads(text)
+        return cls(raw["publication"], {(f.partition(".")[0], f.partition(".")[2]): rows for f, rows in raw["tables"].items()})
+
+    def changed_since(self, was: PublicationRows, tables: Iterable[tuple[str, str]]) -> str | None:
+        """What changed since `was` that may have let pgoutput skip changes of `tables`; None if nothing did.
+
+        Another publication (another OID) is `TableGate._same_publication`'s to judge. Rows added only add
+        what it sends. A table keeping one of its rows as it was stayed covered by it throughout; a row
+        replaced by one inserted after another write of its own transaction (dropped and added again in
+        one transaction, as `cdc init` sets a column list) never left it."""
+        if was.publication is None or self.publication is None or \
+                was.publication.split(":")[0] != self.publication.split(":")[0]:
+            return None
+        tables = sorted(set(tables))
+        if was.publication != self.publication:
+            return (f"its pg_publication row changed (ALTER PUBLICATION ... SET, OWNER TO or RENAME TO: its publish "
+                    f"option or publish_via_partition_root may have been off meanwhile), which decides what it sends "
+                    f"of {_names(tables)}")
+        lost = []
+        for t in tables:
+            before, now = was.tables.get(t), self.tables.get(t, {})
+            if not before or any(now.get(k) == v for k, v in before.items()):
+                continue
+            if all(k in now and now[k] in self.again for k in before):
+                continue
+            lost.append(t)
+        if not lost:
+            return None
+        return (f"its entries for {_names(lost)} were removed or replaced (ALTER PUBLICATION ... DROP TABLE or DROP "
+                "TABLES IN SCHEMA, then ADD again)")
+
+
+def _names(tables: Sequence[tuple[str, str]]) -> str:
+    shown = ", ".join(_field(t) for t in tables[:3])
+    return f"table{'s' if len(tables) > 1 else ''} {shown}" + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
+
+
+def read_rows(conn: psycopg.Connection, publication: str, tables: Iterable[tuple[str, str]]) -> PublicationRows:
+    """The catalog rows deciding what `publication` sends of `tables`, in one statement (one snapshot)."""
+    tables = sorted(set(tables))
+    query = ROWS_QUERY.format(schemas=_SCHEMA_ROWS if conn.info.server_version >= 150000 else "")
+    rows = conn.execute(query, {"schemas": [s for s, _ in tables], "names": [n for _, n in tables],
+                                "pub": publication}).fetchall()
+    found: dict[tuple[str, str], dict[str, str]] = {}
+    pub, again = None, set()
+    for schema, name, key, row, inserted_again in rows:
+        if schema is None:
+            pub = row
+            continue
+        found.setdefault((schema, name), {})[key] = row
+        if inserted_again:
+            again.add(row)
+    return PublicationRows(pub, found, frozenset(again))
+
+
+def changed_error(publication: str, slot: str, what: str, recorded: bool) -> SlotError:
+    """The publication changed where a reading cannot see it any more (`PublicationRows.changed_since`)."""
+    if recorded:
+        text = (f"publication {publication!r} changed while slot {slot} held changes ({what}): the changes it may "
+                "have skipped meanwhile were never decoded and no replay brings them back")
+    else:
+        text = (f"publication {publication!r} changed since it was last read: {what}; pgoutput skips what the "
+                f"publication did not send at the time, so changes made meanwhile may be in no slot, slot {slot} "
+                "held before them")
+    return SlotError(text, hint=f"run: {RECOVER}")
+
+
+def record_rows(conn: psycopg.Connection, client: redis.Redis, slot: str, publication: str,
+                tables: Iterable[tuple[str, str]], before: PublicationRows | None = None) -> str | None:
+    """`cdc init`: record the publication's rows for `tables` as they are now (after its own changes); but first,
+    what changed since a reading recorded them, found in `before` (read before init changed anything), is
+    recorded as a gap, which is returned."""
+    key = keys.bound_tables_key(slot)
+    raw, gap = client.hmget(key, [ROWS_FIELD, GAP_FIELD])
+    found = None
+    if raw is not None and before is not None and gap is None:
+        found = before.changed_since(PublicationRows.decode(raw), tables)
+        if found is not None:
+            client.hset(key, GAP_FIELD, CHANGED + found)
+    client.hset(key, ROWS_FIELD, read_rows(conn, publication, tables).encode())
+    return None if found is None else changed_error(publication, slot, found, True).message
+
+
 def record_current(conn: psycopg.Connection, client: redis.Redis, slot: str, tables: Iterable[tuple[str, str]],
-                   since: Lsn) -> None:
-    """Bind `tables` as they are now, from `since` on (a rebuild's position: what lies before it, it covers)."""
+                   since: Lsn, rows: PublicationRows | None = None) -> None:
+    """Bind `tables` as they are now, from `since` on (a rebuild's position: what lies before it, it covers);
+    `rows`: the publication's rows for them, as of `since`."""
     coverage = read_coverage(conn, "", tables)
     # the rebuild holds what the publication left out before, and the next session records the publication anew
-    client.hdel(keys.bound_tables_key(slot), GAP_FIELD, PUBLICATION_FIELD)
+    client.hdel(keys.bound_tables_key(slot), GAP_FIELD, PUBLICATION_FIELD, ROWS_FIELD)
+    if rows is not None:
+        client.hset(keys.bound_tables_key(slot), ROWS_FIELD, rows.encode())
     record_bound(client, slot, {t: Bound(c.oid, since, c.leaves) for t, c in coverage.items() if c.oid is not None})
 
 
@@ -202,6 +350,7 @@ class TableGate:
                 changed[t] = replace(bound, leaves=now.leaves)
             elif now.leaves != bound.leaves:
                 changed[t] = self._partitions(conn, t, bound, now)
+        self._rows(conn)
         if not self.told:
             self._tell(publication, coverage)
         if changed:
@@ -234,6 +383,27 @@ class TableGate:
             self._record_gap(f"itself while dropped and re-created (OID {int(raw)}, now {publication.oid})")
             raise recreated_error(self.publication, self.slot, int(raw), publication.oid)
 
+    def _rows(self, conn: psycopg.Connection) -> None:
+        """The publication's rows for the mapped tables against those the last passing reading recorded: one
+        changed (even back) may have let pgoutput skip changes. Recorded like a gap; a passing reading records
+        them (other tables' records, `cdc init`'s, stay)."""
+        if self.client is None:
+            return
+        key = keys.bound_tables_key(self.slot)
+        raw, gap = self.client.hmget(key, [ROWS_FIELD, GAP_FIELD])
+        if gap is not None:
+            return  # a gap is recorded already: the bridge stops on it, and cdc recover records the rows anew
+        now = read_rows(conn, self.publication, self.tables)
+        was = PublicationRows.decode(raw) if raw is not None else None
+        if was is not None:
+            found = now.changed_since(was, self.tables)
+            if found is not None:
+                self._record_gap(CHANGED + found)
+                raise changed_error(self.publication, self.slot, found, recorded=False)
+            now = replace(now, tables={**{t: r for t, r in was.tables.items() if t not in self.tables}, **now.tables})
+        if raw is None or now.encode() != (raw.decode() if isinstance(raw, bytes) else raw):
+            self.client.hset(key, ROWS_FIELD, now.encode())
+
     def _record_gap(self, lacking: str) -> None:
         """Record what the publication left out, until `cdc recover`; the first finding stays (it came first)."""
         if self.client is not None and self.client.hmget(keys.bound_tables_key(self.slot), [GAP_FIELD])[0] is None:
@@ -246,6 +416,8 @@ class TableGate:
             return None
         if raw.startswith(b"itself"):
             return recreated_error(self.publication, self.slot, None, None)
+        if raw.startswith(CHANGED.encode()):
+            return changed_error(self.publication, self.slot, raw.decode()[len(CHANGED):], recorded=True)
         return SlotError(
             f"publication {self.publication!r} lacked {raw.decode()} while slot {self.slot} held changes (found by "
             "cdc run): the changes it left out were never decoded and no replay brings them back",
@@ -348,6 +520,12 @@ class TableGate:
         recorded = client.hmget(keys.bound_tables_key(self.slot), [PUBLICATION_FIELD])[0]
         if gap is None and recorded is not None and publication.oid is not None and int(recorded) != publication.oid:
             problems.append(recreated_error(self.publication, self.slot, int(recorded), publication.oid))
+        rows = client.hmget(keys.bound_tables_key(self.slot), [ROWS_FIELD])[0]
+        if gap is None and rows is not None:
+            found = read_rows(conn, self.publication, self.tables).changed_since(PublicationRows.decode(rows),
+                                                                                self.tables)
+            if found is not None:
+                problems.append(changed_error(self.publication, self.slot, found, recorded=False))
         bound = {t: b for t, b in load_bound(client, self.slot).items() if t in self.tables}
         if not bound:
             return problems

@@ -17,7 +17,7 @@ import redis
 
 from ..keys import written_streams
 from ..bridge.backfill import enqueue, ensure_table
-from ..bridge.gate import needed_operations
+from ..bridge.gate import PublicationRows, needed_operations, read_rows, record_rows
 from ..bridge.guards import (check_source_history, clear_data_loss, diverged_error, invalidated_slot_error, slot_database_error,
                              record_data_loss, record_divergence, record_source)
 from ..source.catalog import live_shape
@@ -223,7 +223,9 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
             _wal_level(conn)
             _refuse(conn, pgs.publication, mappings)  # what cdc check and cdc run refuse, before anything is created
             _claim(settings, mappings, read_history(pgs.slot_server))  # before anything is created: nothing another bridge holds
+            before = read_rows(conn, pgs.publication, _tables(mappings))
             _publication(conn, pgs.publication, mappings, done)
+            _record_rows(settings, conn, mappings, before, done)
             ensure_table(conn)
             with slot_connection(settings, conn) as sconn:
                 confirmed, created = _slot(settings, conn, sconn, done)
@@ -271,6 +273,25 @@ def _slot(settings: Settings, conn: psycopg.Connection, sconn: psycopg.Connectio
     if converted:
         done.append(converted)
     return slot[1], False
+
+
+def _record_rows(settings: Settings, conn: psycopg.Connection, mappings: Sequence[Mapping], before: PublicationRows,
+                 done: list[str]) -> None:
+    """Record the publication's rows for the mapped tables after init's own changes, so that its repairs are not
+    taken for a change by hand; one made since cdc run last read them (in `before`) is recorded as a gap
+    (`cdc.bridge.gate`), which init says."""
+    pgs = settings.postgres
+    client = None
+    try:
+        client = connect_redis(settings.redis)
+        found = record_rows(conn, client, pgs.slot, pgs.publication, _tables(mappings), before)
+    except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
+        raise as_cdc_error(exc) from exc
+    finally:
+        if client is not None:
+            client.close()
+    if found is not None:
+        done.append(f"{found}; cdc run refuses until cdc recover (rebuilds the streams from the tables)")
 
 
 def _refuse_ambiguous_keys(conn: psycopg.Connection, mappings: Sequence[Mapping]) -> None:

@@ -7,8 +7,8 @@ at start or at its first change is found here first, without changing anything:
   mapped table, each mapping bound to the live table with the stream's own code, the
   publication (covering each mapped table under its name, each with a replica identity that
   carries updates and deletes) and the slot, the tables cdc run bound before (same OIDs and
-  partitions, `cdc.bridge.gate`), what snapshots and backfills need (`cdc_backfills` and its
-  grants, `pg_logical_emit_message`);
+  partitions, and the publication's rows for them unchanged, `cdc.bridge.gate`), what snapshots
+  and backfills need (`cdc_backfills` and its grants, `pg_logical_emit_message`);
 - Redis: reachable, the login, and the ACL's verdict on every command the bridge and
   consumers send, with the keys they send it to, asked with ``ACL DRYRUN`` (Redis 7),
   which runs nothing; warnings for a Redis that would lose acknowledged entries (no AOF)
@@ -87,7 +87,8 @@ def check(settings: Settings, mappings: Sequence[Mapping]) -> CheckReport:
 
 def _check_bound_tables(settings: Settings, mappings: Sequence[Mapping], report: CheckReport) -> None:
     """cdc run refuses to start when a table it bound was dropped and re-created, renamed, or lost or gained
-    partitions holding rows while it was stopped (see cdc.bridge.gate)."""
+    partitions holding rows while it was stopped, or when the publication's rows for the mapped tables changed
+    since it last read them (see cdc.bridge.gate)."""
     gate = TableGate(settings.postgres.slot, settings.postgres.publication, mappings)
     if not gate.tables:
         return
@@ -103,7 +104,8 @@ def _check_bound_tables(settings: Settings, mappings: Sequence[Mapping], report:
             problems = gate.recorded_problems(conn, client)
         report.problems.extend(problems)
         if not problems:
-            report.ok.append("the mapped tables are the ones cdc run bound (same OIDs and partitions)")
+            report.ok.append("the mapped tables are the ones cdc run bound (same OIDs and partitions), and the "
+                             "publication's rows for them the versions it last read")
     except (psycopg.Error, redis.RedisError):
         pass  # reported by the checks of each server
     finally:

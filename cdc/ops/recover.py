@@ -42,7 +42,7 @@ from psycopg import sql
 
 from .. import keys
 from ..bridge.backfill import supersede
-from ..bridge.gate import record_current
+from ..bridge.gate import read_rows, record_current
 from ..bridge.guards import clear_data_loss, invalidated_slot_error, record_source, slot_database_error
 from ..keys import written_streams
 from ..sink.redisconn import redis_for
@@ -338,6 +338,9 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                         rebuilt.append(m.entity)
                     if settings.transactions.stream:
                         _mark_transactions(publisher, settings.transactions.stream, base, marker, say)
+                    tables = [m.table for m in mappings if m.table]
+                    # as of the snapshot: a change to the publication after it is the next reading's to find
+                    rows = read_rows(conn, settings.postgres.publication, tables)
                     conn.execute("COMMIT")
                     _idle_slot(sconn, slot)
                     _still_fenced(client, slot)
@@ -349,7 +352,7 @@ def recover(settings: Settings, mappings: Sequence[Mapping], say: Callable[[str]
                             accept_removed(client, stream)
                     publisher.record_flushed(confirmed)
                     # the streams replay to the tables as they are now: bind them from the snapshot on
-                    record_current(conn, client, slot, [m.table for m in mappings if m.table], snap.position)
+                    record_current(conn, client, slot, tables, snap.position, rows)
                 finally:
                     publisher.close()
             record_source(client, slot, read_history(settings.postgres.slot_server))  # the streams are this server's now

@@ -66,6 +66,7 @@ from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_pro
                                publication_problem, read_coverage, read_publication, where_is)
 from ..source.catalog import table_shape
 from ..source.lsn import Lsn
+from ..source.slot_server import POSITION_SQL
 from ..source.pubcolumns import FILTERS_IN_BRIDGE, plan, sends_less
 from ..source.replication import quote_ident
 
@@ -171,15 +172,19 @@ class PublicationRows:
     publication: str | None  # "<oid>:<xmin>" of its pg_publication row; None: no such publication
     tables: dict[tuple[str, str], dict[str, str]]  # each mapped table found -> {"r<relid>"/"n<nspid>": "<oid>:<xmin>"}
     again: frozenset[str] = frozenset()  # rows inserted after another write of their own transaction
+    #: the WAL position of the server they were read on, then (a standby holding the slot compares its own
+    #: reading with them only once it replayed that far: `cdc init` records them on the primary)
+    at: int | None = None
 
     def encode(self) -> str:
-        return json.dumps({"publication": self.publication,
+        return json.dumps({"publication": self.publication, "at": self.at,
                            "tables": {_field(t): rows for t, rows in sorted(self.tables.items())}}, sort_keys=True)
 
     @classmethod
     def decode(cls, text: str | bytes) -> PublicationRows:
         raw = json.loads(text)
-        return cls(raw["publication"], {(f.partition(".")[0], f.partition(".")[2]): rows for f, rows in raw["tables"].items()})
+        return cls(raw["publication"], {(f.partition(".")[0], f.partition(".")[2]): rows for f, rows in raw["tables"].items()},
+                   at=raw.get("at"))
 
     def changed_since(self, was: PublicationRows, tables: Iterable[tuple[str, str]]) -> str | None:
         """What changed since `was` that may have let pgoutput skip changes of `tables`; None if nothing did.
@@ -221,6 +226,7 @@ def read_rows(conn: psycopg.Connection, publication: str, tables: Iterable[tuple
     query = ROWS_QUERY.format(schemas=_SCHEMA_ROWS if conn.info.server_version >= 150000 else "")
     rows = conn.execute(query, {"schemas": [s for s, _ in tables], "names": [n for _, n in tables],
                                 "pub": publication}).fetchall()
+    at = int(conn.execute(f"SELECT ({POSITION_SQL}) - '0/0'::pg_lsn").fetchone()[0])  # after the rows were read
     found: dict[tuple[str, str], dict[str, str]] = {}
     pub, again = None, set()
     for schema, name, key, row, inserted_again in rows:
@@ -230,7 +236,7 @@ def read_rows(conn: psycopg.Connection, publication: str, tables: Iterable[tuple
         found.setdefault((schema, name), {})[key] = row
         if inserted_again:
             again.add(row)
-    return PublicationRows(pub, found, frozenset(again))
+    return PublicationRows(pub, found, frozenset(again), at)
 
 
 def changed_error(publication: str, slot: str, what: str, recorded: bool) -> SlotError:
@@ -395,13 +401,17 @@ class TableGate:
             return  # a gap is recorded already: the bridge stops on it, and cdc recover records the rows anew
         now = read_rows(conn, self.publication, self.tables)
         was = PublicationRows.decode(raw) if raw is not None else None
+        if was is not None and was.at is not None and now.at is not None and now.at < was.at:
+            # a standby that has not replayed the rows recorded (by cdc init, on the primary) yet: what it
+            # received so far came before them, and init compared the rows before its own changes
+            return
         if was is not None:
             found = now.changed_since(was, self.tables)
             if found is not None:
                 self._record_gap(CHANGED + found)
                 raise changed_error(self.publication, self.slot, found, recorded=False)
             now = replace(now, tables={**{t: r for t, r in was.tables.items() if t not in self.tables}, **now.tables})
-        if raw is None or now.encode() != (raw.decode() if isinstance(raw, bytes) else raw):
+        if was is None or (now.publication, now.tables) != (was.publication, was.tables):  # not for `at` alone
             self.client.hset(key, ROWS_FIELD, now.encode())
 
     def _record_gap(self, lacking: str) -> None:

@@ -223,10 +223,11 @@ def _names(tables: Sequence[tuple[str, str]]) -> str:
 def read_rows(conn: psycopg.Connection, publication: str, tables: Iterable[tuple[str, str]]) -> PublicationRows:
     """The catalog rows deciding what `publication` sends of `tables`, in one statement (one snapshot)."""
     tables = sorted(set(tables))
+    # first: the rows read next show at least what the server wrote (or a standby replayed) up to it
+    at = int(conn.execute(f"SELECT ({POSITION_SQL}) - '0/0'::pg_lsn").fetchone()[0])
     query = ROWS_QUERY.format(schemas=_SCHEMA_ROWS if conn.info.server_version >= 150000 else "")
     rows = conn.execute(query, {"schemas": [s for s, _ in tables], "names": [n for _, n in tables],
                                 "pub": publication}).fetchall()
-    at = int(conn.execute(f"SELECT ({POSITION_SQL}) - '0/0'::pg_lsn").fetchone()[0])  # after the rows were read
     found: dict[tuple[str, str], dict[str, str]] = {}
     pub, again = None, set()
     for schema, name, key, row, inserted_again in rows:

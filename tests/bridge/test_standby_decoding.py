@@ -175,3 +175,35 @@ def test_check_and_init_refuse_a_standby_that_cannot_decode(senv, pair):
         wait_for(lambda: conn.execute("SHOW hot_standby_feedback").fetchone()[0] == "on", 30, "the reload")
     env.cdc("init", check=True)
     assert env.slot in _slots(pair, pair.standby)
+
+
+def test_cdc_init_changing_the_publication_while_the_standby_lags_is_no_gap(senv, pair):
+    """cdc init (on the primary) sets a wider column list for a mapping that reads one more column while the
+    running bridge's standby has not replayed it: the standby's readings still show the publication as it was,
+    which is no change by hand; once it replayed init's change, its reading agrees with what init recorded."""
+    env = senv
+    _setup(env, pair)
+    env.cdc("init", check=True)
+    proc = env.start_bridge()
+    wait_for(lambda: _slots(pair, pair.standby).get(env.slot), 60, "the bridge to attach")
+    with psycopg.connect(pair.dsn_for(pair.standby), autocommit=True) as standby:
+        standby.execute("SELECT pg_wal_replay_pause()")
+        try:
+            env.write_mapping("rider.yaml", RIDER.replace("name: name}", "name: name, email: email}"))
+            init = env.cdc("init", check=True)
+            assert "set the columns of 1 mapped table" in init.stdout, init.stdout + init.stderr
+            since = standby.execute("SELECT now()").fetchone()[0]
+            # a reading of the ack gate on the standby after init, with init's change not replayed there
+            wait_for(lambda: standby.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%%pg_publication_rel%%' AND query_start > %s "
+                "AND pid <> pg_backend_pid()", (since,)).fetchone()[0], 60, "a reading of the ack gate")
+            assert proc.poll() is None, proc.log_path.read_text()[-3000:]
+        finally:
+            standby.execute("SELECT pg_wal_replay_resume()")
+    env.execute("INSERT INTO workload_ledger (n) VALUES (1)")
+    wait_for(lambda: env.redis.xlen("cdc:ledger") >= 1 or proc.poll() is not None, 60, "the bridge to publish")
+    assert proc.poll() is None, proc.log_path.read_text()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, proc.log_path.read_text()[-3000:]
+    check = env.cdc("check")
+    assert check.returncode == 0, check.stdout + check.stderr

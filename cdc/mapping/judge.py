@@ -16,8 +16,8 @@ from ..source.shapes import TableShape
 from ..source.values import TypeCatalog, type_name
 from .model import FieldSpec, Mapping
 
-__all__ = ["CAST_TYPES", "INTEGER_OIDS", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "base_oid", "changed_while_running",
-           "filter_refusal", "judge", "uncarried_filter"]
+__all__ = ["CAST_TYPES", "INTEGER_OIDS", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "OldRowMissing", "base_oid", "changed_while_running",
+           "filter_refusal", "judge", "needs_old_row", "old_row_missing", "uncarried_filter"]
 
 INTEGER_OIDS = frozenset({20, 21, 23, 26})
 NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
@@ -33,6 +33,10 @@ class InexactFilter(MappingError):
     def __init__(self, message: str, hint: str, table: str) -> None:
         super().__init__(message, hint=hint)
         self.table = table
+
+
+class OldRowMissing(InexactFilter):
+    """An update without its old row on a table described as REPLICA IDENTITY FULL (`old_row_missing`)."""
 
 
 def base_oid(oid: int, catalog: TypeCatalog) -> int:
@@ -53,6 +57,25 @@ def uncarried_filter(mapping: Mapping, shape: TableShape) -> str | None:
         return None
     carried = set(shape.leaf_identity) if shape.partial_leaf else {c.name for c in shape.columns if c.key}
     return next((c.column for c in mapping.filter if c.column not in carried), None)
+
+
+def needs_old_row(mapping: Mapping) -> bool:
+    """Whether the mapping's verdict on an update or delete reads columns of the old row beyond its key: a filter
+    judged on updates or deletes (the judge's question of `uncarried_filter`)."""
+    return bool(mapping.filter) and bool(mapping.ops & {"u", "d"})
+
+
+def old_row_missing(mapping: Mapping, shape: TableShape) -> OldRowMissing:
+    """The refusal of an update that came without its old row though `shape` says REPLICA IDENTITY FULL (which
+    always sends it): a partition's own replica identity is not full, and the filter cannot be judged on it."""
+    table = f"{shape.schema}.{shape.name}"
+    cond = mapping.filter[0]
+    return OldRowMissing(
+        f"{cond.where}: entity {mapping.entity!r}: filter on column {cond.column!r} cannot be judged on the updates "
+        f"and deletes of {table}: an update came without its old row though the table is REPLICA IDENTITY FULL (the "
+        "replica identity of one of its partitions is not full), so the bridge cannot tell whether the row passed "
+        "the filter before the change",
+        hint=f"run: ALTER TABLE on each partition of {table}: REPLICA IDENTITY FULL", table=table)
 
 
 def _cast_problem(spec: FieldSpec, shape: TableShape, catalog: TypeCatalog, mapping: Mapping) -> MappingError | None:

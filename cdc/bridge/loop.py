@@ -34,7 +34,7 @@ from .. import keys, speedups
 from ..config import Settings
 from ..errors import (CdcError, ConfigError, DataLossError, MappingError, SlotError, SlotTaken, SourceError,
                       TransientError)
-from ..mapping.judge import InexactFilter, OldRowMissing, changed_while_running, filter_refusal, judge, needs_old_row
+from ..mapping.judge import InexactFilter, OldRowMissing, changed_while_running, filter_refusal, judge, key_refusal
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
@@ -101,8 +101,8 @@ class Bridge:
         for m in self.mappings:
             if m.table is not None:
                 self._by_table[m.table].append(m)
-        #: a mapping reads old rows beyond their key (`needs_old_row`): a partition's own Relation is judged
-        self._old_rows = any(needs_old_row(m) for m in self.mappings if m.table is not None)
+        #: a mapping publishes updates or deletes: a partition's own Relation, not FULL, is judged (`_judge_partition`)
+        self._updates_or_deletes = any(m.ops & {"u", "d"} for m in self.mappings if m.table is not None)
         #: per partitioned table, the identity columns common to its partitions not FULL judged so far
         #: (`Projector.carried`, shared by its projectors)
         self._carried: dict[tuple[str, str], list[frozenset[str] | None]] = {}
@@ -604,7 +604,7 @@ class Bridge:
     def bind(self, relation: pg.Relation, catalog_conn: psycopg.Connection, batcher: Batcher) -> list[Target]:
         mappings = self._by_table.get((relation.namespace, relation.name))
         if not mappings:
-            if relation.replica_identity != "f" and self._old_rows:
+            if relation.replica_identity != "f" and self._updates_or_deletes:
                 self._judge_partition(relation, catalog_conn)
             return []
         try:
@@ -631,20 +631,20 @@ class Bridge:
         """A partition's own Relation, not full, under a mapped partitioned table: with publish_via_partition_root
         its changes come under its root's Relation (REPLICA IDENTITY FULL, which the judge accepted), but pgoutput
         describes the partition itself too, before its first change after any change of its schema, and its old
-        rows carry only its own identity's columns: a filter they do not carry stops the bridge here, before that
-        change is projected, slot held."""
+        rows carry only its own identity's columns: a filter or a key they do not carry stops the bridge here, before
+        that change is projected, slot held."""
         try:
             with self._bounded(catalog_conn, "reading a partition's root"):
                 root = partition_root(catalog_conn, relation.relid)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
-        if root is None or root[2] != "f":
-            return  # not a partition of a FULL table: its root's own Relation is what the judge reads
+        if root is None or root[2] != "f" or (root[0], root[1]) not in self._by_table:
+            return  # not a partition of a mapped FULL table: its root's own Relation is what the judge reads
         leaf = TableShape(schema=root[0], name=root[1], columns=(), replica_identity="f",
                           partial_leaf=f"{relation.namespace}.{relation.name}",
                           leaf_identity=tuple(c.name for c in relation.columns if c.is_key))
         for m in self._by_table.get((root[0], root[1]), ()):
-            problem = filter_refusal(m, leaf)
+            problem = key_refusal(m, leaf) or filter_refusal(m, leaf)
             if problem is not None:
                 raise changed_while_running(problem, self.settings.postgres.slot)
         # its updates without an old row keep these columns (`Projector.update`)

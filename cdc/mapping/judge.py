@@ -17,7 +17,7 @@ from ..source.values import TypeCatalog, type_name
 from .model import FieldSpec, Mapping
 
 __all__ = ["CAST_TYPES", "INTEGER_OIDS", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "OldRowMissing", "base_oid", "changed_while_running",
-           "filter_refusal", "judge", "needs_old_row", "old_row_missing", "uncarried_filter"]
+           "filter_refusal", "judge", "key_refusal", "old_row_missing", "uncarried_filter"]
 
 INTEGER_OIDS = frozenset({20, 21, 23, 26})
 NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
@@ -28,7 +28,8 @@ CAST_TYPES = {"float": NUMBER_OIDS, "integer": NUMBER_OIDS, "epoch_ms": TIME_OID
 
 
 class InexactFilter(MappingError):
-    """A filter on a column the table's updates or deletes do not carry (its replica identity lacks it)."""
+    """A filter (or, under a partition not FULL, a key) on a column the table's updates or deletes do not carry
+    (its replica identity lacks it); `table`: the table whose identity to change."""
 
     def __init__(self, message: str, hint: str, table: str) -> None:
         super().__init__(message, hint=hint)
@@ -57,12 +58,6 @@ def uncarried_filter(mapping: Mapping, shape: TableShape) -> str | None:
         return None
     carried = set(shape.leaf_identity) if shape.partial_leaf else {c.name for c in shape.columns if c.key}
     return next((c.column for c in mapping.filter if c.column not in carried), None)
-
-
-def needs_old_row(mapping: Mapping) -> bool:
-    """Whether the mapping's verdict on an update or delete reads columns of the old row beyond its key: a filter
-    judged on updates or deletes (the judge's question of `uncarried_filter`)."""
-    return bool(mapping.filter) and bool(mapping.ops & {"u", "d"})
 
 
 def old_row_missing(mapping: Mapping, shape: TableShape) -> OldRowMissing:
@@ -125,9 +120,31 @@ def judge(mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
                     f"is not in the replica identity of {table}, so {what}",
                     hint=f"key on the primary key columns, or run ALTER TABLE {table} REPLICA IDENTITY FULL",
                 )
-    problem = filter_refusal(mapping, shape)
+    problem = key_refusal(mapping, shape) or filter_refusal(mapping, shape)
     if problem is not None:
         raise problem
+
+
+def key_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:
+    """The refusal of a key a partition not FULL (`shape.partial_leaf`) does not carry, when the mapping publishes
+    updates or deletes: the server describes the table by its FULL parent, but that partition's deletes carry only
+    its own identity's columns (the others null), so their key would be wrong. None otherwise (a table's own
+    identity is judged by `judge`)."""
+    if not shape.partial_leaf or not mapping.ops & {"u", "d"}:
+        return None
+    columns = {f.name: f.column for f in mapping.fields}
+    for name in mapping.key:
+        column = columns[name]
+        if column is not None and column not in shape.leaf_identity:
+            what = "deletes would carry no key" if "d" in mapping.ops else "an update changing it would carry no old key"
+            return InexactFilter(
+                f"{mapping.where}: entity {mapping.entity!r}: key field {name!r} (column {column!r}) is not in the "
+                f"replica identity of partition {shape.partial_leaf} of {shape.schema}.{shape.name} (not full), so "
+                f"{what}",
+                hint=f"run: ALTER TABLE {shape.partial_leaf} REPLICA IDENTITY FULL; or key on its replica identity "
+                     f"columns ({', '.join(shape.leaf_identity) or 'none'})",
+                table=shape.partial_leaf)
+    return None
 
 
 def filter_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:

@@ -405,3 +405,28 @@ def test_a_partition_set_to_default_under_a_filter_on_the_key_keeps_streaming_ex
                            for r in env.execute("SELECT id, status, v, body FROM t WHERE id > 120")}
     assert [(e["op"], e["key"]["id"]) for e in read_stream(env.redis, "cdc:item")][2:] == [
         ("u", 150), ("d", 151), ("c", 160), ("d", 150)]
+
+
+def test_a_key_a_partition_set_to_default_does_not_carry_stops_the_bridge_before_its_delete(env):
+    """Without a filter too: a delete of a partition not FULL carries only its identity's columns (the others
+    null), so a key beyond them would name no row. Refused at start as while running, naming the partition."""
+    env.execute(PARTITIONED_FULL + "CREATE UNIQUE INDEX ON public.t (id, v);")
+    env.write_mapping("item.yaml", "entity: item\ntable: public.t\nkey: [id, v]\nfields: {id: id, v: v, status: status}\n")
+    env.execute("ALTER TABLE t ALTER COLUMN v SET NOT NULL")
+    env.cdc("init", check=True)
+    proc = env.start_bridge()
+    env.execute("INSERT INTO t VALUES (1, 'active', 'a', 'b'), (150, 'active', 'a', 'b')")
+    wait_for(lambda: env.redis.xlen("cdc:item") == 2, 30, "both rows")
+    env.execute("ALTER TABLE t_high REPLICA IDENTITY DEFAULT")
+    before = env.current_wal()
+    env.execute("DELETE FROM t WHERE id = 150")  # its old row: id only, v null
+    assert proc.wait(30) == 3
+    line = next(line for line in proc.log_path.read_text().splitlines() if line.startswith("cdc: error:"))
+    assert ("key field 'v' (column 'v') is not in the replica identity of partition public.t_high of public.t "
+            "(not full), so deletes would carry no key") in line, line
+    assert "the replica identity changed after the mapping was accepted" in line, line
+    assert "run: ALTER TABLE public.t_high REPLICA IDENTITY FULL; then" in line, line
+    assert env.confirmed_flush() <= before
+    assert env.redis.xlen("cdc:item") == 2
+    check = env.cdc("check")  # the table as it is now: refused alike, before streaming
+    assert check.returncode == 3 and "is not in the replica identity of partition public.t_high" in check.stderr

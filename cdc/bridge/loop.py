@@ -34,7 +34,7 @@ from .. import keys, speedups
 from ..config import Settings
 from ..errors import (CdcError, ConfigError, DataLossError, MappingError, SlotError, SlotTaken, SourceError,
                       TransientError)
-from ..mapping.judge import InexactFilter, OldRowMissing, changed_while_running, filter_refusal, judge, key_refusal
+from ..mapping.judge import InexactFilter, OldRowMissing, changed_while_running, filter_refusal, judge, partition_refusal
 from ..mapping.model import Mapping
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
@@ -631,8 +631,8 @@ class Bridge:
         """A partition's own Relation, not full, under a mapped partitioned table: with publish_via_partition_root
         its changes come under its root's Relation (REPLICA IDENTITY FULL, which the judge accepted), but pgoutput
         describes the partition itself too, before its first change after any change of its schema, and its old
-        rows carry only its own identity's columns: a filter or a key they do not carry stops the bridge here, before
-        that change is projected, slot held."""
+        rows carry only its own identity's columns: a filter, a key or a before-image they do not carry stops the
+        bridge here, before that change is projected, slot held (`partition_refusal`)."""
         try:
             with self._bounded(catalog_conn, "reading a partition's root"):
                 root = partition_root(catalog_conn, relation.relid)
@@ -644,7 +644,7 @@ class Bridge:
                           partial_leaf=f"{relation.namespace}.{relation.name}",
                           leaf_identity=tuple(c.name for c in relation.columns if c.is_key))
         for m in self._by_table.get((root[0], root[1]), ()):
-            problem = key_refusal(m, leaf) or filter_refusal(m, leaf)
+            problem = partition_refusal(m, leaf)
             if problem is not None:
                 raise changed_while_running(problem, self.settings.postgres.slot)
         # its updates without an old row keep these columns (`Projector.update`)

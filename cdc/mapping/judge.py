@@ -17,7 +17,7 @@ from ..source.values import TypeCatalog, type_name
 from .model import FieldSpec, Mapping
 
 __all__ = ["CAST_TYPES", "INTEGER_OIDS", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "OldRowMissing", "base_oid", "changed_while_running",
-           "filter_refusal", "judge", "key_refusal", "old_row_missing", "uncarried_filter"]
+           "before_refusal", "filter_refusal", "judge", "key_refusal", "partition_refusal", "old_row_missing", "uncarried_filter"]
 
 INTEGER_OIDS = frozenset({20, 21, 23, 26})
 NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
@@ -120,9 +120,32 @@ def judge(mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
                     f"is not in the replica identity of {table}, so {what}",
                     hint=f"key on the primary key columns, or run ALTER TABLE {table} REPLICA IDENTITY FULL",
                 )
-    problem = key_refusal(mapping, shape) or filter_refusal(mapping, shape)
+    problem = partition_refusal(mapping, shape)
     if problem is not None:
         raise problem
+
+
+def partition_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:
+    """What the identity of a table's partition not FULL (`shape.partial_leaf`; for a table's own, the
+    table's) refuses of the mapping: a filter, a key or a before-image its old rows do not carry."""
+    return filter_refusal(mapping, shape) or key_refusal(mapping, shape) or before_refusal(mapping, shape)
+
+
+def before_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:
+    """The refusal of `before: true` under a partition not FULL (`shape.partial_leaf`) when the mapping publishes
+    updates or deletes: the server marks that partition's old rows as whole rows (its parent is FULL) though they
+    carry only the partition's identity columns (the others null), so the before-image would show values the row
+    never had. None otherwise."""
+    if not shape.partial_leaf or not mapping.before or not mapping.ops & {"u", "d"}:
+        return None
+    table = f"{shape.schema}.{shape.name}"
+    return InexactFilter(
+        f"{mapping.where}: entity {mapping.entity!r}: the before-image (before: true) cannot be written exactly for "
+        f"the updates and deletes of {table}: the replica identity of its partition {shape.partial_leaf} (not full) "
+        f"carries only ({', '.join(shape.leaf_identity) or 'none'}) of the old row, which the server sends as a whole "
+        "row (its parent is REPLICA IDENTITY FULL), the other columns null",
+        hint=f"run: ALTER TABLE {shape.partial_leaf} REPLICA IDENTITY FULL; or set before: false",
+        table=shape.partial_leaf)
 
 
 def key_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:

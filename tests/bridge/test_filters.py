@@ -389,9 +389,11 @@ def test_a_partition_whose_identity_changes_under_a_running_bridge_stops_it_befo
 
 def test_a_partition_set_to_default_under_a_filter_on_the_key_keeps_streaming_exactly(env):
     """A filter its partitions' identity carries (the key) is judged on their updates without an old row, as on a
-    table's own: no stop, and the stream stays exact."""
+    table's own: no stop, and the stream stays exact (without before-images, which such a partition's old rows
+    would not carry)."""
     env.execute(PARTITIONED_FULL)
-    env.write_mapping("item.yaml", MAPPING.replace("{status: active, v: {ne: hidden}}", "{id: {gt: 120}}"))
+    env.write_mapping("item.yaml", MAPPING.replace("{status: active, v: {ne: hidden}}", "{id: {gt: 120}}")
+                      + "before: false\n")
     env.cdc("init", check=True)
     env.execute("INSERT INTO t VALUES (1, 'active', 'a', 'b'), (150, 'active', 'a', 'b'), (151, 'no', 'a', 'b')")
     env.cdc("run", "--until-caught-up", check=True)
@@ -430,3 +432,36 @@ def test_a_key_a_partition_set_to_default_does_not_carry_stops_the_bridge_before
     assert env.redis.xlen("cdc:item") == 2
     check = env.cdc("check")  # the table as it is now: refused alike, before streaming
     assert check.returncode == 3 and "is not in the replica identity of partition public.t_high" in check.stderr
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_a_before_image_a_partition_set_to_default_does_not_carry_stops_the_bridge_before_its_delete(env, before):
+    """The server marks such a partition's old rows as whole rows (its parent is FULL) though they hold only the
+    key: a before-image would show nulls the row never had, so `before: true` stops the bridge before the delete,
+    slot held; with `before: false` it streams on, exactly."""
+    env.execute(PARTITIONED_FULL)
+    env.write_mapping("item.yaml", "entity: item\ntable: public.t\nkey: [id]\nfields: {id: id, v: v, status: status}\n"
+                      + ("" if before else "before: false\n"))
+    env.cdc("init", check=True)
+    proc = env.start_bridge()
+    env.execute("INSERT INTO t VALUES (1, 'active', 'a', 'b'), (150, 'active', 'a', 'b'), (151, 'x', 'a', 'b')")
+    wait_for(lambda: env.redis.xlen("cdc:item") == 3, 30, "the rows")
+    env.execute("ALTER TABLE t_high REPLICA IDENTITY DEFAULT")
+    held = env.current_wal()
+    env.execute("DELETE FROM t WHERE id = 150")  # its old row: id only, marked whole
+    env.execute("UPDATE t SET id = 160 WHERE id = 151")
+    if before:
+        assert proc.wait(30) == 3
+        line = next(line for line in proc.log_path.read_text().splitlines() if line.startswith("cdc: error:"))
+        assert ("the before-image (before: true) cannot be written exactly for the updates and deletes of public.t: "
+                "the replica identity of its partition public.t_high (not full) carries only (id) of the old row") in line
+        assert "run: ALTER TABLE public.t_high REPLICA IDENTITY FULL; then" in line, line
+        assert env.confirmed_flush() <= held
+        assert env.redis.xlen("cdc:item") == 3
+        return
+    wait_for(lambda: env.redis.xlen("cdc:item") == 5, 30, "the delete and the update")
+    proc.terminate()
+    proc.wait(30)
+    entries = read_stream(env.redis, "cdc:item")[3:]
+    assert [(e["op"], e["key"], e.get("before")) for e in entries] == [
+        ("d", {"id": 150}, None), ("u", {"id": 160}, {"id": 151})]

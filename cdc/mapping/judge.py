@@ -28,8 +28,8 @@ CAST_TYPES = {"float": NUMBER_OIDS, "integer": NUMBER_OIDS, "epoch_ms": TIME_OID
 
 
 class InexactFilter(MappingError):
-    """A filter (or, under a partition not FULL, a key) on a column the table's updates or deletes do not carry
-    (its replica identity lacks it); `table`: the table whose identity to change."""
+    """A filter (or, under a partition not FULL, a key or a before-image) on columns the table's updates or deletes
+    do not carry (its replica identity lacks them); `table`: the table whose identity to change."""
 
     def __init__(self, message: str, hint: str, table: str) -> None:
         super().__init__(message, hint=hint)

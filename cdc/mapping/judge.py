@@ -16,8 +16,8 @@ from ..source.shapes import TableShape
 from ..source.values import TypeCatalog, type_name
 from .model import FieldSpec, Mapping
 
-__all__ = ["CAST_TYPES", "INTEGER_OIDS", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "base_oid", "changed_while_running",
-           "filter_refusal", "judge", "uncarried_filter"]
+__all__ = ["CAST_TYPES", "INTEGER_OIDS", "NUMBER_OIDS", "TIME_OIDS", "InexactFilter", "OldRowMissing", "base_oid", "changed_while_running",
+           "before_refusal", "filter_refusal", "judge", "key_refusal", "partition_refusal", "old_row_missing", "uncarried_filter"]
 
 INTEGER_OIDS = frozenset({20, 21, 23, 26})
 NUMBER_OIDS = INTEGER_OIDS | {700, 701, 1700}
@@ -28,11 +28,16 @@ CAST_TYPES = {"float": NUMBER_OIDS, "integer": NUMBER_OIDS, "epoch_ms": TIME_OID
 
 
 class InexactFilter(MappingError):
-    """A filter on a column the table's updates or deletes do not carry (its replica identity lacks it)."""
+    """A filter (or, under a partition not FULL, a key or a before-image) on columns the table's updates or deletes
+    do not carry (its replica identity lacks them); `table`: the table whose identity to change."""
 
     def __init__(self, message: str, hint: str, table: str) -> None:
         super().__init__(message, hint=hint)
         self.table = table
+
+
+class OldRowMissing(InexactFilter):
+    """An update without its old row on a table described as REPLICA IDENTITY FULL (`old_row_missing`)."""
 
 
 def base_oid(oid: int, catalog: TypeCatalog) -> int:
@@ -53,6 +58,19 @@ def uncarried_filter(mapping: Mapping, shape: TableShape) -> str | None:
         return None
     carried = set(shape.leaf_identity) if shape.partial_leaf else {c.name for c in shape.columns if c.key}
     return next((c.column for c in mapping.filter if c.column not in carried), None)
+
+
+def old_row_missing(mapping: Mapping, shape: TableShape) -> OldRowMissing:
+    """The refusal of an update that came without its old row though `shape` says REPLICA IDENTITY FULL (which
+    always sends it): a partition's own replica identity is not full, and the filter cannot be judged on it."""
+    table = f"{shape.schema}.{shape.name}"
+    cond = mapping.filter[0]
+    return OldRowMissing(
+        f"{cond.where}: entity {mapping.entity!r}: filter on column {cond.column!r} cannot be judged on the updates "
+        f"and deletes of {table}: an update came without its old row though the table is REPLICA IDENTITY FULL (the "
+        "replica identity of one of its partitions is not full), so the bridge cannot tell whether the row passed "
+        "the filter before the change",
+        hint=f"run: ALTER TABLE on each partition of {table}: REPLICA IDENTITY FULL", table=table)
 
 
 def _cast_problem(spec: FieldSpec, shape: TableShape, catalog: TypeCatalog, mapping: Mapping) -> MappingError | None:
@@ -102,9 +120,54 @@ def judge(mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
                     f"is not in the replica identity of {table}, so {what}",
                     hint=f"key on the primary key columns, or run ALTER TABLE {table} REPLICA IDENTITY FULL",
                 )
-    problem = filter_refusal(mapping, shape)
+    problem = partition_refusal(mapping, shape)
     if problem is not None:
         raise problem
+
+
+def partition_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:
+    """What the identity of a table's partition not FULL (`shape.partial_leaf`; for a table's own, the
+    table's) refuses of the mapping: a filter, a key or a before-image its old rows do not carry."""
+    return filter_refusal(mapping, shape) or key_refusal(mapping, shape) or before_refusal(mapping, shape)
+
+
+def before_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:
+    """The refusal of `before: true` under a partition not FULL (`shape.partial_leaf`) when the mapping publishes
+    updates or deletes: the server marks that partition's old rows as whole rows (its parent is FULL) though they
+    carry only the partition's identity columns (the others null), so the before-image would show values the row
+    never had. None otherwise."""
+    if not shape.partial_leaf or not mapping.before or not mapping.ops & {"u", "d"}:
+        return None
+    table = f"{shape.schema}.{shape.name}"
+    return InexactFilter(
+        f"{mapping.where}: entity {mapping.entity!r}: the before-image (before: true) cannot be written exactly for "
+        f"the updates and deletes of {table}: the replica identity of its partition {shape.partial_leaf} (not full) "
+        f"carries only ({', '.join(shape.leaf_identity) or 'none'}) of the old row, which the server sends as a whole "
+        "row (its parent is REPLICA IDENTITY FULL), the other columns null",
+        hint=f"run: ALTER TABLE {shape.partial_leaf} REPLICA IDENTITY FULL; or set before: false",
+        table=shape.partial_leaf)
+
+
+def key_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:
+    """The refusal of a key a partition not FULL (`shape.partial_leaf`) does not carry, when the mapping publishes
+    updates or deletes: the server describes the table by its FULL parent, but that partition's deletes carry only
+    its own identity's columns (the others null), so their key would be wrong. None otherwise (a table's own
+    identity is judged by `judge`)."""
+    if not shape.partial_leaf or not mapping.ops & {"u", "d"}:
+        return None
+    columns = {f.name: f.column for f in mapping.fields}
+    for name in mapping.key:
+        column = columns[name]
+        if column is not None and column not in shape.leaf_identity:
+            what = "deletes would carry no key" if "d" in mapping.ops else "an update changing it would carry no old key"
+            return InexactFilter(
+                f"{mapping.where}: entity {mapping.entity!r}: key field {name!r} (column {column!r}) is not in the "
+                f"replica identity of partition {shape.partial_leaf} of {shape.schema}.{shape.name} (not full), so "
+                f"{what}",
+                hint=f"run: ALTER TABLE {shape.partial_leaf} REPLICA IDENTITY FULL; or key on its replica identity "
+                     f"columns ({', '.join(shape.leaf_identity) or 'none'})",
+                table=shape.partial_leaf)
+    return None
 
 
 def filter_refusal(mapping: Mapping, shape: TableShape) -> InexactFilter | None:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from ..errors import CastRefused, MappingError
-from .judge import INTEGER_OIDS, NUMBER_OIDS, base_oid as _base_oid, judge
+from .judge import INTEGER_OIDS, NUMBER_OIDS, base_oid as _base_oid, judge, old_row_missing
 from .model import REDACTED, Condition, FieldSpec, Mapping
 from ..source.lsn import Lsn
 from ..source.pgoutput import UNCHANGED_TOAST
@@ -365,6 +365,12 @@ class Projector:
     def __init__(self, mapping: Mapping, shape: TableShape, catalog: TypeCatalog) -> None:
         self.mapping = mapping
         self.shape = shape
+        self._full = shape.replica_identity == "f"  # REPLICA IDENTITY FULL: every update carries its old row
+        self._filtered = frozenset(c.column for c in mapping.filter)
+        #: [the columns an update without its old row is known to keep], though the table is described as FULL:
+        #: the identity columns common to its partitions not FULL that the server described (the bridge's loop
+        #: judged each and shares this list between a table's projectors); [None] while none was
+        self.carried: list[frozenset[str] | None] = [None]
         judge(mapping, shape, catalog)  # every refusal of init, check and run: before anything is bound
         positions = {c.name: i for i, c in enumerate(shape.columns)}
         fields: list[PlanField] = []
@@ -487,7 +493,12 @@ class Projector:
         if plan.filters and plan.ops & _CHANGES:
             merged = new if not old_full or old is None else _merge(new, old)
             now = self._passes(merged)
-            was = now if old is None else self._passes(old)  # no old row: the identity columns did not change
+            if old is not None:
+                was = self._passes(old)
+            elif not self._full or self._filtered <= (self.carried[0] or _NOTHING):
+                was = now  # no old row: the identity columns (all the filter reads, as judged) did not change
+            else:  # FULL always sends it: a partition's own identity is not full, and was not judged
+                raise old_row_missing(self.mapping, self.shape)
             if was and not now:
                 return self.delete(old if old is not None else new, old_full, judged=True)
             if now and not was:
@@ -548,6 +559,7 @@ class Projector:
 
 
 _CHANGES = frozenset({"u", "d"})
+_NOTHING: frozenset[str] = frozenset()
 
 
 def _merge(new: Sequence[Any], old: Sequence[Any]) -> list[Any]:

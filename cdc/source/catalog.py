@@ -16,7 +16,7 @@ from ..errors import MappingError
 from .shapes import ColumnShape, TableShape
 from .values import TYPE_QUERY, TypeCatalog, type_info_from_row
 
-__all__ = ["live_shape", "load_types", "table_shape"]
+__all__ = ["live_shape", "load_types", "partition_root", "table_shape"]
 
 TABLE_QUERY = """
 SELECT c.relreplident::text, c.relkind = 'p', a.attname, a.atttypid::int,
@@ -73,6 +73,16 @@ def table_shape(conn: psycopg.Connection, schema: str, name: str) -> TableShape 
     leaf = conn.execute(PARTIAL_LEAF_QUERY, (schema, name)).fetchone() if partitioned and identity == "f" else None
     return TableShape(schema=schema, name=name, columns=columns, replica_identity=identity,
                       partial_leaf=leaf[0] if leaf else "", leaf_identity=tuple(leaf[1]) if leaf else ())
+
+
+def partition_root(conn: psycopg.Connection, relid: int) -> tuple[str, str, str] | None:
+    """(schema, name, replica identity) of the partitioned table at the top of the partition `relid`'s tree; None
+    when it is no partition (or gone)."""
+    row = conn.execute(
+        "SELECT n.nspname::text, c.relname::text, c.relreplident::text FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.oid = pg_partition_root(%s::oid::regclass) AND c.oid <> %s::oid", (relid, relid)).fetchone()
+    return None if row is None else (row[0], row[1], row[2])
 
 
 def live_shape(conn: psycopg.Connection, mapping: Mapping, catalog: TypeCatalog) -> TableShape:

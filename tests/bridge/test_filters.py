@@ -301,8 +301,9 @@ def test_a_row_entering_a_key_filter_without_a_value_the_server_did_not_resend_s
 
 
 def test_a_partition_whose_identity_changes_under_a_running_bridge_stops_it_at_the_gate(env):
-    """The server describes a partitioned table by its parent: the ack gate's reading of the catalog notices a
-    partition no longer FULL and stops the bridge, slot held before the change."""
+    """The server describes a partitioned table by its parent: the partition's own Relation before its next change
+    (or the ack gate's reading of the catalog, every 0.2 s here, whichever comes first) finds it no longer FULL and
+    stops the bridge, slot held before the change."""
     env.execute("""
         CREATE TABLE public.t (id int NOT NULL, status text, v text, body text, PRIMARY KEY (id)) PARTITION BY RANGE (id);
         CREATE TABLE public.t_low PARTITION OF public.t FOR VALUES FROM (0) TO (100);
@@ -326,3 +327,141 @@ def test_a_partition_whose_identity_changes_under_a_running_bridge_stops_it_at_t
     assert "the replica identity changed after the mapping was accepted" in line, line
     assert f"SELECT pg_drop_replication_slot('{env.slot}'), cdc init and cdc recover" in line, line
     assert env.confirmed_flush() <= before
+
+
+PARTITIONED_FULL = """
+    CREATE TABLE public.t (id int NOT NULL, status text, v text, body text, PRIMARY KEY (id)) PARTITION BY RANGE (id);
+    CREATE TABLE public.t_low PARTITION OF public.t FOR VALUES FROM (0) TO (100);
+    CREATE TABLE public.t_high PARTITION OF public.t FOR VALUES FROM (100) TO (200);
+    ALTER TABLE public.t REPLICA IDENTITY FULL;
+    ALTER TABLE public.t_low REPLICA IDENTITY FULL;
+    ALTER TABLE public.t_high REPLICA IDENTITY FULL;
+    """
+
+
+@pytest.mark.parametrize("change", ["update", "key", "delete"])
+def test_a_partition_whose_identity_changes_under_a_running_bridge_stops_it_before_its_next_change(env, change):
+    """The server describes a partitioned table by its parent (FULL): a partition set to DEFAULT sends updates
+    without an old row and deletes whose old row holds only the key. Before the first of them, pgoutput describes
+    the partition itself: the bridge stops there (not at the gate's next reading, which never comes here), no
+    entry written for that change, slot held before it, and the fix the error names makes the stream exact."""
+    env.execute(PARTITIONED_FULL)
+    env.write_mapping("item.yaml", MAPPING)
+    env.write_config("batch: {status_interval_s: 60}\n")  # no reading of the gate's while the bridge runs
+    env.cdc("init", check=True)
+    proc = env.start_bridge()
+    env.execute("INSERT INTO t VALUES (1, 'active', 'a', 'b'), (150, 'active', 'a', 'b'), (151, 'no', 'a', 'b')")
+    wait_for(lambda: env.redis.xlen("cdc:item") == 2, 30, "both rows that pass")
+    env.execute("ALTER TABLE t_high REPLICA IDENTITY DEFAULT")
+    before = env.current_wal()
+    with env.connect() as conn, conn.transaction():
+        if change == "update":  # leaves the filter: no old row, so it would be judged on the new one (no entry)
+            conn.execute("UPDATE t SET status = 'no' WHERE id = 150")
+            conn.execute("UPDATE t SET status = 'active' WHERE id = 151")  # enters: would be a 'u' of a key not held
+        elif change == "key":  # the old row holds only the key: judged as not passing, so a create of 160
+            conn.execute("UPDATE t SET id = 160 WHERE id = 150")
+        else:  # the old row holds only the key: judged as not passing, the delete is lost
+            conn.execute("DELETE FROM t WHERE id = 150")
+    assert proc.wait(30) == 3
+    log = proc.log_path.read_text()
+    assert "Traceback" not in log
+    line = next(line for line in log.splitlines() if line.startswith("cdc: error:"))
+    assert "the replica identity of its partition public.t_high (not full) does not carry the column" in line, line
+    assert "the replica identity changed after the mapping was accepted" in line, line
+    assert line.split("; run: ", 1)[1] == (
+        "ALTER TABLE public.t_high REPLICA IDENTITY FULL; then, as the changes written meanwhile cannot be judged, "
+        f"SELECT pg_drop_replication_slot('{env.slot}'), cdc init and cdc recover (which rebuilds the streams from "
+        "the tables) before cdc run")
+    assert env.confirmed_flush() <= before, "the slot is held before the change"
+    assert [(e["op"], e["key"]["id"]) for e in read_stream(env.redis, "cdc:item")] == [("c", 1), ("c", 150)]
+
+    env.execute("ALTER TABLE public.t_high REPLICA IDENTITY FULL")
+    env.wait_slot_inactive()
+    env.execute("SELECT pg_drop_replication_slot(%s)", (env.slot,))
+    env.cdc("init", check=True)
+    env.cdc("recover", check=True)
+    env.execute("UPDATE t SET status = 'active' WHERE id = 1")
+    env.execute("UPDATE t SET status = 'active', id = 170 WHERE id = 151")
+    env.execute("DELETE FROM t WHERE id = 1")
+    env.cdc("run", "--until-caught-up", check=True)
+    assert mirror(env) == filtered(env)
+
+
+def test_a_partition_set_to_default_under_a_filter_on_the_key_keeps_streaming_exactly(env):
+    """A filter its partitions' identity carries (the key) is judged on their updates without an old row, as on a
+    table's own: no stop, and the stream stays exact (without before-images, which such a partition's old rows
+    would not carry)."""
+    env.execute(PARTITIONED_FULL)
+    env.write_mapping("item.yaml", MAPPING.replace("{status: active, v: {ne: hidden}}", "{id: {gt: 120}}")
+                      + "before: false\n")
+    env.cdc("init", check=True)
+    env.execute("INSERT INTO t VALUES (1, 'active', 'a', 'b'), (150, 'active', 'a', 'b'), (151, 'no', 'a', 'b')")
+    env.cdc("run", "--until-caught-up", check=True)
+    env.execute("ALTER TABLE t_high REPLICA IDENTITY DEFAULT")
+    env.execute("UPDATE t SET status = 'no' WHERE id = 150")  # no old row: the key, all the filter reads, kept
+    env.execute("UPDATE t SET id = 110 WHERE id = 151")  # leaves the filter: the old key carried
+    env.execute("UPDATE t SET id = 160 WHERE id = 110")  # enters it
+    env.execute("DELETE FROM t WHERE id = 150")
+    env.cdc("run", "--until-caught-up", check=True)
+    assert mirror(env) == {r[0]: {"id": r[0], "status": r[1], "v": r[2], "body": r[3]}
+                           for r in env.execute("SELECT id, status, v, body FROM t WHERE id > 120")}
+    assert [(e["op"], e["key"]["id"]) for e in read_stream(env.redis, "cdc:item")][2:] == [
+        ("u", 150), ("d", 151), ("c", 160), ("d", 150)]
+
+
+def test_a_key_a_partition_set_to_default_does_not_carry_stops_the_bridge_before_its_delete(env):
+    """Without a filter too: a delete of a partition not FULL carries only its identity's columns (the others
+    null), so a key beyond them would name no row. Refused at start as while running, naming the partition."""
+    env.execute(PARTITIONED_FULL + "CREATE UNIQUE INDEX ON public.t (id, v);")
+    env.write_mapping("item.yaml", "entity: item\ntable: public.t\nkey: [id, v]\nfields: {id: id, v: v, status: status}\n")
+    env.execute("ALTER TABLE t ALTER COLUMN v SET NOT NULL")
+    env.cdc("init", check=True)
+    proc = env.start_bridge()
+    env.execute("INSERT INTO t VALUES (1, 'active', 'a', 'b'), (150, 'active', 'a', 'b')")
+    wait_for(lambda: env.redis.xlen("cdc:item") == 2, 30, "both rows")
+    env.execute("ALTER TABLE t_high REPLICA IDENTITY DEFAULT")
+    before = env.current_wal()
+    env.execute("DELETE FROM t WHERE id = 150")  # its old row: id only, v null
+    assert proc.wait(30) == 3
+    line = next(line for line in proc.log_path.read_text().splitlines() if line.startswith("cdc: error:"))
+    assert ("key field 'v' (column 'v') is not in the replica identity of partition public.t_high of public.t "
+            "(not full), so deletes would carry no key") in line, line
+    assert "the replica identity changed after the mapping was accepted" in line, line
+    assert "run: ALTER TABLE public.t_high REPLICA IDENTITY FULL; then" in line, line
+    assert env.confirmed_flush() <= before
+    assert env.redis.xlen("cdc:item") == 2
+    check = env.cdc("check")  # the table as it is now: refused alike, before streaming
+    assert check.returncode == 3 and "is not in the replica identity of partition public.t_high" in check.stderr
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_a_before_image_a_partition_set_to_default_does_not_carry_stops_the_bridge_before_its_delete(env, before):
+    """The server marks such a partition's old rows as whole rows (its parent is FULL) though they hold only the
+    key: a before-image would show nulls the row never had, so `before: true` stops the bridge before the delete,
+    slot held; with `before: false` it streams on, exactly."""
+    env.execute(PARTITIONED_FULL)
+    env.write_mapping("item.yaml", "entity: item\ntable: public.t\nkey: [id]\nfields: {id: id, v: v, status: status}\n"
+                      + ("" if before else "before: false\n"))
+    env.cdc("init", check=True)
+    proc = env.start_bridge()
+    env.execute("INSERT INTO t VALUES (1, 'active', 'a', 'b'), (150, 'active', 'a', 'b'), (151, 'x', 'a', 'b')")
+    wait_for(lambda: env.redis.xlen("cdc:item") == 3, 30, "the rows")
+    env.execute("ALTER TABLE t_high REPLICA IDENTITY DEFAULT")
+    held = env.current_wal()
+    env.execute("DELETE FROM t WHERE id = 150")  # its old row: id only, marked whole
+    env.execute("UPDATE t SET id = 160 WHERE id = 151")
+    if before:
+        assert proc.wait(30) == 3
+        line = next(line for line in proc.log_path.read_text().splitlines() if line.startswith("cdc: error:"))
+        assert ("the before-image (before: true) cannot be written exactly for the updates and deletes of public.t: "
+                "the replica identity of its partition public.t_high (not full) carries only (id) of the old row") in line
+        assert "run: ALTER TABLE public.t_high REPLICA IDENTITY FULL; then" in line, line
+        assert env.confirmed_flush() <= held
+        assert env.redis.xlen("cdc:item") == 3
+        return
+    wait_for(lambda: env.redis.xlen("cdc:item") == 5, 30, "the delete and the update")
+    proc.terminate()
+    proc.wait(30)
+    entries = read_stream(env.redis, "cdc:item")[3:]
+    assert [(e["op"], e["key"], e.get("before")) for e in entries] == [
+        ("d", {"id": 150}, None), ("u", {"id": 160}, {"id": 151})]

@@ -403,3 +403,29 @@ def test_a_reserved_transactions_stream_is_refused(tmp_path):
 
         with pytest.raises(ConfigError, match=f"^{cfg}:3: transactions.stream .* cannot be used: names "):
             check_transactions_stream(settings, load_mappings(settings.mappings))
+
+
+def test_an_update_without_its_old_row_under_a_full_table_stops_rather_than_judge_the_new_row():
+    """REPLICA IDENTITY FULL always sends the old row: an update without one comes from a partition whose own
+    identity is not full (the server describes a partitioned table by its parent), and the filter cannot be
+    judged on it; the same update on a table whose identity carries the filter column keeps its verdict."""
+    from cdc.mapping.judge import OldRowMissing
+
+    row = ("5", "2", "1.000", "gone", "x", "n")
+    p = Projector(mapping(ACTIVE), FULL_RIDES, TypeCatalog())
+    with pytest.raises(OldRowMissing, match="filter on column 'status' cannot be judged on the updates and deletes of "
+                                            "public.rides: an update came without its old row"):
+        p.update(row, None, False)
+    assert p.update(row, row, True) is None  # with its old row: judged (neither passes)
+    assert Projector(mapping(ACTIVE + "ops: [c]\n"), FULL_RIDES, TypeCatalog()).update(row, None, False) is None
+    key_filter = Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}")), RIDES, TypeCatalog())
+    assert _op(key_filter.update(row, None, False)) == ("u", {"id": 5})
+    # under FULL, once the partitions not FULL the server described are known to carry the filter's columns
+    p.carried[0] = frozenset({"id"})
+    with pytest.raises(OldRowMissing):
+        p.update(row, None, False)
+    full_key = Projector(mapping(ACTIVE.replace("{status: active}", "{id: {gt: 3}}")), FULL_RIDES, TypeCatalog())
+    with pytest.raises(OldRowMissing):
+        full_key.update(row, None, False)
+    full_key.carried[0] = frozenset({"id"})
+    assert _op(full_key.update(row, None, False)) == ("u", {"id": 5})

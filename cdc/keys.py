@@ -63,6 +63,14 @@ def dead_letter_key(group: str) -> str:
     return DEAD_LETTER_PREFIX + group
 
 
+def dead_letter_index_key(group: str) -> str:
+    """A hash in the dead-letter stream's cluster slot: "<source stream> <entry ID>" -> the dead letter written for it
+    while the entry is not acknowledged yet, so that a consumer redoing the move (after a crash between writing the
+    letter and acknowledging the entry, on a cluster where the two are on different nodes) reuses it."""
+    stream = dead_letter_key(group)
+    return stream + ":index" if has_hash_tag(stream) else "{" + stream + "}:index"
+
+
 def removed_key(stream: str) -> str:
     """A hash (same cluster slot as `stream`) accounting for entries removed from `stream` knowingly:
     "count", how many the bridge's own trimming removed (each trim and its count in one script) plus those

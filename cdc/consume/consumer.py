@@ -68,6 +68,30 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('HDEL', KEYS[2], ARGV[3], ARGV[3] .. ':error')
 return 1
 """
+#: on a cluster (the dead-letter stream is in another slot): write a dead letter once per source entry
+#: (KEYS: dead-letter stream, its index; ARGV: "<stream> <entry ID>", the dead letter's fields): a letter the
+#: index names and the stream still holds is reused (marked reused with a trailing *); returns its ID
+DEAD_LETTER_ONCE = """
+local seen = redis.call('HMGET', KEYS[2], ARGV[1])[1]
+if seen then
+  local id = string.gsub(seen, '[*]$', '')
+  if #redis.call('XRANGE', KEYS[1], id, id) > 0 then
+    redis.call('HSET', KEYS[2], ARGV[1], id .. '*')
+    return id
+  end
+end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+redis.call('HSET', KEYS[2], ARGV[1], id)
+return id
+"""
+#: on a cluster: take back a dead letter whose entry another consumer claimed meanwhile, unless that one
+#: reused it (KEYS: dead-letter stream, its index; ARGV: "<stream> <entry ID>", the letter's ID)
+DEAD_LETTER_TAKE_BACK = """
+if redis.call('HMGET', KEYS[2], ARGV[1])[1] ~= ARGV[2] then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
 #: on a cluster (the dead-letter stream is in another slot): acknowledge the entry and clear its failures
 #: only while it is pending for this consumer (KEYS: stream, failures hash; ARGV: group, consumer, entry ID)
 ACK_OWNED = """
@@ -149,6 +173,9 @@ class Consumer:
         self._count_script = client.register_script(COUNT_FAILURE)
         self._dead_letter_script = client.register_script(DEAD_LETTER)
         self._ack_owned_script = client.register_script(ACK_OWNED)
+        self._letter_once_script = client.register_script(DEAD_LETTER_ONCE)
+        self._letter_take_back_script = client.register_script(DEAD_LETTER_TAKE_BACK)
+        self.dead_letter_index = keys.dead_letter_index_key(group)
         self._pending_phase: set[str] = set(self.read_streams)  # re-read own pending entries first
         self._redelivered: set[str] = set()  # IDs read again from the pending list: they may have failures recorded
         self._retry_one: set[str] = set()  # streams whose first pending entry failed: retry it alone
@@ -273,11 +300,14 @@ class Consumer:
         if entry is not None:
             fields["entry"] = orjson.dumps({k.decode(): v.decode() for k, v in entry.fields.items()})
         owned = [stream, keys.failures_key(stream, self.group)]
-        if self._cluster:  # two slots: the dead letter first (a crash then leaves it pending, dead-lettered again)
-            letter = self.client.xadd(self.dead_letter_stream, fields)
+        if self._cluster:  # two slots: the dead letter first (a crash then leaves it pending: moved again, once)
+            letter = self._letter_once(stream, entry_id, fields)
             moved = self._ack_owned_script(keys=owned, args=[self.group, self.name, entry_id])
-            if not moved:
-                self.client.xdel(self.dead_letter_stream, letter)
+            index = [self.dead_letter_stream, self.dead_letter_index]
+            if moved:
+                self.client.hdel(self.dead_letter_index, f"{stream} {entry_id}")
+            else:
+                self._letter_take_back_script(keys=index, args=[f"{stream} {entry_id}", letter])
         else:
             flat = [part for pair in fields.items() for part in pair]
             moved = self._dead_letter_script(keys=[*owned, self.dead_letter_stream],
@@ -292,6 +322,14 @@ class Consumer:
         self.metrics.dead_letters[stream] += 1
         log.warning("dead-lettered %s %s after %d failed deliveries: %s", stream, entry_id, failures, error)
         return True
+
+    def _letter_once(self, stream: str, entry_id: str, fields: dict) -> str:
+        """On a cluster: the dead letter of `stream`'s entry, written unless one written for it is still waiting
+        for the entry's acknowledgement (`DEAD_LETTER_ONCE`)."""
+        flat = [part for pair in fields.items() for part in pair]
+        letter = self._letter_once_script(keys=[self.dead_letter_stream, self.dead_letter_index],
+                                          args=[f"{stream} {entry_id}", *flat])
+        return reply_text(letter)
 
     def _finish_dead_letters(self, entries: list[Entry]) -> list[Entry]:
         """Of entries read again from the pending list, dead-letter those whose recorded failures
@@ -712,18 +750,24 @@ class Consumer:
         """Move a whole unit to the dead-letter stream (each entry, then the END, each naming the END
         in `transaction`), acknowledge all of it and clear its failure count: none of it is applied."""
         pipe = self.client.pipeline(transaction=not self._cluster)
-        for e in unit.entries + ([unit.end] if unit.end is not None else []):
+        moved = unit.entries + ([unit.end] if unit.end is not None else [])
+        for e in moved:
             fields = {"source_stream": e.stream, "source_id": e.id, "group": self.group, "consumer": self.name,
                       "deliveries": failures, "error": redact(error)[:2000],
                       "entry": orjson.dumps({k.decode(): v.decode() for k, v in e.fields.items()})}
             if unit.end is not None:
                 fields["transaction"] = unit.end.id
-            pipe.xadd(self.dead_letter_stream, fields)
+            if self._cluster:  # letters first, each once (a crash before the acknowledgements redoes them)
+                self._letter_once(e.stream, e.id, fields)
+            else:
+                pipe.xadd(self.dead_letter_stream, fields)
         for e in unit.records:
             pipe.xack(e.stream, self.group, e.id)
         head = unit.head
         pipe.hdel(keys.failures_key(head.stream, self.group), head.id, f"{head.id}:error")
         pipe.execute()
+        if self._cluster:  # acknowledged: the index has done its part
+            self.client.hdel(self.dead_letter_index, *(f"{e.stream} {e.id}" for e in moved))
         self._assembly.redelivered.discard(head.id)
         self._assembly.ready.popleft()
         self.dead_lettered += len(unit.entries) + (unit.end is not None)

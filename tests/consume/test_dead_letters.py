@@ -239,3 +239,73 @@ def test_a_shared_consumer_never_counts_or_dead_letters_an_entry_another_one_cla
     a.ack([third])
     assert client.hlen(failures) == 0
     assert client.xpending("s", "g")["pending"] == 0
+
+
+@pytest.fixture
+def cluster_client(servers_root):
+    from redis.cluster import RedisCluster
+
+    from redis_cluster import three_node_cluster
+
+    with three_node_cluster(servers_root, "dlq") as nodes:
+        client = RedisCluster(host="127.0.0.1", port=nodes[0].port)
+        letters = client.get_node_from_key("cdc:dlq:g").name
+        stream = next(f"s{n}" for n in range(100) if client.get_node_from_key(f"s{n}").name != letters)
+        yield client, stream
+        client.close()
+
+
+def test_on_a_cluster_a_crash_between_the_dead_letter_and_the_acknowledgement_leaves_one_letter(cluster_client):
+    """The dead-letter stream and the entry's stream are on two nodes: the letter is written, then the entry
+    acknowledged. A consumer stopped between the two moves the entry again when it restarts: the letter it wrote
+    is reused, never written twice; a letter whose entry another consumer claimed meanwhile is taken back,
+    unless that consumer reused it."""
+    client, s = cluster_client
+    ids = [client.xadd(s, {"op": "c", "key": f'{{"id": {n}}}', "data": "{}", "lsn": "1", "seq": str(n)}).decode()
+           for n in range(3)]
+    first = Consumer(client, [s], "g", "c1", exclusive=False, max_deliveries=1, block_ms=10)
+    first.create_group("0")
+    entries = first.read()
+
+    class Stopped(Exception):
+        pass
+
+    def stop_here(**kwargs):
+        raise Stopped()  # the process dies after the letter, before the acknowledgement
+
+    first._ack_owned_script = stop_here
+    with pytest.raises(Stopped):
+        first.dead_letter(s, ids[0], entries[0], 1, "ValueError: boom")
+    assert client.xlen("cdc:dlq:g") == 1 and client.xpending(s, "g")["pending"] == 3
+
+    restarted = Consumer(client, [s], "g", "c1", exclusive=False, max_deliveries=1, block_ms=10)
+    assert restarted.dead_letter(s, ids[0], entries[0], 1, "ValueError: boom")
+    assert client.xlen("cdc:dlq:g") == 1, "the letter was written twice"
+    assert client.xpending(s, "g")["pending"] == 2
+    assert not client.exists(keys.dead_letter_index_key("g")), "the index keeps only moves under way"
+
+    # another consumer claims the second entry between A's letter and A's acknowledgement, and finishes it:
+    # A takes its letter back
+    other = Consumer(client, [s], "g", "c2", exclusive=False, max_deliveries=1, block_ms=10)
+    original = restarted._ack_owned_script
+
+    def claimed_meanwhile(**kwargs):
+        client.xclaim(s, "g", "c2", 0, [ids[1]])
+        return original(**kwargs)
+
+    restarted._ack_owned_script = claimed_meanwhile
+    assert not restarted.dead_letter(s, ids[1], entries[1], 1, "ValueError: late")
+    assert client.xlen("cdc:dlq:g") == 1
+    other.ack([entries[1]])
+
+    # ... or dead-letters it too, reusing A's letter: A leaves it
+    def claimed_and_moved(**kwargs):
+        client.xclaim(s, "g", "c2", 0, [ids[2]])
+        assert other.dead_letter(s, ids[2], entries[2], 1, "ValueError: both")
+        return original(**kwargs)
+
+    restarted._ack_owned_script = claimed_and_moved
+    assert not restarted.dead_letter(s, ids[2], entries[2], 1, "ValueError: both")
+    letters = client.xrange("cdc:dlq:g")
+    assert len(letters) == 2 and [f[b"source_id"].decode() for _, f in letters] == [ids[0], ids[2]]
+    assert client.xpending(s, "g")["pending"] == 0

@@ -207,3 +207,34 @@ def test_cdc_init_changing_the_publication_while_the_standby_lags_is_no_gap(senv
     assert proc.wait(60) == 0, proc.log_path.read_text()[-3000:]
     check = env.cdc("check")
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_slot_lost_with_its_standby_stops_the_bridge_and_init_then_recover_bring_the_streams_back(senv, pair):
+    """The standby's slot gone (the standby rebuilt, the slot dropped): the bridge stops with the missing slot's
+    error naming the fix; cdc init creates it on the standby again and cdc recover rebuilds every stream from the
+    primary's tables, the changes made meanwhile included."""
+    env = senv
+    _setup(env, pair)
+    env.cdc("init", check=True)
+    env.cdc("run", "--until-caught-up", check=True, timeout=300)
+    proc = env.start_bridge()
+    wait_for(lambda: _slots(pair, pair.standby).get(env.slot), 60, "the bridge to attach")
+    with psycopg.connect(pair.dsn_for(pair.standby), autocommit=True) as standby:
+        pid = standby.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (env.slot,)).fetchone()[0]
+        standby.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(lambda: standby.execute("SELECT pg_drop_replication_slot(%s)", (env.slot,)) or True, 30,
+                 "the slot to be dropped")
+    env.execute("UPDATE riders SET name = 'while lost' WHERE id = 1000001")
+    assert proc.wait(120) == 4, proc.log_path.read_text()[-3000:]
+    (error,) = [line for line in proc.log_path.read_text().splitlines() if line.startswith("cdc: error: ")]
+    assert "does not exist" in error and "cdc init" in error and "cdc recover" in error, error
+    env.cdc("init", check=True)
+    env.cdc("recover", check=True, timeout=300)
+    env.execute("UPDATE riders SET name = 'after' WHERE id = 1000002")
+    env.cdc("run", "--until-caught-up", check=True, timeout=300)
+    riders = read_stream(env.redis, "cdc:rider")
+    marker = max(i for i, e in enumerate(riders) if e["op"] == "x")
+    after = _replay(riders[marker + 1:], "name")
+    with psycopg.connect(pair.dsn_for(pair.primary), autocommit=True) as conn:
+        assert after == {r[0]: r[1] for r in conn.execute("SELECT id, name FROM riders")}
+    assert after[1000001] == "while lost" and after[1000002] == "after"

@@ -206,8 +206,9 @@ def failover_readiness(conn: psycopg.Connection, slot: str, copies: tuple[Standb
         unknowns.append(f"the standbys' copies of slot {slot} cannot be read: postgres.dsn names one server; name "
                         "every server in it (host=a,b port=5432,5432 target_session_attrs=read-write) or the "
                         "standbys in postgres.standbys")
+    waits = bool(synchronized) and all(name in physical and physical[name].active for name in synchronized)
     for copy in copies or ():
-        problem, unknown = judge_copy(copy, slot, primary, redis_holds)
+        problem, unknown = judge_copy(copy, slot, primary, redis_holds, primary_waits=waits)
         if problem:
             problems.append(problem)
         if unknown:

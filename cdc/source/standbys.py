@@ -178,9 +178,13 @@ def _missing_copy_reason(copy: StandbyCopy, slot: str) -> str:
 
 
 def judge_copy(copy: StandbyCopy, slot: str, primary: PrimarySlot | None,
-               redis_holds: Lsn | None) -> tuple[str | None, str | None]:
+               redis_holds: Lsn | None, primary_waits: bool = False) -> tuple[str | None, str | None]:
     """(problem, unknown) for one standby: a problem when a failover to it now would lose the slot or changes,
-    an unknown when its copy could not be read; both None when it holds a copy a failover can resume from."""
+    an unknown when its copy could not be read; both None when it holds a copy a failover can resume from.
+
+    `primary_waits`: the primary holds the bridge's changes back until the standbys flushed them
+    (synchronized_standby_slots): Redis' record may then run ahead of a standby's WAL by keepalive positions
+    only, which carry no change, so the standby's WAL is not held to it."""
     who = f"standby {copy.label}"
     if copy.error is not None:
         return None, (f"{who} cannot be read ({copy.error}), so whether it holds a copy of slot {slot} is unknown: "
@@ -206,7 +210,7 @@ def judge_copy(copy: StandbyCopy, slot: str, primary: PrimarySlot | None,
                 f"once the slot on the primary has passed what the standby reserved ({theirs}the standby's copy: "
                 f"restart_lsn {_text(copy.restart_lsn)}, catalog_xmin {copy.catalog_xmin}); that happens as the bridge "
                 "streams and long-running transactions on the primary end; wait for it before a switchover"), None
-    if redis_holds is not None and copy.received is not None and copy.received < redis_holds:
+    if redis_holds is not None and copy.received is not None and copy.received < redis_holds and not primary_waits:
         return (f"{who} has received WAL up to {lsn_text(copy.received)}, {int(redis_holds) - int(copy.received)} "
                 f"bytes short of what Redis holds ({lsn_text(redis_holds)}): a promoted standby would lack changes "
                 "already in the streams; set synchronized_standby_slots on the primary to this standby's slot"), None

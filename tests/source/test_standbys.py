@@ -76,3 +76,11 @@ def test_each_way_a_failover_would_lose_is_a_problem():
 def test_a_standby_that_cannot_be_read_is_unknown_never_ready():
     problem, unknown = _judge(StandbyCopy("db-b:5432", error="connection refused"))
     assert problem is None and "unknown" in unknown and "db-b:5432" in unknown
+
+
+def test_a_standby_short_of_redis_by_keepalive_positions_only_is_ready_when_the_primary_waits_for_it():
+    from dataclasses import replace
+
+    short = replace(GOOD, received=Lsn(0x3F00000))
+    assert _judge(short)[0] is not None
+    assert judge_copy(short, "cdc", PRIMARY, Lsn(0x4000000), primary_waits=True) == (None, None)

@@ -56,7 +56,7 @@ from ..source.values import TypeCatalog
 from ..mapping.uniqueness import key_uniqueness_problem
 from .admin import bind_live, _tables, _wal_level, connect, slot_connection
 
-__all__ = ["CheckReport", "acl_probes", "check"]
+__all__ = ["CheckReport", "acl_probes", "check", "redis_held"]
 
 _ANY_SHA = "0" * 40  # EVALSHA is judged by the ACL before the script is looked up
 
@@ -292,7 +292,7 @@ def _check_publication_and_slot(conn: psycopg.Connection, sconn: psycopg.Connect
             _check_columns(c, mapped_columns(mappings).get((c.schema, c.name), ()), pub, report)
     if sconn is None:
         return  # the slot's server could not be reached: reported
-    held = _redis_held(settings) if slot is None else None
+    held = redis_held(settings) if slot is None else None
     if slot is None and held is None:  # a new deployment
         report.problems.append(SlotError(f"replication slot {pgs.slot!r} does not exist", hint=init))
     elif slot is None:  # changes since Redis' record were lost to it
@@ -328,7 +328,7 @@ def _check_columns(c: TableCoverage, mapped: Sequence[str], pub: Publication, re
                          f"replica identity need: {', '.join(column_plan.wanted)}")
 
 
-def _redis_held(settings: Settings) -> Lsn | None | bool:
+def redis_held(settings: Settings) -> Lsn | None | bool:
     """How far Redis records holding the source for the slot (see `redis_record`), for a missing slot's advice."""
     try:
         client = connect_redis(settings.redis)
@@ -359,7 +359,7 @@ def _check_failover(conn: psycopg.Connection, settings: Settings, report: CheckR
         return
     if conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (pgs.slot,)).fetchone() is None:
         return  # reported above
-    held = _redis_held(settings)
+    held = redis_held(settings)
     copies = () if pgs.slot_dsn else read_copies(conn, pgs.dsn, pgs.standbys, pgs.slot)  # a standby's slot: see failover
     readiness = failover_readiness(conn, pgs.slot, copies, held if isinstance(held, Lsn) else None)
     ha = ha or bool(readiness.synchronized_standby_slots) or bool(pgs.standbys.strip())

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 
 from .. import keys
 from .admin import connect, slot_connection
+from .preflight import redis_held
 from ..bridge.backfill import has_error_column
 from ..bridge.guards import invalidated_slot_error, missing_slot_error, redis_record
 from ..config import Settings
@@ -118,14 +119,7 @@ def _failover(conn: psycopg.Connection, settings: Settings):
 
 def _redis_holds(settings: Settings) -> Lsn | None:
     """How far Redis records holding the source (None: no record, or Redis cannot say)."""
-    try:
-        client = connect_redis(settings.redis)
-    except Exception:  # an unreachable Redis is reported by the Redis half of the status
-        return None
-    try:
-        held = redis_record(client, settings.postgres.slot)
-    finally:
-        client.close()
+    held = redis_held(settings)
     return held if isinstance(held, Lsn) else None
 
 

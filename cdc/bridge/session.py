@@ -176,7 +176,7 @@ class Session:
         #: the mean time between two source transactions lately (s; a moving average, measured where the loop
         #: has read everything the server sent: `linger`), and where that measure last stood
         self.gap = float("inf")
-        self.gap_at = self.timers.heard
+        self.gap_at: float | None = None
         self.gap_count = self.counters.transactions
         #: the position the slot was last told (a status message that would tell it again waits for its time)
         self.told: Lsn | None = None
@@ -275,13 +275,14 @@ class Session:
         left = batcher.first_at + batcher.max_delay - now
         if left <= 0.0:
             return 0.0
-        count = self.counters.transactions
+        count, at = self.counters.transactions, self.gap_at
         if count != self.gap_count:
-            gap = (now - self.gap_at) / (count - self.gap_count)
-            self.gap = gap if self.gap == float("inf") else GAP_WEIGHT * gap + (1.0 - GAP_WEIGHT) * self.gap
+            if at is not None:  # the first transaction seen starts the measure
+                gap = (now - at) / (count - self.gap_count)
+                self.gap = gap if self.gap == float("inf") else GAP_WEIGHT * gap + (1.0 - GAP_WEIGHT) * self.gap
             self.gap_at, self.gap_count = now, count
-        elif now - self.gap_at > self.gap:  # no transaction for longer than the mean gap: it grows
-            self.gap = now - self.gap_at
+        elif at is not None and now - at > self.gap:  # no transaction for longer than the mean gap: it grows
+            self.gap = now - at
         if self.gap < left:
             return min(left, max(LINGER_S, GAPS * self.gap))
         return min(LINGER_S, left)

@@ -73,6 +73,9 @@ LINGER_S = 0.001
 GAPS = 4
 #: the weight of the last gap between transactions measured in `Session.gap` (a moving average)
 GAP_WEIGHT = 0.5
+#: the longest wait for more transactions the loop sleeps through (a longer one wakes at the next message,
+#: as the loop must for a stop, its timers and a batch filling up)
+NAP_MAX_S = 0.05
 _GUARD_INTERVAL_S = 0.5
 
 
@@ -213,7 +216,15 @@ class Session:
                 t.heard = now = monotonic()
             else:
                 if batcher.pending:
-                    raw = read(self.linger(monotonic()))
+                    wait = self.linger(monotonic())
+                    if LINGER_S < wait <= NAP_MAX_S:
+                        # transactions keep coming: sleep through the wait and read what came meanwhile at
+                        # once, rather than wake for each of them and its keepalive (CPU, not latency: the
+                        # batch waits that long either way, and a pause with nothing sends it)
+                        time.sleep(wait)
+                        raw = read(0.0)
+                    else:
+                        raw = read(wait)
                 elif self.inflight.busy:
                     raw = read(LINGER_S)  # a pause: confirm the batch in flight soon (`idle`), the slot may move
                 else:

@@ -4,14 +4,14 @@ pgbench (`-c 4 -j 2 -T 15` by default) runs its built-in TPC-B-like script again
 (`--scale`), whose four tables are mapped and published (pgbench_history gets a bigserial primary key,
 `hid`, so that it can be mapped). Each round runs pgbench once per reader, alternating, in one run:
 
-- `none`: no reader;
+- `none`: no reader (each TPS ratio is to the `none` run of the same round);
 - `bridge`: `cdc run` streaming the publication (one run per `--delays` value of `batch.max_delay_ms`),
   from its own slot into an emptied Redis;
 - `recvlogical`: pg_recvlogical reading its own slot (pgoutput proto 1, to /dev/null);
 - with `--compare DIR`, also `cdc run` from the checkout DIR (its compiled extensions built or copied in),
   with the default `batch.max_delay_ms`: the code before a change, side by side with this one.
 
-Printed per run: pgbench's TPS and its ratio to the no-reader rounds' mean; the CPU per source transaction
+Printed per run: pgbench's TPS and its ratio; the CPU per source transaction
 of the bridge, its walsender, redis-server and pg_recvlogical (from /proc/PID/stat, from pgbench's start to
 when the reader has everything: Redis holds every transaction, or the walsender has sent the last one);
 EXECs and Redis commands per transaction (INFO commandstats); commit-to-stream latency p50/p99 (each
@@ -187,6 +187,10 @@ def round_recvlogical(pg, conn: psycopg.Connection, args, slot: str) -> dict:
     return {"tps": tps, "tx": done, "cpu": cpu, "retained": retained, "unconfirmed": unconfirmed}
 
 
+def label_of(reader: str, delay: int | None) -> str:
+    return {"bridge": f"bridge max_delay {delay}", "compare": "bridge (--compare)"}.get(reader, reader)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=15, help="pgbench -T of each run (e.g. 30 for steadier figures)")
@@ -236,7 +240,7 @@ def main() -> int:
                         tree = args.compare.resolve() if reader == "compare" else ROOT
                         r = round_bridge(root, pg, rd, client, conn, args, f"{reader}_{delay or 0}_{i}", delay, tree)
                     results[reader, delay].append(r)
-    baseline = statistics.mean(r["tps"] for r in results.get(("none", None), [])) if ("none", None) in results else None
+    nones = results.get(("none", None), [])
 
     print()
     print(f"pgbench TPC-B-like, scale {args.scale}, -c {args.clients} -j {args.jobs} -T {args.seconds}; "
@@ -247,13 +251,13 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     for (reader, delay), runs in results.items():
-        label = {"bridge": f"bridge max_delay {delay}", "compare": "bridge (--compare)"}.get(reader, reader)
+        label = label_of(reader, delay)
         for i, r in enumerate(runs):
             cpu = r.get("cpu", {})
 
             def per_tx(name: str) -> str:
                 return f"{cpu[name] / r['tx'] * 1e6:.0f}" if name in cpu else ""
-            ratio = f"{r['tps'] / baseline:.2f}" if baseline else ""
+            ratio = f"{r['tps'] / nones[i]['tps']:.2f}" if i < len(nones) else ""
             execs = f"{r['execs'] / r['tx']:.3f}" if "execs" in r else ""
             commands = f"{r['commands'] / r['tx']:.2f}" if "commands" in r else ""
             print(f"{label:<22} {i + 1:>5} {r['tps']:>8.0f} {ratio:>6} {per_tx('bridge'):>7} {per_tx('walsender'):>7} "
@@ -263,7 +267,11 @@ def main() -> int:
                   f"{format(r['confirmed_after'], '.2f') if 'confirmed_after' in r else '':>6} "
                   f"{format(r['retained'], ',') if 'retained' in r else '':>9} "
                   f"{format(r['unconfirmed'], ',') if 'unconfirmed' in r else '':>9}")
-    print("ratio: TPS over the mean of the no-reader runs; held s / conf s: after pgbench ended, until Redis held "
+    if nones:
+        print("mean ratio: " + ", ".join(
+            f"{label_of(reader, delay)} {statistics.mean(r['tps'] / n['tps'] for r, n in zip(runs, nones)):.2f}"
+            for (reader, delay), runs in results.items() if reader != "none"))
+    print("ratio: TPS over the no-reader run's of the same round; held s / conf s: after pgbench ended, until Redis held "
           "every transaction / the slot confirmed the last one; retained / unconf: bytes of WAL the slot retains "
           "(restart_lsn) / has not confirmed, then")
     print(f"\nwhole benchmark: {time.monotonic() - started:.0f}s")

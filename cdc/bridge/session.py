@@ -218,11 +218,14 @@ class Session:
                 if batcher.pending:
                     wait = self.linger(monotonic())
                     if LINGER_S < wait <= NAP_MAX_S:
-                        # transactions keep coming: sleep through the wait and read what came meanwhile at
-                        # once, rather than wake for each of them and its keepalive (CPU, not latency: the
-                        # batch waits that long either way, and a pause with nothing sends it)
-                        time.sleep(wait)
+                        # transactions keep coming: once the connection has nothing more, sleep through the
+                        # wait and read what came meanwhile at once, rather than wake for each transaction
+                        # and its keepalive (CPU, not latency: the batch waits that long either way, and a
+                        # pause with nothing sends it); a connection with more to read is read on at once
                         raw = read(0.0)
+                        if raw is None:
+                            time.sleep(wait)
+                            raw = read(0.0)
                     else:
                         raw = read(wait)
                 elif self.inflight.busy:

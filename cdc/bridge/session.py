@@ -76,6 +76,9 @@ GAP_WEIGHT = 0.5
 #: the longest wait for more transactions the loop sleeps through (a longer one wakes at the next message,
 #: as the loop must for a stop, its timers and a batch filling up)
 NAP_MAX_S = 0.05
+#: the longest nap, as a share of `batch.max_delay_ms`: a change that arrives while the loop sleeps waits up to
+#: that much before its batch's age counts it
+NAP_SHARE = 0.25
 _GUARD_INTERVAL_S = 0.5
 
 
@@ -224,8 +227,14 @@ class Session:
                         # pause with nothing sends it); a connection with more to read is read on at once
                         raw = read(0.0)
                         if raw is None:
-                            time.sleep(wait)
+                            # a nap of a quarter of the delay at most: what arrives meanwhile is read that much
+                            # later, and is pending that much longer than its batch's age says
+                            nap = min(wait, max(LINGER_S, NAP_SHARE * max_delay))
+                            time.sleep(nap)
                             raw = read(0.0)
+                            if raw is None and nap < wait:
+                                now = monotonic()
+                                continue  # nothing yet: wait on (`linger` again)
                     else:
                         raw = read(wait)
                 elif self.inflight.busy:

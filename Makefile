@@ -85,6 +85,7 @@ test: install test-deps reconcile-deps docs-deps lint
 
 bench: install reconcile-deps
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/live.py
 	$(BIN)/python bench/publication_columns.py
 	$(BIN)/python bench/binary_walsender.py
 	$(BIN)/python bench/per_change.py

@@ -3,7 +3,8 @@
 Entries gather in one `StreamBatch` per stream. The batch is due when it holds
 ``max_entries`` entries or its oldest entry is ``max_delay`` seconds old; the loop
 also sends it once the server has had nothing more to say for a moment
-(`cdc.bridge.session.LINGER_S`, never past ``max_delay``). Pure: no I/O.
+(`cdc.bridge.session.Session.linger`: `LINGER_S`, or a few gaps between transactions while
+they keep coming, never past ``max_delay``). Pure: no I/O.
 """
 
 from __future__ import annotations

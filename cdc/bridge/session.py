@@ -66,6 +66,19 @@ _CAUGHT_UP_POLL_S = 0.1
 #: sends a batch that is not yet due (never past the batch's `max_delay`): a flow of changes pauses for
 #: less, and its batches fill instead of leaving a few entries at a time, each with its round trips
 LINGER_S = 0.001
+#: while transactions keep coming (their mean gap, `Session.gap`, shorter than what is left of the pending
+#: batch's `max_delay`), the loop waits for the next one up to this many mean gaps (at least `LINGER_S`,
+#: never past the batch's `max_delay`): a live flow of small transactions then fills a batch for up to
+#: `max_delay` instead of sending one per transaction; a pause longer than that sends what is pending
+GAPS = 4
+#: the weight of the last gap between transactions measured in `Session.gap` (a moving average)
+GAP_WEIGHT = 0.5
+#: the longest wait for more transactions the loop sleeps through (a longer one wakes at the next message,
+#: as the loop must for a stop, its timers and a batch filling up)
+NAP_MAX_S = 0.05
+#: the longest nap, as a share of `batch.max_delay_ms`: a change that arrives while the loop sleeps waits up to
+#: that much before its batch's age counts it
+NAP_SHARE = 0.25
 _GUARD_INTERVAL_S = 0.5
 
 
@@ -168,6 +181,13 @@ class Session:
         self.snapshot_projectors: dict[str, Projector] = {}
         pgs = settings.postgres
         self.timers = Timers(time.monotonic(), pgs.slot_check_interval_s, pgs.heartbeat_interval_s, settings.trim.interval_s)
+        #: the mean time between two source transactions lately (s; a moving average, measured where the loop
+        #: has read everything the server sent: `linger`), and where that measure last stood
+        self.gap = float("inf")
+        self.gap_at: float | None = None
+        self.gap_count = self.counters.transactions
+        #: the position the slot was last told (a status message that would tell it again waits for its time)
+        self.told: Lsn | None = None
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -201,7 +221,26 @@ class Session:
                 t.heard = now = monotonic()
             else:
                 if batcher.pending:
-                    raw = read(min(LINGER_S, max(0.0, batcher.first_at + max_delay - monotonic())))
+                    wait = self.linger(monotonic())
+                    if LINGER_S < wait <= NAP_MAX_S:
+                        # transactions keep coming: once the connection has nothing more, sleep through the
+                        # wait and read what came meanwhile at once, rather than wake for each transaction
+                        # and its keepalive (CPU, not latency: the batch waits that long either way, and a
+                        # pause with nothing sends it); a connection with more to read is read on at once
+                        raw = read(0.0)
+                        if raw is None:
+                            # a nap of a quarter of the delay at most: what arrives meanwhile is read that much
+                            # later, and is pending that much longer than its batch's age says
+                            nap = min(wait, max(LINGER_S, NAP_SHARE * max_delay))
+                            time.sleep(nap)
+                            raw = read(0.0)
+                            if raw is None and nap < wait:
+                                now = monotonic()
+                                continue  # nothing yet: wait on (`linger` again)
+                    else:
+                        raw = read(wait)
+                elif self.inflight.busy:
+                    raw = read(LINGER_S)  # a pause: confirm the batch in flight soon (`idle`), the slot may move
                 else:
                     # wake up for the status update, the caught-up poll, or the silence limit
                     raw = read(max(0.0, min(t.status, t.poll or t.status, t.heard + self.receive_timeout, t.backfill)
@@ -216,6 +255,11 @@ class Session:
                 pass  # the burst stopped at a due batch or at the end of what had arrived
             elif raw[0] != xlog:
                 self.keepalive(raw)
+                if batcher.pending and self.linger(now) > 0.0:
+                    # a walsender that has sent everything so far says so with a keepalive, after every
+                    # transaction while the slot has not confirmed all it sent: on live traffic the pending
+                    # batch waits for more as after a silence (`linger`: never past its `max_delay`)
+                    continue
                 # the server has nothing to send right now: do what waits for that (confirm the batch in
                 # flight, tell the slot, see whether caught up), or keepalives in a row (while other
                 # databases write, or on polls) would hold it back as long as they come
@@ -241,6 +285,32 @@ class Session:
         self.verify()
         self.report()
         log.info("stopped at %s", self.ack.durable)
+
+    def linger(self, now: float) -> float:
+        """How long to wait for the server's next message before sending the pending batch (not yet due).
+
+        The batch waits while it is younger than `batch.max_delay_ms` and more is expected before then:
+        the mean gap between transactions lately (measured here, each time the loop has read all there
+        was) is shorter than what is left of that delay; it waits up to `GAPS` mean gaps (at least
+        `LINGER_S`), so that the end of a flow does not hold the last batch for the whole delay. A
+        trickle, transactions further apart than the delay, waits `LINGER_S` as a flow in full spate
+        does, then goes: its latency is not traded for nothing.
+        """
+        batcher = self.batcher
+        left = batcher.first_at + batcher.max_delay - now
+        if left <= 0.0:
+            return 0.0
+        count, at = self.counters.transactions, self.gap_at
+        if count != self.gap_count:
+            if at is not None:  # the first transaction seen starts the measure
+                gap = (now - at) / (count - self.gap_count)
+                self.gap = gap if self.gap == float("inf") else GAP_WEIGHT * gap + (1.0 - GAP_WEIGHT) * self.gap
+            self.gap_at, self.gap_count = now, count
+        elif at is not None and now - at > self.gap:  # no transaction for longer than the mean gap: it grows
+            self.gap = now - at
+        if self.gap < left:
+            return min(left, max(LINGER_S, GAPS * self.gap))
+        return min(LINGER_S, left)
 
     def row_change(self, kind: int, raw: bytes) -> None:
         """A change read by the loop itself (after a wait), or one `burst` handed back (too short to
@@ -371,7 +441,7 @@ class Session:
         quiet = not self.tx.open and not self.batcher.pending and not self.inflight.busy and not self.windows.open
         self.ack.keepalive(keepalive.wal_end, quiet)
         if keepalive.reply_requested:
-            self.report()
+            self.report(force=True)
 
     def idle(self, now: float) -> bool:
         """The server has nothing to send: send what waits, keep the connection alive; True when caught up."""
@@ -428,16 +498,26 @@ class Session:
         if wait:
             self.settle()
 
-    def report(self, reply: bool = False) -> None:
-        """Tell the slot how far Redis holds the source, once Redis has recorded that itself."""
+    def report(self, reply: bool = False, force: bool = False) -> None:
+        """Tell the slot how far Redis holds the source, once Redis has recorded that itself.
+
+        A position the slot was told already is told again only once the status interval has passed,
+        `reply` (the server is asked to answer) or `force` (it asked for an answer): on live traffic the
+        ack gate moves the position once per interval, and a status message per batch would wake the
+        walsender for nothing.
+        """
         lsn = self.ack.to_record(self.inflight.busy)
         if lsn is not None:
             self.publisher.record_flushed(lsn)
             self.ack.record(lsn)
             self.host.progressed()
         acked = self.ack.acked
+        now = time.monotonic()
+        if acked == self.told and not (reply or force) and now < self.timers.status:
+            return  # the slot knows: a status message telling it again waits for its interval
         self.stream.send_status(acked, acked, acked, reply)
-        self.timers.status = time.monotonic() + self.status_interval
+        self.told = acked
+        self.timers.status = now + self.status_interval
 
     def verify(self) -> None:
         """The ack gate: read the catalog; if it vouches for every mapped table, the slot may move up to
@@ -456,6 +536,7 @@ class Session:
         host.last_heard = t.heard
         if now >= t.verify:
             self.verify()
+            self.report()  # what the gate just vouched for, at once (a position told already waits its interval)
         if host.memory_paused():
             # hold what is queued (a batch at most); send nothing more until Redis has room
             self.settle()

@@ -10,6 +10,7 @@ from decimal import Decimal
 
 import pytest
 
+from cdc.demo.local import wait_for
 from conftest import TEST_HASH_KEY, read_stream
 
 pytestmark = pytest.mark.integration
@@ -108,3 +109,26 @@ def test_truncate_and_rerun_publishes_nothing_twice(env):
     # nothing new: running again appends nothing
     env.cdc("run", "--until-caught-up", check=True)
     assert env.redis.xlen("cdc:ride") == 51
+
+
+def test_a_live_flow_of_small_transactions_shares_batches_up_to_max_delay(env):
+    """While single-row transactions keep coming faster than `batch.max_delay_ms`, a batch waits for more
+    (also across the keepalive the walsender sends after each one) instead of going with one transaction:
+    far fewer EXECs than transactions, every change still there once, in order. (How long a batch waits
+    is not asserted: the delay bounds it.)"""
+    setup_rides(env)
+    env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'Ann', 'e')")
+    env.write_config("batch: {max_delay_ms: 5000}\n")
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:rider") == 1 or proc.poll() is not None, 60, "the bridge to stream")
+    wait_for(lambda: env.confirmed_flush() >= env.current_wal() or proc.poll() is not None, 60, "the bridge to confirm")
+    assert proc.poll() is None, proc.log_path.read_text()
+    execs = env.redis.info("commandstats").get("cmdstat_exec", {}).get("calls", 0)
+    n = 300
+    with env.connect() as conn:  # autocommit
+        for i in range(n):  # one transaction each, one after the other
+            conn.execute("INSERT INTO rides (id, rider_id, distance_m) VALUES (%s, 1, 1)", (i,))
+    wait_for(lambda: env.redis.xlen("cdc:ride") == n or proc.poll() is not None, 60, "every ride")
+    sent = env.redis.info("commandstats")["cmdstat_exec"]["calls"] - execs
+    assert [e["key"]["id"] for e in read_stream(env.redis, "cdc:ride")] == list(range(n))
+    assert sent * 5 <= n, f"{sent} EXECs for {n} transactions"

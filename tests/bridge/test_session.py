@@ -241,7 +241,9 @@ def test_a_streamed_transaction_is_sent_after_its_commit_with_the_positions_of_a
         + [xlog(po.StreamCommit(50, 0, Lsn(3000), Lsn(3008), 0))]
         + transaction(4000, range(5, 6))
     )
-    bridge, stream, publisher = run(messages, max_entries=2)
+    # max_delay 0: a batch goes at each pause (with a delay, transactions coming this fast keep a young batch
+    # waiting across keepalives, and a keepalive's position is the slot's only once nothing is pending)
+    bridge, stream, publisher = run(messages, max_entries=2, max_delay_ms=0)
     sent = [e for batch in publisher.batches for e in batch]
     assert len(sent) == 6 + 4  # the plain transactions' 6, the streamed one's 4 (100, 102, 104, 105)
     assert sorted(publisher.confirmed) == sorted(

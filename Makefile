@@ -60,7 +60,7 @@ PG18_TESTS := tests/bridge/test_bridge_e2e.py tests/bridge/test_streaming.py tes
               tests/bridge/test_types_contract.py tests/source/test_values_live.py tests/source/test_pgoutput_live.py \
               tests/ops/test_least_privilege.py tests/ops/test_preflight.py tests/ops/test_failover_report.py \
               tests/bridge/test_failover.py tests/bridge/test_failover_truth.py tests/bridge/test_diverged_history.py \
-              tests/bridge/test_standby_decoding.py tests/bridge/test_publication_undone.py \
+              tests/bridge/test_standby_decoding.py tests/bridge/test_spare_slot.py tests/bridge/test_publication_undone.py \
               tests/ops/test_publication_columns.py tests/ops/test_publication_recreated.py
 
 # the lint and type gate, before any test: pyflakes and pycodestyle errors (ruff), types (mypy; settings in pyproject.toml)

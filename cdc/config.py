@@ -70,6 +70,12 @@ class PostgresSettings:
     #: the bridge's writes (heartbeats, backfill bookkeeping and watermarks) still go to `dsn`, the primary,
     #: and reach the standby in WAL order; empty: `dsn`
     slot_dsn: str = ""
+    #: a spare copy of the slot (same name) on another server of the cluster, the primary or a second standby:
+    #: `cdc init` creates it, the bridge keeps it no further than what Redis holds, and carries on from it when
+    #: the server of `slot_dsn` cannot be reached for `spare_after_s` or its slot is lost; empty: none
+    spare_slot_dsn: str = ""
+    #: seconds the server holding the slot may stay unreachable before the bridge carries on from the spare slot
+    spare_after_s: float = 30.0
 
     @property
     def slot_server(self) -> str:
@@ -388,8 +394,20 @@ def _warn_below_critical(values: dict[str, Any], origin) -> None:
                           hint="or set both to 0 for levels from max_slot_wal_keep_size")
 
 
+def _spare_beside_a_standby(values: dict[str, Any], origin) -> None:
+    spare, slot_dsn = values["spare_slot_dsn"], values["slot_dsn"]
+    if spare and not slot_dsn:
+        raise ConfigError(f"{origin('spare_slot_dsn')}: postgres.spare_slot_dsn needs postgres.slot_dsn: a spare slot "
+                          "stands in for a standby that decodes, while the primary's own slot has failover slots",
+                          hint="set postgres.slot_dsn to the standby that decodes, or remove postgres.spare_slot_dsn")
+    if spare and spare == slot_dsn:
+        raise ConfigError(f"{origin('spare_slot_dsn')}: postgres.spare_slot_dsn names the server of postgres.slot_dsn; "
+                          "a spare on the same server is lost with it",
+                          hint="name the primary or a second standby in postgres.spare_slot_dsn")
+
+
 #: checks across the settings of one section, after each is in its range
-_SECTION_RULES = {"redis": (_pause_above_resume,), "postgres": (_warn_below_critical,)}
+_SECTION_RULES = {"redis": (_pause_above_resume,), "postgres": (_warn_below_critical, _spare_beside_a_standby)}
 
 
 _DSN_HINT = ("write it as postgresql://user@host:5432/dbname (password in CDC_POSTGRES_DSN_FILE); in a URL, "
@@ -512,6 +530,7 @@ _CONNECTION_STRINGS = {
     ("postgres", "dsn"): check_dsn,
     ("postgres", "standbys"): check_dsn,
     ("postgres", "slot_dsn"): check_dsn,
+    ("postgres", "spare_slot_dsn"): check_dsn,
     ("reconcile", "state_dsn"): check_dsn,
     ("redis", "url"): _check_redis_url,
 }
@@ -544,6 +563,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("postgres", "receive_timeout_s"): Range(1, 3600),
     ("postgres", "heartbeat_interval_s"): Range(0.1, 86400, off=0),
     ("postgres", "slot_check_interval_s"): Range(0.1, 3600),
+    ("postgres", "spare_after_s"): Range(0, 86400),
     ("postgres", "retained_wal_warn_bytes"): Range(0, _FOREVER_BYTES),
     ("postgres", "retained_wal_critical_bytes"): Range(0, _FOREVER_BYTES),
     ("redis", "pause_at_memory_fraction"): Range(0, 1),

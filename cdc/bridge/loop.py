@@ -25,6 +25,7 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, LiteralString
 
 import psycopg
@@ -61,6 +62,8 @@ from .encoding import InvalidText, invalid_text_error, is_invalid_text
 from ..mapping.uniqueness import key_uniqueness_problem
 from .gate import TableGate, recreated_error
 from .standby_watch import StandbyWatch
+from .spare_keeper import SpareKeeper
+from ..source import spare_slot
 from ..source.slot_server import in_recovery, standby_problems
 from .guards import (MemoryWatch, SlotHealth, SlotWatch, check_redis_has_flushed, check_source_history, record_stream_loss,
                      redis_record, stop_on_stream_problems)
@@ -133,6 +136,13 @@ class Bridge:
         #: reads the standbys' own copies of the slot, off the streaming thread
         self.standby_watch = StandbyWatch(pgs.dsn, pgs.standbys, pgs.slot, pgs.slot_check_interval_s,
                                           lambda: self.durable_lsn)
+        #: keeps the spare slot (postgres.spare_slot_dsn) behind what the slot was told, off the streaming thread
+        self.spare = SpareKeeper(pgs.slot, pgs.slot_check_interval_s, lambda: self.settings.postgres.spare_slot_dsn,
+                                 lambda: self.ack.acked, lambda: self.durable_lsn) if pgs.spare_slot_dsn else None
+        #: since when the server holding the slot has not answered (None: it answers)
+        self._slot_server_down_since: float | None = None
+        #: times this run carried on from the spare slot
+        self.spare_switches = 0
         self.memory: MemoryWatch | None = None
         # transactions the server streams while they run, held until they end (emptied by each session's end)
         self.streams = StreamedTransactions(batch.stream_buffer_mb << 20, batch.spill_dir)
@@ -185,17 +195,106 @@ class Bridge:
         gc.freeze()
         gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
         server = self._serve_metrics() if self.settings.http.port else None
+        if self.spare is not None:
+            self.spare.start()
         try:
-            retrying(self._session)
+            retrying(self._attempt)
         except TransientError:
             if not self.stopping:
                 raise
         finally:
             self.state = "stopped"
             self.standby_watch.close()
+            if self.spare is not None:
+                self.spare.close()
             if server is not None:
                 server.shutdown()
                 server.server_close()
+
+    # -- the spare slot ------------------------------------------------------------------
+
+    def _attempt(self) -> None:
+        """One session; when it fails because the server holding the slot is gone (unreachable for
+        postgres.spare_slot_dsn's `spare_after_s`, or its slot lost), the next one carries on from the spare."""
+        try:
+            self._session()
+        except CdcError as exc:
+            if self.stopping or not self.settings.postgres.spare_slot_dsn:
+                raise
+            switched = self._carry_on_from_spare(exc)
+            if not switched:
+                raise
+            raise TransientError(switched) from exc
+
+    def _carry_on_from_spare(self, exc: CdcError) -> str | None:
+        """Swap the slot's server and the spare's when the first is gone and the spare can stand in for it (no
+        further than what Redis holds); returns what was done, or None (raising the error with the spare's
+        reason when the slot is lost and the spare cannot help)."""
+        pgs = self.settings.postgres
+        gone = self._slot_server_gone()
+        if gone is None:
+            self._slot_server_down_since = None
+            return None
+        lost, why_gone = gone
+        now = time.monotonic()
+        if not lost:
+            if self._slot_server_down_since is None:
+                self._slot_server_down_since = now
+            if now - self._slot_server_down_since < pgs.spare_after_s:
+                return None
+        why: str | None
+        held: Lsn | None | bool = None
+        try:
+            with psycopg.connect(pgs.spare_slot_dsn, autocommit=True, options=SESSION_OPTIONS, connect_timeout=10) as conn:
+                reading = spare_slot.read(conn, pgs.slot)
+            client = connect_redis(self.settings.redis, socket_timeout=self.redis_timeout)
+            try:
+                held = redis_record(client, pgs.slot)
+            finally:
+                client.close()
+        except psycopg.Error as spare_exc:
+            why = f"its server did not answer: {str(spare_exc).strip().splitlines()[0]}"
+        except (redis.RedisError, CdcError):
+            why = "Redis did not answer"
+        else:
+            why = spare_slot.judge(reading, held) if not isinstance(held, bool) else "Redis did not answer"
+        if why is not None:
+            log.error("the server holding slot %s %s; the spare slot of postgres.spare_slot_dsn cannot stand in: %s",
+                      pgs.slot, why_gone, why)
+            if lost and not isinstance(exc, TransientError):
+                raise type(exc)(f"{exc.message}; the spare slot of postgres.spare_slot_dsn cannot stand in: {why}",
+                                hint=exc.hint) from exc
+            return None
+        where = "the primary" if reading.on_primary else "a standby"
+        behind = int(held) - int(reading.confirmed) if isinstance(held, Lsn) and reading.confirmed is not None else 0
+        said = (f"the server holding slot {pgs.slot} {why_gone}: carrying on from the spare slot on {where} "
+                f"(postgres.spare_slot_dsn) at {reading.confirmed}, {behind} bytes behind what Redis holds (decoded "
+                "again and skipped by position); make it postgres.slot_dsn and name a new spare")
+        log.warning("%s", said)
+        self.settings = replace(self.settings, postgres=replace(pgs, slot_dsn=pgs.spare_slot_dsn,
+                                                                spare_slot_dsn=pgs.slot_dsn))
+        self._slot_server_down_since = None
+        self._stale_pid = 0  # a backend of the other server
+        self.spare_switches += 1
+        self.backoff.progressed()
+        return said
+
+    def _slot_server_gone(self) -> tuple[bool, str] | None:
+        """Whether the server holding the slot is gone: (True: its slot lost, False: it does not answer, what);
+        None while it answers with the slot usable."""
+        pgs = self.settings.postgres
+        try:
+            with psycopg.connect(pgs.slot_server, autocommit=True, options=SESSION_OPTIONS, connect_timeout=10) as conn:
+                reading = spare_slot.read(conn, pgs.slot)
+        except psycopg.OperationalError as exc:
+            return False, f"does not answer ({str(exc).strip().splitlines()[0]})"
+        except psycopg.Error:
+            return None
+        if not reading.exists:
+            return True, "lost the slot"
+        if reading.wal_status == "lost" or reading.conflicting:
+            return True, "invalidated the slot"
+        return None
 
     def _before_retry(self, state: tenacity.RetryCallState) -> None:
         # tenacity calls this after a failed attempt (an outcome) for which it chose to wait (a next action)
@@ -241,6 +340,11 @@ class Bridge:
                 "of the slot and the WAL of what Redis holds (PostgreSQL 17+); 0 when not, or when a standby "
                 "cannot be read; left out while no standby is in sight (no physical slot, none named)",
                 lambda: None if self.failover is None or not self.failover.standby_in_evidence else int(self.failover.ready))
+        r.gauge("cdc_spare_slot_ready", "1 when the spare slot (postgres.spare_slot_dsn) could stand in for the slot now: "
+                "it exists and is no further than what Redis holds; 0 when not or its server does not answer; left out "
+                "without a spare", lambda: None if self.spare is None or self.spare.state is None else int(self.spare.state.ready))
+        r.counter("cdc_spare_slot_switches_total", "times the bridge carried on from the spare slot, its slot's server gone",
+                  lambda: self.spare_switches)
         r.counter("cdc_transient_failures_total", "failures retried, by side (redis or postgres)",
                   lambda: {(("side", k),): v for k, v in self.failures.items()})
         r.counter("cdc_sessions_total", "replication sessions started (1 + reconnections)", lambda: self.sessions)
@@ -379,6 +483,7 @@ class Bridge:
                                         hint=_TAKEN_HINT) from exc
                     raise
                 self.streamed = True
+                self._slot_server_down_since = None
                 self.state = "streaming"
                 self.backoff.streaming(time.monotonic())
                 self._stream(Session(self, stream, publisher, catalog_conn, held, health.confirmed_lsn, writer))

@@ -27,6 +27,7 @@ from ..source.pubcolumns import ColumnPlan, plan
 from ..source.history import Divergence, ServerHistory, read_history
 from ..source.failover import create_slot, make_failover_slot
 from ..source.slot_server import create_on_standby, in_recovery, standby_problems
+from ..source import spare_slot
 from ..config import Settings
 from .. import keys
 from ..errors import MappingError, SlotError, SourceError
@@ -227,6 +228,8 @@ def init(settings: Settings, mappings: Sequence[Mapping]) -> list[str]:
             _publication(conn, pgs.publication, mappings, done)
             _record_rows(settings, conn, mappings, before, done)
             ensure_table(conn)
+            if pgs.spare_slot_dsn:  # first: it starts no later than the slot, so it can stand in for it at once
+                _spare(settings, conn, done)
             with slot_connection(settings, conn) as sconn:
                 confirmed, created = _slot(settings, conn, sconn, done)
             if created:
@@ -273,6 +276,30 @@ def _slot(settings: Settings, conn: psycopg.Connection, sconn: psycopg.Connectio
     if converted:
         done.append(converted)
     return slot[1], False
+
+
+def _spare(settings: Settings, conn: psycopg.Connection, done: list[str]) -> None:
+    """The spare copy of the slot on the server of postgres.spare_slot_dsn, created if missing."""
+    pgs = settings.postgres
+    if read_history(pgs.spare_slot_dsn).system_id != read_history(pgs.dsn).system_id:
+        raise SourceError("postgres.spare_slot_dsn names a server of another cluster (another system identifier); "
+                          "nothing was created on it", hint="name the primary or a physical standby of it")
+    with _connect(pgs.spare_slot_dsn) as spare:
+        if in_recovery(spare):
+            for what, fix in standby_problems(spare, conn):
+                raise SourceError(f"{what.replace('postgres.slot_dsn', 'postgres.spare_slot_dsn')}; nothing was created "
+                                  "on it", hint=fix)
+        reading = spare_slot.read(spare, pgs.slot)
+        where = "the primary" if reading.on_primary else "the standby"
+        if reading.exists:
+            if reading.wal_status == "lost" or reading.conflicting:
+                raise SlotError(f"the spare slot {pgs.slot} on {where} of postgres.spare_slot_dsn was invalidated",
+                                hint=f"drop it there (SELECT pg_drop_replication_slot('{pgs.slot}')), then cdc init again")
+            done.append(f"spare slot {pgs.slot} already exists on {where} of postgres.spare_slot_dsn")
+            return
+        at = spare_slot.create(spare, conn, pgs.slot)
+        done.append(f"created the spare slot {pgs.slot} (pgoutput) at {at} on {where} of postgres.spare_slot_dsn; "
+                    "cdc run keeps it behind what Redis holds")
 
 
 def _record_rows(settings: Settings, conn: psycopg.Connection, mappings: Sequence[Mapping], before: PublicationRows,

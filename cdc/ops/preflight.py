@@ -44,6 +44,8 @@ from ..sink.claims import BridgeIdentity, claim_problems, unmapped_owned
 from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
 from ..source.standbys import read_copies
 from ..source.slot_server import in_recovery, standby_problems
+from ..source import spare_slot
+from ..source.replication import SESSION_OPTIONS
 from ..source.failover import failover_readiness, supports_failover
 from ..source.history import ServerHistory, read_history
 from ..source.lsn import Lsn
@@ -176,6 +178,8 @@ def _check_postgres(settings: Settings, mappings: Sequence[Mapping], report: Che
                 _check_publication_and_slot(conn, sconn, settings, mappings, report)
                 if sconn is not None:
                     _check_failover(sconn, settings, report)
+                if settings.postgres.spare_slot_dsn:
+                    _check_spare(conn, settings, report)
                 _check_backfills(conn, superuser, report)
                 row = None if sconn is None else sconn.execute(
                     "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s "
@@ -255,6 +259,36 @@ def _check_slot_server(conn: psycopg.Connection, sconn: psycopg.Connection, sett
             f"postgres.slot_dsn names a server of another cluster (system identifier {standby.system_id}, the "
             f"primary's is {primary.system_id}): it does not replay the primary's WAL",
             hint="point postgres.slot_dsn at a physical standby of postgres.dsn's server"))
+
+
+def _check_spare(conn: psycopg.Connection, settings: Settings, report: CheckReport) -> None:
+    """postgres.spare_slot_dsn: a server of the primary's cluster, a standby there able to decode, and the spare
+    slot on it no further than what Redis holds (else a warning: cdc run streams on, without a stand-in)."""
+    pgs = settings.postgres
+    try:
+        with psycopg.connect(pgs.spare_slot_dsn, autocommit=True, options=SESSION_OPTIONS, connect_timeout=10) as spare:
+            if read_history(pgs.spare_slot_dsn).system_id != read_history(pgs.dsn).system_id:
+                report.problems.append(SourceError(
+                    "postgres.spare_slot_dsn names a server of another cluster (another system identifier): a spare "
+                    "there decodes other transactions", hint="name the primary or a physical standby of it"))
+                return
+            if in_recovery(spare):
+                for what, fix in standby_problems(spare, conn):
+                    report.problems.append(SourceError(what.replace("postgres.slot_dsn", "postgres.spare_slot_dsn"),
+                                                       hint=fix))
+            reading = spare_slot.read(spare, pgs.slot)
+    except psycopg.Error as exc:
+        report.warnings.append(f"postgres.spare_slot_dsn: its server did not answer ({str(exc).strip().splitlines()[0]}); "
+                               "cdc run streams on without a spare until it does")
+        return
+    held = redis_held(settings)
+    why = spare_slot.judge(reading, held if isinstance(held, Lsn) else None)
+    if why is None:
+        report.ok.append(f"postgres.spare_slot_dsn: the spare slot {pgs.slot} on the "
+                         f"{'primary' if reading.on_primary else 'standby'} could stand in for the slot (no further "
+                         "than what Redis holds)")
+    else:
+        report.warnings.append(f"postgres.spare_slot_dsn: the spare slot cannot stand in for the slot now: {why}")
 
 
 def _check_publication_and_slot(conn: psycopg.Connection, sconn: psycopg.Connection | None, settings: Settings,

@@ -26,7 +26,8 @@ from ..source.failover import failover_readiness
 from ..source.lsn import Lsn
 from ..source.standbys import read_copies
 from ..source.slot_server import POSITION_SQL
-from ..source.replication import classify_pg_error
+from ..source.replication import SESSION_OPTIONS, classify_pg_error
+from ..source import spare_slot
 
 __all__ = ["STALE_AFTER_S", "collect"]  # `cdc.ops.status_view.render` shows it
 
@@ -74,6 +75,8 @@ def collect(settings: Settings, mappings: Sequence[Mapping], stale_after_s: floa
             "wal_status": row[5], "decoding": _decoding(decoding, settings.postgres.streaming),
             "failover": failover.as_dict(),
         }
+    if settings.postgres.spare_slot_dsn:
+        result["spare"] = spare_state(settings)
     _collect_redis(settings, mappings, stale_after_s, result)
     return result
 
@@ -115,6 +118,24 @@ def _failover(conn: psycopg.Connection, settings: Settings):
     pgs = settings.postgres
     copies = () if pgs.slot_dsn else read_copies(conn, pgs.dsn, pgs.standbys, pgs.slot)  # a standby's slot: see failover
     return failover_readiness(conn, pgs.slot, copies, _redis_holds(settings))
+
+
+def spare_state(settings: Settings) -> dict:
+    """The spare slot of postgres.spare_slot_dsn: whether it could stand in for the slot now, held to what Redis
+    holds (`cdc.source.spare_slot`)."""
+    pgs = settings.postgres
+    try:
+        with psycopg.connect(pgs.spare_slot_dsn, autocommit=True, options=SESSION_OPTIONS, connect_timeout=10) as conn:
+            reading = spare_slot.read(conn, pgs.slot)
+    except psycopg.Error as exc:
+        return {"ready": False, "reason": f"its server did not answer: {str(exc).strip().splitlines()[0]}",
+                "confirmed_flush_lsn": None, "behind_bytes": None, "on": None}
+    held = _redis_holds(settings)
+    why = spare_slot.judge(reading, held)
+    behind = None if held is None or reading.confirmed is None else int(held) - int(reading.confirmed)
+    return {"ready": why is None, "reason": why or "it exists and is no further than what Redis holds",
+            "confirmed_flush_lsn": None if reading.confirmed is None else str(reading.confirmed),
+            "behind_bytes": behind, "on": "primary" if reading.on_primary else "standby"}
 
 
 def _redis_holds(settings: Settings) -> Lsn | None:

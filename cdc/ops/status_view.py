@@ -144,6 +144,12 @@ def render(status: dict, *, color: bool = False, width: int | None = None) -> st
     failover = (status["slot"] or {}).get("failover")
     if failover:
         console.print(f"failover-ready: {failover['state']}: {failover['reason']}", soft_wrap=True)
+    spare = status.get("spare")
+    if spare:
+        where = f" on the {spare['on']}" if spare["on"] else ""
+        behind = f", {spare['behind_bytes']:,} bytes behind Redis" if spare["behind_bytes"] is not None else ""
+        console.print(f"spare slot{where}: {'ready' if spare['ready'] else 'not ready'}{behind}: {spare['reason']}",
+                      soft_wrap=True)
     for line in _bridge_lines(status.get("bridge") or {}):
         console.print(line, soft_wrap=True)
     others = _others_line(status.get("other_bridges") or [])

@@ -83,7 +83,7 @@ def standby_problems(slot_conn: psycopg.Connection, primary_conn: psycopg.Connec
 
 
 def create_on_standby(slot_conn: psycopg.Connection, primary_conn: psycopg.Connection, slot: str,
-                      timeout_s: float = CREATE_TIMEOUT_S) -> str:
+                      timeout_s: float = CREATE_TIMEOUT_S, what: str = "postgres.slot_dsn") -> str:
     """Create the logical slot (pgoutput) on the standby; returns its confirmed position.
 
     The standby waits for a running-transactions record from the primary; the primary is asked for one
@@ -117,7 +117,7 @@ def create_on_standby(slot_conn: psycopg.Connection, primary_conn: psycopg.Conne
         slot_conn.cancel_safe()
         worker.join(30)
         raise SourceError(
-            f"the standby of postgres.slot_dsn did not create slot {slot} within {timeout_s:.0f}s: it waits for a "
+            f"the standby of {what} did not create slot {slot} within {timeout_s:.0f}s: it waits for a "
             "running-transactions record from the primary",
             hint="check that the standby replays the primary's WAL (pg_last_wal_replay_lsn() moves on it) and "
                  f"that role {primary_conn.info.user} may call pg_logical_emit_message on the primary, then cdc init again")

@@ -19,7 +19,7 @@ With ``--transactions`` transaction mode runs too: the same number of changes ov
 transactions stream, in source transactions of 1, 10 and 1,000 changes, each against plain mode on the
 same entries (trivial handler).
 
-Usage: python bench/sink.py [--entries 300000] [--batch 1000] [--rounds 3] [--baseline REV] [--transactions]
+Usage: python bench/sink.py [--entries 300000] [--batch 1000] [--rounds 3] [--baseline REV] [--transactions [--tx-entries 100000]]
 """
 
 from __future__ import annotations
@@ -269,6 +269,7 @@ def main() -> int:
     parser.add_argument("--baseline", help="a git revision to measure the consumers of too, in the same rounds")
     parser.add_argument("--only", default="copy,sink,trivial,totals", help="the contestants, comma-separated")
     parser.add_argument("--transactions", action="store_true", help="also transaction mode against plain mode")
+    parser.add_argument("--tx-entries", type=int, default=100_000, help="changes per transaction-mode run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     for hidden in ("--redis", "--dsn", "--group", "--table"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -345,17 +346,17 @@ def transaction_rounds(args, pg, rd, trees) -> dict[int, tuple[float, float]]:
     client = redis.Redis.from_url(rd.url)
     for size in (1, 10, 1000):
         client.delete(*TX_STREAMS, TX_END)
-        entries, _ = workload(args.entries, per_tx=size)
+        entries, _ = workload(args.tx_entries, per_tx=size)
         fill(rd.url, entries, TX_STREAMS, TX_END)
         tx, plain = [], []
         for r in range(args.rounds):
             for kind in (("tx", "plain3") if r % 2 == 0 else ("plain3", "tx")):
                 group = f"t{size}_{r}_{kind}"
-                got = run_worker(kind, ROOT, pg, rd, group, "none", args.entries, args.batch)
+                got = run_worker(kind, ROOT, pg, rd, group, "none", args.tx_entries, args.batch)
                 for s in TX_STREAMS + ([TX_END] if kind == "tx" else []):
                     client.xgroup_destroy(s, group)
-                (tx if kind == "tx" else plain).append(args.entries / got["wall"])
-                print(f"  transactions of {size}, round {r + 1} {kind:<7} {args.entries / got['wall']:>9,.0f} entries/s", flush=True)
+                (tx if kind == "tx" else plain).append(args.tx_entries / got["wall"])
+                print(f"  transactions of {size}, round {r + 1} {kind:<7} {args.tx_entries / got['wall']:>9,.0f} entries/s", flush=True)
         out[size] = (statistics.median(tx), statistics.median(plain))
     return out
 

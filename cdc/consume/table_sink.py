@@ -194,9 +194,10 @@ class _Fold:
 def _old_key(e: Entry) -> dict | None:
     """The update's old key, when its `before` shows the key changed; else None."""
     before = e.before or {}
-    if not all(name in before for name in e.key):
+    try:
+        old = {name: before[name] for name in e.key}
+    except KeyError:  # no old key: it did not change
         return None
-    old = {name: before[name] for name in e.key}
     return None if old == e.key else old
 
 

@@ -52,8 +52,10 @@ _REPLACED = "EXCLUDED.data"
 _MERGED = "CASE WHEN NOT t.deleted THEN t.data || EXCLUDED.data ELSE EXCLUDED.data END"
 _TRUNCATE = "UPDATE {table} SET data = NULL, deleted = true, lsn = %s, seq = %s WHERE (lsn, seq) < (%s, %s)"
 
-#: a row to write: (key, data, (lsn, seq), deleted, merge the data into the row's)
-_Row = tuple[dict, dict | None, tuple[int, int], bool, bool]
+#: a row to write: (key, data, lsn, seq, deleted, merge the data into the row's)
+_Row = tuple[dict, dict | None, int, int, bool, bool]
+#: the ops that write a key's row
+_WRITES = frozenset(("c", "u", "r", "d"))
 
 
 class _SameKeyTwice(Exception):
@@ -93,14 +95,23 @@ class TableSink(StateConnection):
         try:
             with self.transaction() as conn, conn.cursor() as cur:
                 fold = _Fold()
+                add = fold.add
                 for e in entries:
-                    if e.op in ("t", "x"):  # x: the stream was rebuilt; the rows after it are the whole table
+                    op = e.op
+                    if op in _WRITES:  # as _rows, inline: this loop is most of the sink's own CPU
+                        if op == "u" and e.before:
+                            moved = _old_key(e)
+                            if moved is not None:  # the key changed: the row under the old key is gone
+                                add((moved, None, e.lsn, e.seq, True, False))
+                        if op == "d":
+                            add((e.key, None, e.lsn, e.seq, True, False))
+                        else:
+                            add((e.key, e.data, e.lsn, e.seq, False, bool(e.unchanged)))
+                    elif op in ("t", "x"):  # x: the stream was rebuilt; the rows after it are the whole table
                         self._write(cur, fold)
                         fold = _Fold()
+                        add = fold.add
                         cur.execute(sql.SQL(_TRUNCATE).format(table=self.table), (e.lsn, e.seq, e.lsn, e.seq))
-                    elif e.op in ("c", "u", "r", "d"):
-                        for row in _rows(e):
-                            fold.add(*row)
                 self._write(cur, fold)
         except _SameKeyTwice:
             self._row_by_row(entries)
@@ -111,7 +122,7 @@ class TableSink(StateConnection):
         successive rounds), the rows merging `unchanged` fields apart."""
         for round_ in fold.rounds():
             for merge in (False, True):
-                rows = [[key, data, lsn, seq, deleted] for key, data, (lsn, seq), deleted, m in round_ if m is merge]
+                rows = [row[:5] for row in round_ if row[5] is merge]
                 if not rows:
                     continue
                 statement = sql.SQL(_UPSERT_SET).format(table=self.table, data=sql.SQL(_MERGED if merge else _REPLACED))
@@ -133,7 +144,7 @@ class TableSink(StateConnection):
                         rows = []
                     cur.execute(truncate, (e.lsn, e.seq, e.lsn, e.seq))
                 elif e.op in ("c", "u", "r", "d"):
-                    for key, data, (lsn, seq), deleted, merge in _rows(e):
+                    for key, data, lsn, seq, deleted, merge in _rows(e):
                         rows.append((orjson.dumps(key, option=orjson.OPT_SORT_KEYS).decode(),
                                      None if data is None else orjson.dumps(data).decode(), lsn, seq, deleted, merge))
             if rows:
@@ -143,14 +154,13 @@ class TableSink(StateConnection):
 def _rows(e: Entry) -> list[_Row]:
     """The rows a change writes: its key's, and for an update that changed the key, the old key's tombstone
     (at the same position) first."""
-    position = (e.lsn, e.seq)
     rows: list[_Row] = []
     if e.op == "u" and e.before:
         moved = _old_key(e)
         if moved is not None:  # the key changed: the row under the old key is gone
-            rows.append((moved, None, position, True, False))
+            rows.append((moved, None, e.lsn, e.seq, True, False))
     deleted = e.op == "d"
-    rows.append((e.key, None if deleted else e.data, position, deleted, bool(e.unchanged)))
+    rows.append((e.key, None if deleted else e.data, e.lsn, e.seq, deleted, bool(e.unchanged)))
     return rows
 
 
@@ -167,15 +177,16 @@ class _Fold:
     def __init__(self) -> None:
         self.keys: dict[bytes, list[_Row]] = {}  # the key as sorted JSON -> its rows, oldest first
 
-    def add(self, key: dict, data: dict | None, position: tuple[int, int], deleted: bool, merge: bool) -> None:
-        text = orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
+    def add(self, row: _Row) -> None:
+        text = orjson.dumps(row[0], option=orjson.OPT_SORT_KEYS)
         rows = self.keys.get(text)
-        row = (key, data, position, deleted, merge)
         if rows is None:
             self.keys[text] = [row]
-        elif position <= rows[-1][2]:  # the last row is the newest: each kept row is newer than the one before
             return
-        elif merge:
+        newest = rows[-1]  # each kept row is newer than the one before
+        if (row[2], row[3]) <= (newest[2], newest[3]):
+            return
+        if row[5]:
             rows.append(row)
         else:
             self.keys[text] = [row]

@@ -19,7 +19,7 @@ With ``--transactions`` transaction mode runs too: the same number of changes ov
 transactions stream, in source transactions of 1, 10 and 1,000 changes, each against plain mode on the
 same entries (trivial handler).
 
-Usage: python bench/sink.py [--entries 300000] [--batch 1000] [--rounds 3] [--baseline REV] [--transactions [--tx-entries 100000]]
+Usage: python bench/sink.py [--entries 300000] [--batch 1000] [--rounds 3] [--baseline REV] [--transactions [--tx-entries 100000]] [--cli-gc]
 """
 
 from __future__ import annotations
@@ -216,6 +216,11 @@ def consume(client: redis.Redis, dsn: str, group: str, table: str, n: int, batch
 
 
 def worker(args) -> int:
+    if args.cli_gc:  # as `cdc consume` (and the bridge) sets the collector, for every contestant alike
+        import gc
+
+        gc.freeze()
+        gc.set_threshold(20_000, 20, 20)
     client = redis.Redis.from_url(args.redis)
     wall, cpu = time.perf_counter(), time.process_time()
     if args.worker == "copy":
@@ -242,9 +247,10 @@ def baseline_tree(rev: str) -> Path:
     return where
 
 
-def run_worker(kind: str, tree: Path, pg, rd, group: str, table: str, n: int, batch: int, env_extra: dict | None = None) -> dict:
-    env = dict(os.environ, BENCH_TREE=str(tree), PYTHONPATH=str(tree), **(env_extra or {}))
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, "--redis", rd.url, "--dsn", pg.dsn, "--group", group,
+def run_worker(kind: str, tree: Path, pg, rd, group: str, table: str, n: int, batch: int, cli_gc: bool = False) -> dict:
+    env = dict(os.environ, BENCH_TREE=str(tree), PYTHONPATH=str(tree))
+    out = subprocess.run([sys.executable, __file__, "--worker", kind, *(["--cli-gc"] if cli_gc else []),
+                          "--redis", rd.url, "--dsn", pg.dsn, "--group", group,
                           "--table", table, "--entries", str(n), "--batch", str(batch)],
                          env=env, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
@@ -270,6 +276,8 @@ def main() -> int:
     parser.add_argument("--only", default="copy,sink,trivial,totals", help="the contestants, comma-separated")
     parser.add_argument("--transactions", action="store_true", help="also transaction mode against plain mode")
     parser.add_argument("--tx-entries", type=int, default=100_000, help="changes per transaction-mode run")
+    parser.add_argument("--cli-gc", action="store_true",
+                        help="every contestant sets Python's collector as cdc consume does (gc.freeze, young threshold 20,000)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     for hidden in ("--redis", "--dsn", "--group", "--table"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -305,7 +313,7 @@ def main() -> int:
                     conn.execute(f"DROP TABLE IF EXISTS {table}")
                     conn.execute("TRUNCATE consumer_states, cdc_checkpoints")
                     conn.execute("CHECKPOINT")
-                got = run_worker(kind, trees[tag], pg, rd, group, table, args.entries, args.batch)
+                got = run_worker(kind, trees[tag], pg, rd, group, table, args.entries, args.batch, args.cli_gc)
                 client.xgroup_destroy(STREAM, group)
                 if kind in ("copy", "sink"):
                     check_mirror(pg, table, final)
@@ -352,7 +360,7 @@ def transaction_rounds(args, pg, rd, trees) -> dict[int, tuple[float, float]]:
         for r in range(args.rounds):
             for kind in (("tx", "plain3") if r % 2 == 0 else ("plain3", "tx")):
                 group = f"t{size}_{r}_{kind}"
-                got = run_worker(kind, ROOT, pg, rd, group, "none", args.tx_entries, args.batch)
+                got = run_worker(kind, ROOT, pg, rd, group, "none", args.tx_entries, args.batch, args.cli_gc)
                 for s in TX_STREAMS + ([TX_END] if kind == "tx" else []):
                     client.xgroup_destroy(s, group)
                 (tx if kind == "tx" else plain).append(args.tx_entries / got["wall"])

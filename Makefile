@@ -93,6 +93,7 @@ bench: install reconcile-deps
 	$(BIN)/python bench/streamed_bridge.py
 	$(BIN)/python bench/standby_decoding.py
 	$(BIN)/python bench/consume.py
+	$(BIN)/python bench/sink.py
 	$(BIN)/python bench/snapshot.py
 	$(BIN)/python bench/reconcile.py
 

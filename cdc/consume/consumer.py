@@ -283,6 +283,7 @@ class Consumer:
     def _parse(self, reply, gone: list[tuple[str, str]] | None = None) -> list[Entry]:
         entries = []
         for stream, items in reply or []:
+            stream = reply_text(stream)
             for entry_id, fields in items:
                 if fields:
                     entries.append(parse_entry(stream, entry_id, fields))

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-__all__ = ["BLOCK_MS", "CLAIM_IDLE_MS", "COUNT", "LEASE_POLL_S", "LEASE_TTL_MS", "MAX_DELIVERIES", "TRANSACTION_WAIT_MS"]
+__all__ = ["BLOCK_MS", "CLAIM_IDLE_MS", "COUNT", "GC_YOUNG_THRESHOLD", "LEASE_POLL_S", "LEASE_TTL_MS", "MAX_DELIVERIES",
+           "TRANSACTION_WAIT_MS"]
 
 #: defaults, chosen so that a group stalls about two seconds when one of its consumers dies
 COUNT = 100
@@ -16,3 +17,6 @@ LEASE_TTL_MS = 2_000
 TRANSACTION_WAIT_MS = 10_000
 #: how often, at most, leases are renewed and free ones sought (and shared mode reaps)
 LEASE_POLL_S = 0.25
+#: `cdc consume`: allocations of container objects between two collections of the youngest generation
+#: (Python: 700), as the bridge's; every entry makes a few short-lived dicts and none makes a cycle
+GC_YOUNG_THRESHOLD = 20_000

@@ -38,7 +38,28 @@ ON CONFLICT (key) DO UPDATE SET
     lsn = EXCLUDED.lsn, seq = EXCLUDED.seq, deleted = EXCLUDED.deleted
 WHERE (t.lsn, t.seq) < (EXCLUDED.lsn, EXCLUDED.seq)
 """
+#: the same for many keys at once, each at most once: a JSON array of [key, data, lsn, seq, deleted]
+#: (`{data}`: EXCLUDED.data, or for updates listing `unchanged` fields the old row's data merged with it)
+_UPSERT_SET = """
+INSERT INTO {table} AS t (key, data, lsn, seq, deleted)
+SELECT r->0, CASE WHEN (r->>4)::boolean THEN NULL ELSE r->1 END, (r->>2)::numeric(20), (r->>3)::bigint, (r->>4)::boolean
+FROM jsonb_array_elements(%s::jsonb) AS r
+ON CONFLICT (key) DO UPDATE SET
+    data = {data}, lsn = EXCLUDED.lsn, seq = EXCLUDED.seq, deleted = EXCLUDED.deleted
+WHERE (t.lsn, t.seq) < (EXCLUDED.lsn, EXCLUDED.seq)
+"""
+_REPLACED = "EXCLUDED.data"
+_MERGED = "CASE WHEN NOT t.deleted THEN t.data || EXCLUDED.data ELSE EXCLUDED.data END"
 _TRUNCATE = "UPDATE {table} SET data = NULL, deleted = true, lsn = %s, seq = %s WHERE (lsn, seq) < (%s, %s)"
+
+#: a row to write: (key, data, lsn, seq, deleted, merge the data into the row's)
+_Row = tuple[dict, dict | None, int, int, bool, bool]
+#: the ops that write a key's row
+_WRITES = frozenset(("c", "u", "r", "d"))
+
+
+class _SameKeyTwice(Exception):
+    """Two keys the batch told apart are one key to the table (equal as jsonb): apply row by row."""
 
 
 class TableSink(StateConnection):
@@ -68,36 +89,127 @@ class TableSink(StateConnection):
                          "or create the table as the owner (cdc.consume.table_sink has its definition)") from exc
 
     def __call__(self, entries: Sequence[Entry]) -> None:
+        """Apply `entries` in one transaction, as if one by one in their order (each newer change of a key
+        replaces the row, a truncate tombstones every older row), but a few statements for the batch: each
+        key's changes are folded in Python first (`_Fold`), so every key is written once per statement."""
+        try:
+            with self.transaction() as conn, conn.cursor() as cur:
+                fold = _Fold()
+                add = fold.add
+                for e in entries:
+                    op = e.op
+                    if op in _WRITES:  # as _rows, inline: this loop is most of the sink's own CPU
+                        if op == "u" and e.before:
+                            moved = _old_key(e)
+                            if moved is not None:  # the key changed: the row under the old key is gone
+                                add((moved, None, e.lsn, e.seq, True, False))
+                        if op == "d":
+                            add((e.key, None, e.lsn, e.seq, True, False))
+                        else:
+                            add((e.key, e.data, e.lsn, e.seq, False, bool(e.unchanged)))
+                    elif op in ("t", "x"):  # x: the stream was rebuilt; the rows after it are the whole table
+                        self._write(cur, fold)
+                        fold = _Fold()
+                        add = fold.add
+                        cur.execute(sql.SQL(_TRUNCATE).format(table=self.table), (e.lsn, e.seq, e.lsn, e.seq))
+                self._write(cur, fold)
+        except _SameKeyTwice:
+            self._row_by_row(entries)
+        self.applied += len(entries)
+
+    def _write(self, cur: psycopg.Cursor, fold: _Fold) -> None:
+        """The fold's rows: one statement per round (a key's rows that cannot be folded into one go in
+        successive rounds), the rows merging `unchanged` fields apart."""
+        for round_ in fold.rounds():
+            for merge in (False, True):
+                rows = [row[:5] for row in round_ if row[5] is merge]
+                if not rows:
+                    continue
+                statement = sql.SQL(_UPSERT_SET).format(table=self.table, data=sql.SQL(_MERGED if merge else _REPLACED))
+                try:
+                    cur.execute(statement, (orjson.dumps(rows).decode(),))
+                except psycopg.errors.CardinalityViolation:
+                    raise _SameKeyTwice from None
+
+    def _row_by_row(self, entries: Sequence[Entry]) -> None:
+        """The same effect, one statement per row (for a batch whose keys `_Fold` cannot tell apart)."""
         upsert = sql.SQL(_UPSERT).format(table=self.table)
         truncate = sql.SQL(_TRUNCATE).format(table=self.table)
         with self.transaction() as conn, conn.cursor() as cur:
             rows = []
             for e in entries:
-                if e.op in ("t", "x"):  # x: the stream was rebuilt; the rows after it are the whole table
+                if e.op in ("t", "x"):
                     if rows:
                         cur.executemany(upsert, rows)
                         rows = []
                     cur.execute(truncate, (e.lsn, e.seq, e.lsn, e.seq))
                 elif e.op in ("c", "u", "r", "d"):
-                    deleted = e.op == "d"
-                    if e.op == "u" and e.before:
-                        moved = _old_key(e)
-                        if moved is not None:  # the key changed: the row under the old key is gone
-                            rows.append((moved, None, e.lsn, e.seq, True, False))
-                    data = None if deleted else orjson.dumps(e.data).decode()
-                    rows.append((orjson.dumps(e.key, option=orjson.OPT_SORT_KEYS).decode(), data, e.lsn, e.seq, deleted, bool(e.unchanged)))
+                    for key, data, lsn, seq, deleted, merge in _rows(e):
+                        rows.append((orjson.dumps(key, option=orjson.OPT_SORT_KEYS).decode(),
+                                     None if data is None else orjson.dumps(data).decode(), lsn, seq, deleted, merge))
             if rows:
                 cur.executemany(upsert, rows)
-        self.applied += len(entries)
 
 
-def _old_key(e: Entry) -> str | None:
-    """The update's old key as the table stores keys, when its `before` shows the key changed; else None."""
+def _rows(e: Entry) -> list[_Row]:
+    """The rows a change writes: its key's, and for an update that changed the key, the old key's tombstone
+    (at the same position) first."""
+    rows: list[_Row] = []
+    if e.op == "u" and e.before:
+        moved = _old_key(e)
+        if moved is not None:  # the key changed: the row under the old key is gone
+            rows.append((moved, None, e.lsn, e.seq, True, False))
+    deleted = e.op == "d"
+    rows.append((e.key, None if deleted else e.data, e.lsn, e.seq, deleted, bool(e.unchanged)))
+    return rows
+
+
+class _Fold:
+    """Each key's rows of a batch (between truncates) folded into as few as give the same table as writing
+    them one by one in order, whatever the table holds: a row is written only over an older position, so
+
+    - a row at or below a position already folded for its key never changes anything: dropped;
+    - a newer row that replaces the data makes every earlier one moot: it alone is kept;
+    - a newer row that merges into the data (an update listing `unchanged` fields) depends on the row
+      before it: kept after it, written in the next round.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, list[_Row]] = {}  # the key as sorted JSON -> its rows, oldest first
+
+    def add(self, row: _Row) -> None:
+        text = orjson.dumps(row[0], option=orjson.OPT_SORT_KEYS)
+        rows = self.keys.get(text)
+        if rows is None:
+            self.keys[text] = [row]
+            return
+        newest = rows[-1]  # each kept row is newer than the one before
+        if (row[2], row[3]) <= (newest[2], newest[3]):
+            return
+        if row[5]:
+            rows.append(row)
+        else:
+            self.keys[text] = [row]
+
+    def rounds(self) -> list[list[_Row]]:
+        """The rows, a key at most once in each round, each key's in its order across rounds."""
+        out: list[list[_Row]] = []
+        for rows in self.keys.values():
+            for i, row in enumerate(rows):
+                if i == len(out):
+                    out.append([])
+                out[i].append(row)
+        return out
+
+
+def _old_key(e: Entry) -> dict | None:
+    """The update's old key, when its `before` shows the key changed; else None."""
     before = e.before or {}
-    if not all(name in before for name in e.key):
+    try:
+        old = {name: before[name] for name in e.key}
+    except KeyError:  # no old key: it did not change
         return None
-    old = {name: before[name] for name in e.key}
-    return None if old == e.key else orjson.dumps(old, option=orjson.OPT_SORT_KEYS).decode()
+    return None if old == e.key else old
 
 
 def _ident(name: str) -> str:

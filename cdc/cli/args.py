@@ -55,12 +55,11 @@ ABOUT: dict[str, tuple[str, str]] = {
 
 
 def version() -> str:
-    from importlib import metadata  # read only when asked: every command would pay for its import
+    """The package's version (cdc.__version__, which the build reads too): right in a checkout as in a wheel, and
+    never another distribution's (PyPI's "cdc" is another project; this one is pg-redis-cdc)."""
+    from .. import __version__
 
-    try:
-        return metadata.version("cdc")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    return __version__
 
 
 class VersionAction(argparse._VersionAction):

@@ -1,8 +1,10 @@
 """``make run``: the bridge on an embedded local PostgreSQL and Redis, with a sample writer.
 
-Starts both servers under ``.local/`` (kept between runs), applies ``sql/``,
-initialises the slot for ``mappings/``, then runs the rocket-rides writer and
-the bridge and prints entries as they arrive in the streams. Ctrl-C stops it all.
+Starts both servers under ``.local/`` (kept between runs), applies the package's
+``cdc/sql/``, initialises the slot for the sample mappings (``cdc/demo/mappings/``),
+then runs the rocket-rides writer and the bridge and prints entries as they arrive
+in the streams. Ctrl-C stops it all. Everything it reads is package data: it runs
+the same from a checkout and from an installed wheel, in any directory.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ from .rocketrides import RideWriter
 
 log = logging.getLogger("cdc.demo")
 
+#: the package's own files the demo reads: the SQL (role, sample schema, bookkeeping, grants), the sample
+#: mappings and the sample reconciliation spec
+SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+MAPPINGS_DIR = Path(__file__).resolve().parent / "mappings"
+RECONCILE_DIR = Path(__file__).resolve().parent / "reconcile"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cdc.demo", description=(__doc__ or "").splitlines()[0])
@@ -57,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     if lock is None:
         return 1
     args.http_port = args.http_port or free_port()
-    project = Path(__file__).resolve().parents[2]
     pg = LocalPostgres(root / "postgres", args.pg_port or None)
     rd = LocalRedis(root / "redis", args.redis_port or None)
     stop = threading.Event()
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             pg.stop()
         pg.start()
         rd.start()
-        config = _prepare(pg, rd, root, project, args.http_port)
+        config = _prepare(pg, rd, root, args.http_port)
         settings = Settings.from_file(config)
         mappings = load_mappings(settings.mappings, hash_key=settings.hash_key)
         for line in init(settings, mappings):
@@ -98,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         lock.close()
 
 
-def _prepare(pg: LocalPostgres, rd: LocalRedis, root: Path, project: Path, http_port: int) -> Path:
-    """Apply ``sql/``, make the hash key once, write the demo's config; its path."""
+def _prepare(pg: LocalPostgres, rd: LocalRedis, root: Path, http_port: int) -> Path:
+    """Apply the package's SQL, make the hash key once, write the demo's config; its path."""
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
-        for sql in sorted((project / "sql").glob("*.sql")):
+        for sql in sorted(SQL_DIR.glob("*.sql")):
             conn.execute(sql.read_text())
     hash_key = root / "hash.key"  # keys the rider's hashed email; generated once, kept with the demo's data
     if not hash_key.exists():
@@ -111,9 +118,9 @@ def _prepare(pg: LocalPostgres, rd: LocalRedis, root: Path, project: Path, http_
     config.write_text(
         f"postgres: {{dsn: '{pg.dsn}', slot: cdc, publication: cdc}}\n"
         f"redis: {{url: '{rd.url}'}}\n"
-        f"mappings: {project / 'mappings'}\n"
+        f"mappings: {MAPPINGS_DIR}\n"
         f"http: {{port: {http_port}}}\n"
-        f"reconcile: {{specs: {project / 'reconcile'}}}\n"
+        f"reconcile: {{specs: {RECONCILE_DIR}}}\n"
         f"hash_key_file: {hash_key}\n"
     )
     return config

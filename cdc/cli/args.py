@@ -49,6 +49,11 @@ ABOUT: dict[str, tuple[str, str]] = {
                "cdc schema --config cdc.yaml --entity ride"),
     "reconcile": ("Recompute consumer state from the canonical tables with Spark, report drift and reset it exactly.",
                   "cdc reconcile --config cdc.yaml --dry-run"),
+    "sql": ("Print the SQL that gives the bridge's role least privilege (docs/how-to/least-privilege.md): the role "
+            "(LOGIN REPLICATION), the snapshot and backfill bookkeeping table, and the grants on the tables the "
+            "config's mappings name; apply it as a superuser before cdc init. With --file, one of the SQL files the "
+            "package carries instead (the consumers' tables, the demo's schema). Connects to nothing.",
+            "cdc sql --config cdc.yaml --role cdc_bridge > cdc-grants.sql"),
     "status": ("Show the slot (lag, retained WAL), each stream, the consumer groups, backfills and reconciliations.",
                "cdc status --config cdc.yaml --json"),
 }

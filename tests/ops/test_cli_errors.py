@@ -41,6 +41,8 @@ GARBAGE = {
     "--metrics-file": ["/nonexistent/folder/cdc.prom"],
     "--log-level": ["loud"],
     "--log-format": ["xml"],
+    "--role": ["", "r" * 64, "two\nlines"],
+    "--file": ["nosuch.sql", "../cdc.yaml"],
 }
 NUMBERS = ["abc", "-1", "1e999x", "nan", "inf", "-inf"]
 
@@ -143,7 +145,7 @@ def test_garbage_for_every_argument_ends_in_one_error_line_and_exit_2(env, capsy
 
 def test_the_sweep_covers_every_subcommand():
     assert {w[0] for w in subcommands()} == {"init", "check", "run", "consume", "trim", "replay", "read", "dlq",
-                                             "backfill", "schema", "reconcile", "status", "recover"}
+                                             "backfill", "schema", "reconcile", "status", "recover", "sql"}
     assert {("dlq", "list"), ("dlq", "show"), ("dlq", "replay")} <= set(subcommands())
 
 

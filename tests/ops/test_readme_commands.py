@@ -29,6 +29,7 @@ SKIPPED = {
     "pip install pg-redis-cdc": "installs into an environment (tests/test_install.py installs the built wheel so)",
     "cd examples/node-consumer": "needs npm packages from the registry (tests/consume/test_node_consumer.py runs it)",
     "--master spark://": "needs a Spark cluster",
+    'psql "$ADMIN_DSN"': "needs a superuser's connection string (tests/ops/test_least_privilege.py applies what cdc sql prints)",
     "MODEL_SEED=": "longer runs of tests/bridge/test_model.py, which make test runs",
 }
 LONG_RUNNING = ("cdc run ", "cdc consume ", ".venv/bin/cdc run ", ".venv/bin/cdc consume ")  # they run until SIGTERM: started, seen working, stopped

@@ -1,4 +1,4 @@
-# `make run`: the bridge on an embedded local PostgreSQL + Redis with a sample writer.
+# `make run`: the bridge on an embedded local PostgreSQL + Redis with a sample writer (`cdc demo`, its files in .local/).
 # `make test`: the whole test suite against servers the tests start themselves (PostgreSQL 15, then part of it on 18),
 # and the documentation site built with mkdocs --strict (a broken link or anchor fails it).
 # `make docs`: the documentation site (docs/, mkdocs.yml) built into site/.
@@ -52,7 +52,7 @@ docs: docs-deps
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 run: install
-	$(BIN)/python -m cdc.demo
+	$(BIN)/cdc demo --root .local
 
 # the live PostgreSQL tests that run again on PostgreSQL 18 (the whole suite runs on 15), and the failover and
 # diverged-history tests (PostgreSQL 18 only)

@@ -49,6 +49,11 @@ ABOUT: dict[str, tuple[str, str]] = {
                "cdc schema --config cdc.yaml --entity ride"),
     "reconcile": ("Recompute consumer state from the canonical tables with Spark, report drift and reset it exactly.",
                   "cdc reconcile --config cdc.yaml --dry-run"),
+    "demo": ("Start a throwaway PostgreSQL and Redis on loopback ports (their files in --root, kept between runs), "
+             "the sample rocket-rides tables, mappings and writer, and the bridge; print each stream entry as it "
+             "arrives, until Ctrl-C. Needs PostgreSQL's server (Debian's postgresql-15, or pip install "
+             "'pg-redis-cdc[demo]') and redis-server; needs no checkout and no config.",
+             "cdc demo --root /tmp/cdc-demo --seconds 60"),
     "sql": ("Print the SQL that gives the bridge's role least privilege (docs/how-to/least-privilege.md): the role "
             "(LOGIN REPLICATION), the snapshot and backfill bookkeeping table, and the grants on the tables the "
             "config's mappings name; apply it as a superuser before cdc init. With --file, one of the SQL files the "

@@ -24,6 +24,7 @@ from .. import redact
 from .args import ABOUT, Formatter, Parser, VersionAction, group_name, number
 from ..consume import defaults as c
 from ..exits import RedactingFilter, report, silence_stdout
+from ..demo.options import add_arguments as add_demo_arguments
 from ..ops.grants import packaged_names
 
 __all__ = ["main"]
@@ -145,7 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_and_stream_commands(command)
     _reading_commands(sub, command)
     _maintenance_commands(command)
+    _demo_command(sub)
     return parser
+
+
+def _demo_command(sub) -> None:
+    """demo: the one command without a config (it writes its own)."""
+    demo = sub.add_parser("demo", help="the bridge on a throwaway local PostgreSQL and Redis, with a sample writer",
+                          description=ABOUT["demo"][0], epilog=f"example:\n  {ABOUT['demo'][1]}", formatter_class=Formatter)
+    add_demo_arguments(demo)
+    demo.set_defaults(func=Command("demo", "cmd_demo"))
 
 
 def _setup_and_stream_commands(command) -> None:

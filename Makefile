@@ -15,6 +15,8 @@ install: $(VENV)/.installed servers-deps
 $(VENV)/.installed: pyproject.toml setup.py cdc/bridge/_changes.pyx cdc/sink/_resp.pyx
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	@# 0.1.0 was the distribution `cdc` (this project's: its summary says so; PyPI's `cdc` is another project)
+	@if $(BIN)/pip show cdc 2>/dev/null | grep -q '^Summary: Change data capture from PostgreSQL'; then $(BIN)/pip uninstall --quiet --yes cdc; fi
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 

@@ -3,4 +3,4 @@
 The version is written here only: the build reads it (pyproject.toml) and ``cdc --version`` prints it.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,4 +1,4 @@
-# `make run`: the bridge on an embedded local PostgreSQL + Redis with a sample writer.
+# `make run`: the bridge on an embedded local PostgreSQL + Redis with a sample writer (`cdc demo`, its files in .local/).
 # `make test`: the whole test suite against servers the tests start themselves (PostgreSQL 15, then part of it on 18),
 # and the documentation site built with mkdocs --strict (a broken link or anchor fails it).
 # `make docs`: the documentation site (docs/, mkdocs.yml) built into site/.
@@ -15,6 +15,8 @@ install: $(VENV)/.installed servers-deps
 $(VENV)/.installed: pyproject.toml setup.py cdc/bridge/_changes.pyx cdc/sink/_resp.pyx
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	@# 0.1.0 was the distribution `cdc` (this project's: its summary says so; PyPI's `cdc` is another project)
+	@if $(BIN)/pip show cdc 2>/dev/null | grep -q '^Summary: Change data capture from PostgreSQL'; then $(BIN)/pip uninstall --quiet --yes cdc; fi
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
@@ -52,7 +54,7 @@ docs: docs-deps
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 run: install
-	$(BIN)/python -m cdc.demo
+	$(BIN)/cdc demo --root .local
 
 # the live PostgreSQL tests that run again on PostgreSQL 18 (the whole suite runs on 15), and the failover and
 # diverged-history tests (PostgreSQL 18 only)

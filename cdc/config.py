@@ -595,7 +595,7 @@ OTHER_VARIABLES: dict[str, str] = {
     "CDC_HASH_KEY*": "keys of keyed hashing in mappings",
     "CDC_*_SALT": "a mapping's hash salt (salt_env); other salt variables are named without CDC_",
     "CDC_PG_BIN": "where the demo and the tests find PostgreSQL's programs (cdc.demo.local)",
-    "CDC_DEMO_*": "the demo's ports (cdc.demo.run)",
+    "CDC_DEMO_*": "the demo's ports (cdc demo, cdc.demo.options)",
     "CDC_FAULT_*": "faults injected by the tests (cdc.bridge.loop, cdc.cli.consume)",
 }
 

@@ -49,18 +49,27 @@ ABOUT: dict[str, tuple[str, str]] = {
                "cdc schema --config cdc.yaml --entity ride"),
     "reconcile": ("Recompute consumer state from the canonical tables with Spark, report drift and reset it exactly.",
                   "cdc reconcile --config cdc.yaml --dry-run"),
+    "demo": ("Start a throwaway PostgreSQL and Redis on loopback ports (their files in --root, kept between runs), "
+             "the sample rocket-rides tables, mappings and writer, and the bridge; print each stream entry as it "
+             "arrives, until Ctrl-C. Needs PostgreSQL's server (Debian's postgresql-15, or pip install "
+             "'pg-redis-cdc[demo]') and redis-server; needs no checkout and no config.",
+             "cdc demo --root /tmp/cdc-demo --seconds 60"),
+    "sql": ("Print the SQL that gives the bridge's role least privilege (docs/how-to/least-privilege.md): the role "
+            "(LOGIN REPLICATION), the snapshot and backfill bookkeeping table, and the grants on the tables the "
+            "config's mappings name; apply it as a superuser before cdc init. With --file, one of the SQL files the "
+            "package carries instead (the consumers' tables, the demo's schema). Connects to nothing.",
+            "cdc sql --config cdc.yaml --role cdc_bridge > cdc-grants.sql"),
     "status": ("Show the slot (lag, retained WAL), each stream, the consumer groups, backfills and reconciliations.",
                "cdc status --config cdc.yaml --json"),
 }
 
 
 def version() -> str:
-    from importlib import metadata  # read only when asked: every command would pay for its import
+    """The package's version (cdc.__version__, which the build reads too): right in a checkout as in a wheel, and
+    never another distribution's (PyPI's "cdc" is another project; this one is pg-redis-cdc)."""
+    from .. import __version__
 
-    try:
-        return metadata.version("cdc")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    return __version__
 
 
 class VersionAction(argparse._VersionAction):

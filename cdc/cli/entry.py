@@ -24,6 +24,8 @@ from .. import redact
 from .args import ABOUT, Formatter, Parser, VersionAction, group_name, number
 from ..consume import defaults as c
 from ..exits import RedactingFilter, report, silence_stdout
+from ..demo.options import add_arguments as add_demo_arguments
+from ..ops.grants import packaged_names
 
 __all__ = ["main"]
 
@@ -144,7 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     _setup_and_stream_commands(command)
     _reading_commands(sub, command)
     _maintenance_commands(command)
+    _demo_command(sub)
     return parser
+
+
+def _demo_command(sub) -> None:
+    """demo: the one command without a config (it writes its own)."""
+    demo = sub.add_parser("demo", help="the bridge on a throwaway local PostgreSQL and Redis, with a sample writer",
+                          description=ABOUT["demo"][0], epilog=f"example:\n  {ABOUT['demo'][1]}", formatter_class=Formatter)
+    add_demo_arguments(demo)
+    demo.set_defaults(func=Command("demo", "cmd_demo"))
 
 
 def _setup_and_stream_commands(command) -> None:
@@ -199,7 +210,7 @@ def _reading_commands(sub, command) -> None:
 
 
 def _maintenance_commands(command) -> None:
-    """backfill, schema, reconcile, status."""
+    """backfill, schema, reconcile, sql, status."""
     backfill = command("backfill", "bridge", "re-publish an entity's table (op r) while streaming continues")
     backfill.add_argument("--entity", help="the entity to re-publish")
     backfill.add_argument("--where", help="a condition on the table's columns selecting part of it "
@@ -216,6 +227,11 @@ def _maintenance_commands(command) -> None:
     reconcile.add_argument("--report", help="also write the JSON report to this file")
     reconcile.add_argument("--metrics-file", help="also write the run's outcome as Prometheus metrics to this file "
                                                   "(node_exporter's textfile format; name it *.prom)")
+    sql = command("sql", "ops", "print the role and grants the bridge needs, or a packaged SQL file")
+    sql.add_argument("--role", default="cdc_bridge", help="the bridge's role: created, and granted to")
+    sql.add_argument("--file", choices=packaged_names(),
+                     help="print this packaged SQL file instead (20_consumer_state.sql: the consumers' checkpoints "
+                          "and reconciliation history; 10_rocket_rides.sql: the demo's schema)")
     status = command("status", "ops", "show the slot, lag and streams")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--stale-after-s", type=number, default=3600.0, help="list consumers idle this long as stale")

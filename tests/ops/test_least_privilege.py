@@ -1,7 +1,7 @@
-"""Least privilege, in the README's order: the owner applies sql/ and runs `cdc init`;
-cdc_bridge (REPLICATION, the grants of sql/30_grants.sql, a scram password from a file)
-runs `cdc check`, `cdc run`, `cdc backfill`, `cdc status` and `cdc trim`, snapshots and
-backfills included. A missing grant stops with the exact GRANT to run."""
+"""Least privilege, in the how-to's order: a superuser applies what `cdc sql` prints for the config's
+mappings, the owner runs `cdc init`; cdc_bridge (REPLICATION, the grants `cdc sql` wrote, a scram
+password from a file) runs `cdc check`, `cdc run`, `cdc backfill`, `cdc status` and `cdc trim`,
+snapshots and backfills included. A missing grant stops with the exact GRANT to run."""
 
 from __future__ import annotations
 
@@ -27,14 +27,16 @@ fields: {id: id, distance: distance_m, rider: rider_id}
 
 
 def _as_owner_then_bridge(env, tmp_path) -> dict:
-    """sql/ and `cdc init` as the owner; the environment that makes cdc_bridge the role from then on."""
-    for path in sorted(SQL.glob("*.sql")):  # README: apply sql/ (as a superuser)
-        env.execute(path.read_text())
-    env.execute(f"ALTER ROLE cdc_bridge PASSWORD '{PASSWORD}'")
+    """`cdc sql`'s output and `cdc init` as the owner; the environment that makes cdc_bridge the role from then on."""
+    env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")  # the application's tables, the consumers' tables
     env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'e')")
     env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1, g FROM generate_series(1, 30) g")
     env.write_mapping("ride.yaml", RIDE)
     env.write_config("batch: {backfill_chunk_rows: 7}\n")
+    printed = env.cdc("sql", check=True).stdout  # the how-to: cdc sql, applied as a superuser
+    assert "GRANT SELECT ON public.rides TO cdc_bridge;" in printed and "riders" not in printed  # the mapped tables only
+    env.execute(printed)
+    env.execute(f"ALTER ROLE cdc_bridge PASSWORD '{PASSWORD}'")
     env.cdc("init", check=True)  # the owner
     secret = tmp_path / "bridge_dsn"
     secret.write_text(f"postgresql://cdc_bridge:{PASSWORD}@127.0.0.1:{env.postgres.port}/{env.dbname}\n")

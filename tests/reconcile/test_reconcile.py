@@ -637,7 +637,7 @@ def test_cdc_reconcile_explains_a_missing_driver_and_a_bad_spec(env):
     result = env.cdc("reconcile")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{spec}:8: consumer ride-totals's state database has no table cdc_drift" in result.stderr
-    assert "run sql/20_consumer_state.sql there" in result.stderr
+    assert "run what cdc sql --file 20_consumer_state.sql prints there" in result.stderr
     assert "starting Spark" not in result.stderr  # found before the slow start
     env.apply_sql("20_consumer_state.sql")
     spec.write_text(spec.read_text().replace("sum(distance_m)", "median(distance_m)"))

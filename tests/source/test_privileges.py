@@ -24,7 +24,7 @@ pytestmark = pytest.mark.one_path
     ('permission denied for function pg_logical_emit_message', "SELECT",
      "run: GRANT EXECUTE ON FUNCTION pg_logical_emit_message TO cdc_bridge"),
     ('must be superuser or replication role to use replication slots', "SELECT", "run: ALTER ROLE cdc_bridge REPLICATION"),
-    ('something else entirely', "SELECT", "grant cdc_bridge what sql/30_grants.sql grants cdc_bridge"),
+    ('something else entirely', "SELECT", "grant cdc_bridge what cdc sql --role cdc_bridge prints"),
 ])
 def test_the_fix_is_the_exact_statement(message, need, fix):
     assert fix_for(message, "cdc_bridge", need) == fix

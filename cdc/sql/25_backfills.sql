@@ -1,6 +1,6 @@
 -- Snapshot and backfill bookkeeping (cdc/bridge/backfill.py): one row per snapshot or backfill,
--- with its progress. `cdc init` creates it too when missing; creating it here lets
--- sql/30_grants.sql give the bridge's role what it needs before `cdc init` runs.
+-- with its progress. `cdc init` creates it too when missing; creating it here lets the grants
+-- (`cdc sql`, or 30_grants.sql for the demo) give the bridge's role what it needs before `cdc init` runs.
 CREATE TABLE IF NOT EXISTS public.cdc_backfills (
     id          bigserial PRIMARY KEY,
     slot        text NOT NULL,

@@ -96,6 +96,7 @@ lint: install
 # commands and their output, CLI and config parsing, claims of several bridges, metrics, deploy files, the consumers,
 # reconciliation, Sentinel, docs, cdc.source's decoder and values, the twins compared side by side in one process)
 # runs once: outside those folders by default, inside them marked one_path.
+# tests/ops/test_image.py builds the image (make image's way: buildah and mmdebstrap, from image-deps) and runs it.
 test: install test-deps image-deps reconcile-deps docs-deps lint
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest

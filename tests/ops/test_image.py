@@ -6,7 +6,8 @@ python3-venv), which stands in for the Dockerfile's default base python:3.11-sli
 3.11 too). It is built once per test session, or found built in buildah's layer cache. Its entrypoint and default
 command then run with `buildah run --isolation chroot` (which shares the host's network) against the test suite's
 own PostgreSQL and Redis, as the image's non-root user, with the image's own config and mappings and the
-secrets mounted as files, as deploy/compose.yaml mounts them.
+secrets mounted as files, as deploy/compose.yaml mounts them. The reconcile image (deploy/reconcile.Dockerfile)
+is built the same way and its default command, `cdc reconcile` with Spark on its Java, repairs a drifted consumer.
 
 buildah and mmdebstrap come from `make image-deps` (make test installs them): where they are missing the tests
 fail and say so, they never skip.
@@ -29,6 +30,8 @@ import redis
 
 from cdc.demo.local import free_port, wait_for
 
+from ride_consumers import state, truth
+
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +44,7 @@ def makefile_variable(name: str) -> str:
 
 
 IMAGE = makefile_variable("IMAGE")
+RECONCILE_IMAGE = makefile_variable("RECONCILE_IMAGE")
 
 
 def buildah(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -50,27 +54,46 @@ def buildah(*args: str, timeout: float = 120, check: bool = True) -> subprocess.
     return result
 
 
-@pytest.fixture(scope="session")
-def image() -> dict:
-    """The image, built (or found in the layer cache) from this tree; its config (entrypoint, command, user)."""
+def built(dockerfile: str, tag: str) -> dict:
+    """`tag` built (or found in the layer cache) from this tree as make does; its config (entrypoint, command, user)."""
     missing = [tool for tool in ("buildah", "mmdebstrap") if shutil.which(tool) is None]
     if missing:
-        pytest.fail(f"{' and '.join(missing)} not installed: the image tests build deploy/Dockerfile with them; "
+        pytest.fail(f"{' and '.join(missing)} not installed: the image tests build deploy/'s Dockerfiles with them; "
                     "run make image-deps (apt-get install buildah mmdebstrap), which make test does", pytrace=False)
-    build = subprocess.run([str(ROOT / "deploy" / "buildah-build.sh"), "deploy/Dockerfile", IMAGE],
-                           capture_output=True, text=True, timeout=1500)
-    assert build.returncode == 0, f"make image failed:\n{build.stdout}\n{build.stderr}"
-    inspected = json.loads(buildah("inspect", "--type", "image", IMAGE).stdout)
-    return inspected["Docker"]["config"]
+    build = subprocess.run([str(ROOT / "deploy" / "buildah-build.sh"), dockerfile, tag], capture_output=True, text=True, timeout=1500)
+    assert build.returncode == 0, f"building {dockerfile} failed:\n{build.stdout}\n{build.stderr}"
+    inspected = json.loads(buildah("inspect", "--type", "image", tag).stdout)
+    return {**inspected["Docker"]["config"], "tag": tag}
+
+
+@pytest.fixture(scope="session")
+def image() -> dict:
+    return built("deploy/Dockerfile", IMAGE)
+
+
+@pytest.fixture(scope="session")
+def reconcile_image() -> dict:
+    return built("deploy/reconcile.Dockerfile", RECONCILE_IMAGE)
+
+
+def working_container(image: dict):
+    """A working container of `image`; removed at the end."""
+    name = f"cdc-test-{os.getpid()}-{free_port()}"
+    buildah("from", "--quiet", "--name", name, image["tag"])
+    try:
+        yield name
+    finally:
+        buildah("rm", name, check=False)
 
 
 @pytest.fixture
 def container(image):
-    """A working container of the image; removed at the end."""
-    name = f"cdc-test-{os.getpid()}-{free_port()}"
-    buildah("from", "--quiet", "--name", name, IMAGE)
-    yield name
-    buildah("rm", name, check=False)
+    yield from working_container(image)
+
+
+@pytest.fixture
+def reconcile_container(reconcile_image):
+    yield from working_container(reconcile_image)
 
 
 def secrets_dir(env) -> Path:
@@ -85,11 +108,11 @@ def secrets_dir(env) -> Path:
     return path
 
 
-def in_container(container: str, secrets: Path, argv: list[str], **env: str) -> list[str]:
+def in_container(container: str, secrets: Path, argv: list[str], *options: str, **env: str) -> list[str]:
     """`buildah run` of `argv` in `container`, with the secrets mounted and the variables set (as compose does)."""
     variables = {"CDC_POSTGRES_DSN_FILE": "/run/secrets/postgres_dsn", "CDC_REDIS_URL_FILE": "/run/secrets/redis_url",
                  "CDC_HASH_KEY_FILE": "/run/secrets/hash_key", **env}
-    return ["buildah", "run", "--isolation", "chroot", "--volume", f"{secrets}:/run/secrets:ro",
+    return ["buildah", "run", "--isolation", "chroot", *options, "--volume", f"{secrets}:/run/secrets:ro",
             *(f"--env={key}={value}" for key, value in variables.items()), container, "--", *argv]
 
 
@@ -146,3 +169,31 @@ def test_image_runs_the_bridge_as_its_non_root_user_on_the_suites_servers(env, i
     assert proc.wait(60) == 0, log_path.read_text()
     env.wait_slot_inactive()
     assert "hot path: compiled" in log_path.read_text()
+
+
+def test_reconcile_image_repairs_a_drifted_consumer_on_the_suites_servers(env, reconcile_image, reconcile_container):
+    """The nightly job's image: its default command (cdc reconcile on its config, its spec of the ride totals, Spark
+    local[*] on its Java, the JDBC driver where its config says) against the suite's servers, as its non-root user."""
+    assert reconcile_image["Entrypoint"] == ["cdc"] and reconcile_image["Cmd"] == ["reconcile", "--config", "/etc/cdc/cdc.yaml"]
+    assert reconcile_image["User"] not in ("", "0", "root")
+    env.apply_sql("10_rocket_rides.sql", "20_consumer_state.sql")
+    env.copy_mappings("ride.yaml", "ride_event.yaml", "rider.yaml", "rocket.yaml")  # the image's mappings
+    env.cdc("init", check=True)
+    env.execute("INSERT INTO riders (id, name, email) SELECT g, 'r' || g, 'e' FROM generate_series(1, 3) g")
+    env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 3, g FROM generate_series(1, 30) g")
+    env.start_bridge()
+    env.start_consumer("ride-totals")  # the group the image's spec (reconcile/ride_totals.yaml) reconciles
+    wait_for(lambda: state(env, "ride-totals") == truth(env), 60, "the consumer to reach the totals")
+    env.execute("UPDATE consumer_states SET total_distance = total_distance - 1 WHERE consumer = 'ride-totals' AND rider_id = 2")
+    secrets = secrets_dir(env)
+    (secrets / "state_dsn").write_text(env.dsn)
+    (secrets / "state_dsn").chmod(0o644)
+    # --uts host: Spark looks its host name up; Docker and Kubernetes put the container's in its /etc/hosts,
+    # buildah's chroot isolation does not
+    job = subprocess.run(in_container(reconcile_container, secrets, reconcile_image["Entrypoint"] + reconcile_image["Cmd"],
+                                      "--uts", "host", CDC_POSTGRES_SLOT=env.slot,
+                                      CDC_RECONCILE_STATE_DSN_FILE="/run/secrets/state_dsn"),
+                         capture_output=True, text=True, timeout=400)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "repaired" in job.stdout and "Traceback" not in job.stderr
+    assert state(env, "ride-totals") == truth(env)

@@ -32,7 +32,7 @@ from cdc.demo.local import free_port, wait_for
 
 from ride_consumers import state, truth
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(1500)]  # a cold build: 2.5 minutes here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,7 +121,7 @@ def get(url: str) -> tuple[int, str]:
         return response.status, response.read().decode()
 
 
-def test_image_runs_the_bridge_as_its_non_root_user_on_the_suites_servers(env, image, container):
+def test_image_runs_the_bridge_as_its_non_root_user_on_the_suites_servers(image, container, env):
     assert image["Entrypoint"] == ["cdc"] and image["Cmd"] == ["run", "--config", "/etc/cdc/cdc.yaml"]
     assert image["User"] not in ("", "0", "root")
     assert "9187/tcp" in image["ExposedPorts"]
@@ -171,7 +171,7 @@ def test_image_runs_the_bridge_as_its_non_root_user_on_the_suites_servers(env, i
     assert "hot path: compiled" in log_path.read_text()
 
 
-def test_reconcile_image_repairs_a_drifted_consumer_on_the_suites_servers(env, reconcile_image, reconcile_container):
+def test_reconcile_image_repairs_a_drifted_consumer_on_the_suites_servers(reconcile_image, reconcile_container, env):
     """The nightly job's image: its default command (cdc reconcile on its config, its spec of the ride totals, Spark
     local[*] on its Java, the JDBC driver where its config says) against the suite's servers, as its non-root user."""
     assert reconcile_image["Entrypoint"] == ["cdc"] and reconcile_image["Cmd"] == ["reconcile", "--config", "/etc/cdc/cdc.yaml"]

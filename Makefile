@@ -2,12 +2,13 @@
 # `make test`: the whole test suite against servers the tests start themselves (PostgreSQL 15, then part of it on 18),
 # and the documentation site built with mkdocs --strict (a broken link or anchor fails it).
 # `make docs`: the documentation site (docs/, mkdocs.yml) built into site/.
+# `make image`, `make reconcile-image`: the container images of deploy/ built with buildah (no Docker engine needed).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install run test lint bench clean servers-deps test-deps reconcile-deps docs docs-deps
+.PHONY: install run test lint bench clean servers-deps test-deps reconcile-deps docs docs-deps image-deps image reconcile-image images
 
 install: $(VENV)/.installed servers-deps
 
@@ -53,6 +54,24 @@ docs: docs-deps
 	$(BIN)/python -m cdc.cli.docgen
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# the images, tagged as deploy/compose.yaml and deploy/kubernetes/ name them (tests/ops/test_deploy.py checks it).
+# deploy/buildah-build.sh builds them with buildah on a Debian bookworm base made from Debian's packages with
+# mmdebstrap (standing in for python:3.11-slim, which docker build uses), cached under ~/.cache/cdc/image and in
+# buildah's storage: the first build takes about a minute and a half, the next ones seconds.
+IMAGE           := cdc:latest
+RECONCILE_IMAGE := cdc-reconcile:latest
+
+image-deps:
+	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq buildah mmdebstrap; }
+
+image: image-deps
+	deploy/buildah-build.sh deploy/Dockerfile $(IMAGE)
+
+reconcile-image: image-deps
+	deploy/buildah-build.sh deploy/reconcile.Dockerfile $(RECONCILE_IMAGE)
+
+images: image reconcile-image
+
 run: install
 	$(BIN)/cdc demo --root .local
 
@@ -79,7 +98,8 @@ lint: install
 # commands and their output, CLI and config parsing, claims of several bridges, metrics, deploy files, the consumers,
 # reconciliation, Sentinel, docs, cdc.source's decoder and values, the twins compared side by side in one process)
 # runs once: outside those folders by default, inside them marked one_path.
-test: install test-deps reconcile-deps docs-deps lint
+# tests/ops/test_image.py builds the image (make image's way: buildah and mmdebstrap, from image-deps) and runs it.
+test: install test-deps image-deps reconcile-deps docs-deps lint
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/pytest
 	CDC_PURE_PYTHON=1 $(BIN)/pytest -m both_paths

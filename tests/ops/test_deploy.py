@@ -232,3 +232,93 @@ def test_redis_conf_acl_user_can_run_the_bridge_and_nothing_else(env, servers_ro
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def dockerfile_instructions(path: Path) -> dict[str, list[str]]:
+    """Each instruction's arguments, by instruction (continuation lines joined, comments dropped)."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            word, _, rest = line.strip().partition(" ")
+            found.setdefault(word.upper(), []).append(rest.strip())
+    return found
+
+
+def makefile_variable(name: str) -> str:
+    found = re.search(rf"^{name}\s*:?=\s*(\S+)\s*$", (ROOT / "Makefile").read_text(), re.M)
+    assert found, f"Makefile: no {name} := ..."
+    return found.group(1)
+
+
+def makefile_recipe(target: str) -> list[str]:
+    found = re.search(rf"^{re.escape(target)}:[^\n]*\n((?:\t[^\n]*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert found, f"Makefile: no recipe for {target}"
+    return [line.strip() for line in found.group(1).splitlines()]
+
+
+def image_contract(dockerfile: str, target: str, variable: str) -> dict:
+    """What `make <target>` builds from deploy/<dockerfile>: its tag, user, config path, command, port, probe."""
+    tag = makefile_variable(variable)
+    assert f"deploy/buildah-build.sh deploy/{dockerfile} $({variable})" in makefile_recipe(target)
+    docker = dockerfile_instructions(DEPLOY / dockerfile)
+    assert f"docker build -f deploy/{dockerfile} -t {tag} ." in (DEPLOY / dockerfile).read_text(), \
+        "the Dockerfile's own build command tags it as make does"
+    assert docker["ARG"][0] == "BASE=python:3.11-slim" and all(f == "${BASE}" or f.startswith("${BASE} AS ") for f in docker["FROM"])
+    user = docker["USER"][-1]
+    # Kubernetes' runAsNonRoot can only check a numeric user
+    assert user.split(":")[0].isdigit() and int(user.split(":")[0]) != 0, user
+    copied = {source: copy.split()[-1] for copy in docker["COPY"] if not copy.startswith("--from=") for source in copy.split()[:-1]}
+    config, mappings = copied["deploy/cdc.yaml"], copied["mappings"]
+    assert yaml.safe_load(docker["ENTRYPOINT"][-1]) == ["cdc"]
+    cmd = yaml.safe_load(docker["CMD"][-1])
+    assert cmd[cmd.index("--config") + 1] == config
+    return {"tag": tag, "config": config, "mappings": mappings, "cmd": cmd, "docker": docker}
+
+
+def test_compose_and_kubernetes_run_the_images_the_build_makes():
+    """The image names, config path, port and probes that compose and Kubernetes use are the ones the Dockerfiles
+    and the Makefile build (tests/ops/test_image.py builds and runs the bridge's image)."""
+    bridge = image_contract("Dockerfile", "image", "IMAGE")
+    reconcile = image_contract("reconcile.Dockerfile", "reconcile-image", "RECONCILE_IMAGE")
+    assert bridge["tag"] == "cdc:latest" and reconcile["tag"] == "cdc-reconcile:latest"
+    assert bridge["config"] == reconcile["config"] == "/etc/cdc/cdc.yaml"
+    config = yaml.safe_load((DEPLOY / "cdc.yaml").read_text())
+    assert config["mappings"] == bridge["mappings"] == reconcile["mappings"]
+    port = config["http"]["port"]
+    assert port == 9187 and bridge["docker"]["EXPOSE"] == [str(port)]
+    healthcheck = bridge["docker"]["HEALTHCHECK"][-1]
+    assert f"http://127.0.0.1:{port}/healthz" in healthcheck
+    # compose: each service builds and names the image its Dockerfile makes, and runs it on its config
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    images = {"deploy/Dockerfile": bridge, "deploy/reconcile.Dockerfile": reconcile}
+    built = {name: s for name, s in compose["services"].items() if "build" in s}
+    assert set(built) == {"cdc-init", "cdc", "consumer", "reconcile"}
+    for name, service in built.items():
+        image = images[service["build"]["dockerfile"]]
+        assert service["build"]["context"] == ".." and service["image"] == image["tag"], name
+        command = service["command"]
+        assert command[command.index("--config") + 1] == image["config"], name
+    assert compose["services"]["cdc"]["ports"] == [f"{port}:{port}"]
+    assert built["cdc"]["command"] == bridge["cmd"] and built["reconcile"]["command"] == reconcile["cmd"]
+    # the pod's sidecar: the image, its config mounted where the image reads it, the port, the probes
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "pod.yaml").read_text()))
+    pod = next(d for d in docs if d["kind"] == "Pod")
+    sidecar = next(c for c in pod["spec"]["containers"] if c["name"] == "cdc")
+    assert sidecar["image"] == bridge["tag"] and sidecar["args"] == bridge["cmd"]
+    mounts = {m["mountPath"]: m.get("subPath") for m in sidecar["volumeMounts"]}
+    assert mounts[bridge["config"]] == "cdc.yaml"
+    assert all(path == bridge["config"] or path.startswith(bridge["mappings"] + "/") or path.startswith("/var/run/secrets/")
+               for path in mounts)
+    assert sidecar["ports"] == [{"name": "metrics", "containerPort": port}]
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": port}
+    assert sidecar["securityContext"]["runAsNonRoot"] is True
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    assert yaml.safe_load(config_map["data"]["cdc.yaml"])["http"]["port"] == port
+    # the nightly CronJob: the reconcile image on its config
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "reconcile-cronjob.yaml").read_text()))
+    cron = next(d for d in docs if d["kind"] == "CronJob")
+    container = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == reconcile["tag"] and container["args"] == reconcile["cmd"]
+    assert {m["mountPath"]: m.get("subPath") for m in container["volumeMounts"]}[reconcile["config"]] == "cdc.yaml"
+    assert container["securityContext"]["runAsNonRoot"] is True

@@ -34,8 +34,8 @@ RUN mkdir -p /usr/share/man/man1 \
     && groupadd --gid 10001 cdc && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin cdc
 COPY --from=build /opt/cdc /opt/cdc
 ENV PATH=/opt/cdc/bin:$PATH PYTHONDONTWRITEBYTECODE=1
-COPY mappings /etc/cdc/mappings
-COPY reconcile /etc/cdc/reconcile
+COPY cdc/demo/mappings /etc/cdc/mappings
+COPY cdc/demo/reconcile /etc/cdc/reconcile
 COPY deploy/cdc.yaml /etc/cdc/cdc.yaml
 WORKDIR /home/cdc
 USER 10001

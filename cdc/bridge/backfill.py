@@ -93,7 +93,7 @@ CREATE TABLE IF NOT EXISTS public.cdc_backfills (
 
 
 def ensure_table(conn: psycopg.Connection) -> None:
-    """Create `cdc_backfills` unless it exists (sql/25_backfills.sql creates it too).
+    """Create `cdc_backfills` unless it exists (cdc/sql/25_backfills.sql creates it too).
 
     Only a missing table is created: CREATE ... IF NOT EXISTS would need the CREATE
     privilege on the schema even when the table is there, which the bridge's role lacks.
@@ -111,7 +111,7 @@ def ensure_table(conn: psycopg.Connection) -> None:
         raise PrivilegeError(
             f"table public.cdc_backfills does not exist, and role {conn.info.user} may not create it: "
             f"{str(exc).strip().splitlines()[0]}",
-            hint="run cdc init as the tables' owner (or apply sql/25_backfills.sql), then sql/30_grants.sql",
+            hint="run cdc init as the tables' owner (or what cdc sql --file 25_backfills.sql prints), then what cdc sql --role <the bridge's role> prints",
         ) from None
 
 

@@ -39,10 +39,10 @@ UPDATE cdc_checkpoints SET entry_id = %s, lsn = %s, seq = %s, epoch = %s, update
 WHERE consumer = %s AND stream = %s
 """
 _REPLAYED = "INSERT INTO cdc_replays (consumer, replay_of) VALUES (%s, %s) ON CONFLICT DO NOTHING"
-#: what the queries above need (sql/20_consumer_state.sql creates both tables)
+#: what the queries above need (cdc/sql/20_consumer_state.sql creates both tables)
 STATE_TABLES = [
-    StateTable("cdc_checkpoints", ("SELECT", "INSERT", "UPDATE"), "apply sql/20_consumer_state.sql there (as the owner)"),
-    StateTable("cdc_replays", ("INSERT",), "apply sql/20_consumer_state.sql there (as the owner)"),
+    StateTable("cdc_checkpoints", ("SELECT", "INSERT", "UPDATE"), "run what cdc sql --file 20_consumer_state.sql prints there (as the owner)"),
+    StateTable("cdc_replays", ("INSERT",), "run what cdc sql --file 20_consumer_state.sql prints there (as the owner)"),
 ]
 
 

@@ -111,7 +111,8 @@ def ensure_table(conn: psycopg.Connection) -> None:
         raise PrivilegeError(
             f"table public.cdc_backfills does not exist, and role {conn.info.user} may not create it: "
             f"{str(exc).strip().splitlines()[0]}",
-            hint="run cdc init as the tables' owner (or what cdc sql --file 25_backfills.sql prints), then what cdc sql --role <the bridge's role> prints",
+            hint="run cdc init as the tables' owner (or what cdc sql --file 25_backfills.sql prints), "
+                 f"then what cdc sql --role {conn.info.user} prints",
         ) from None
 
 

@@ -269,7 +269,7 @@ def image_contract(dockerfile: str, target: str, variable: str) -> dict:
     # Kubernetes' runAsNonRoot can only check a numeric user
     assert user.split(":")[0].isdigit() and int(user.split(":")[0]) != 0, user
     copied = {source: copy.split()[-1] for copy in docker["COPY"] if not copy.startswith("--from=") for source in copy.split()[:-1]}
-    config, mappings = copied["deploy/cdc.yaml"], copied["mappings"]
+    config, mappings = copied["deploy/cdc.yaml"], copied["cdc/demo/mappings"]
     assert yaml.safe_load(docker["ENTRYPOINT"][-1]) == ["cdc"]
     cmd = yaml.safe_load(docker["CMD"][-1])
     assert cmd[cmd.index("--config") + 1] == config

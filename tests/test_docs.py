@@ -3,6 +3,8 @@ and a committed page that differs from what it writes fails here, with the comma
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 from cdc.bridge.loop import Bridge
@@ -68,7 +70,17 @@ def test_a_stale_page_is_named_with_the_command_that_regenerates_it(tmp_path, mo
 
 
 def test_every_setting_says_what_it_is():
-    """A setting without a #: comment in cdc/config.py would leave its row empty: the generator refuses it."""
+    """A setting without a #: comment in cdc/config.py would leave its item empty: the generator refuses it. The
+    settings are a list, no wide table: the page reads at any window width."""
+    import re
+
+    from cdc import config
+
     text = docgen.settings_block()
-    assert "|  |\n" not in text and text.count("\n| `") == len(text.splitlines()) - 2
-    assert Path(ROOT / "docs" / "reference" / "configuration.md").read_text().count("| `trim.max_len` |") == 1
+    items = [line for line in text.splitlines() if line.startswith("- ")]
+    described = [re.fullmatch(r"- \*\*`([a-z_.]+)`\*\* \((?:[^()]|\([^()]*\))*\): (\S.*)", line) for line in items]
+    assert all(described), [line for line, match in zip(items, described) if not match]
+    sections = sum(len(dataclasses.fields(cls)) for cls in config._SECTIONS.values())
+    assert len(items) > sections and not any(line.startswith("|") for line in text.splitlines())
+    page = Path(ROOT / "docs" / "reference" / "configuration.md").read_text()
+    assert page.count("- **`trim.max_len`** (") == 1

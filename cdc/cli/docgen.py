@@ -105,11 +105,12 @@ def _shown_default(value: object) -> str:
 
 
 def settings_block() -> str:
+    """Every setting, a section at a time: one list item each, readable at any window width."""
     from .. import config
 
-    lines = ["| setting | type | default | range | environment variable | what it is |",
-             "|---|---|---|---|---|---|"]
+    lines: list[str] = []
     for section, cls in config._SECTIONS.items():
+        lines += ["", f"### `{section}`", ""]
         comments = field_comments(cls)
         for f in dataclasses.fields(cls):
             name = f"{section}.{f.name}"
@@ -117,25 +118,27 @@ def settings_block() -> str:
             choices = config._CHOICES.get((section, f.name))
             form = config._FORMS.get((section, f.name))
             shown = str(limits) if limits else ", ".join(choices) if choices else form[1] if form else ""
-            lines.append(_setting_row(name, type(f.default).__name__, _shown_default(f.default), shown,
-                                      f"CDC_{section}_{f.name}".upper(), comments.get(f.name, "")))
+            lines.append(_setting_item(name, type(f.default).__name__, _shown_default(f.default), shown,
+                                       f"CDC_{section}_{f.name}".upper(), comments.get(f.name, "")))
+    lines += ["", "### Top level", ""]
     top = field_comments(config.Settings)
     for f in dataclasses.fields(config.Settings):
         if f.name in config._SECTIONS or f.name in ("source", "hash_key", "transactions_origin"):
             continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc,operator]
-        lines.append(_setting_row(f.name, "str", _shown_default(default), "", f"CDC_{f.name}".upper(),
-                                  top.get(f.name, "")))
-    return "\n".join(lines) + "\n"
+        lines.append(_setting_item(f.name, "str", _shown_default(default), "", f"CDC_{f.name}".upper(),
+                                   top.get(f.name, "")))
+    return "\n".join(lines[1:]) + "\n"
 
 
-def _setting_row(name: str, kind: str, default: str, limits: str, variable: str, what: str) -> str:
+def _setting_item(name: str, kind: str, default: str, limits: str, variable: str, what: str) -> str:
     if not what:
         raise ValueError(f"setting {name} has no #: comment in cdc/config.py: write what it is there")
     see = SEE_ALSO.get(name)
     if see:
         what += f" (see [{see[0]}]({see[1]}))"
-    return f"| `{name}` | {kind} | `{default}` | {_cell(limits)} | `{variable}` | {_cell(what)} |"
+    facts = [kind, f"default `{default}`"] + ([_cell(limits)] if limits else []) + [f"`{variable}`"]
+    return f"- **`{name}`** ({', '.join(facts)}): {_cell(what)}"
 
 
 def environment_block() -> str:

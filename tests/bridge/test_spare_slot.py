@@ -22,7 +22,7 @@ from cdc.demo.local import wait_for
 from cdc.errors import ConfigError
 from cdc.source.lsn import Lsn
 from cdc.source.spare_slot import SpareReading, judge
-from conftest import Env, read_stream
+from conftest import SQL, Env, read_stream
 from pg_pair import PrimaryStandby, env_on, running_pair
 from workload import ResilientWorkload
 
@@ -216,3 +216,72 @@ def _try(step) -> bool:
         return step()
     except psycopg.Error:
         return False
+
+
+def _as(pair: PrimaryStandby, user: str, server=None) -> str:
+    """A DSN of `user`: on `server`, or on both servers asking for the writable one."""
+    if server is not None:
+        return f"host=127.0.0.1 port={server.port} user={user} dbname={pair.dbname}"
+    return pair.dsn.replace("user=postgres", f"user={user}")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.pg18
+@pytest.mark.one_path
+def test_least_privilege_with_the_slot_on_a_standby_and_the_spare_on_the_primary(senv, pair):
+    """The least-privilege how-to with the slot on a standby: a superuser applies what `cdc sql` prints, the
+    tables' owner (LOGIN REPLICATION, no superuser, not allowed pg_log_standby_snapshot()) runs `cdc init`, which
+    creates the slot on the standby through its heartbeat fallback and the spare on the primary; cdc_bridge runs
+    `cdc check` and `cdc run`, keeps the spare moving and carries on from it when the standby dies: exact."""
+    env = senv
+    env.execute("CREATE ROLE app_owner LOGIN REPLICATION")
+    env.execute(f'GRANT CREATE ON DATABASE "{pair.dbname}" TO app_owner')
+    env.execute("GRANT CREATE ON SCHEMA public TO app_owner")
+    with psycopg.connect(_as(pair, "app_owner", pair.primary), autocommit=True) as owner:
+        owner.execute((SQL / "10_rocket_rides.sql").read_text())
+        owner.execute("CREATE TABLE workload_ledger (n int PRIMARY KEY)")
+        assert not owner.execute("SELECT has_function_privilege('pg_log_standby_snapshot()', 'EXECUTE')").fetchone()[0]
+    env.write_mapping("ride.yaml", RIDE)
+    env.write_mapping("rider.yaml", RIDER)
+    env.write_mapping("ledger.yaml", LEDGER)
+    bridge = {"CDC_POSTGRES_DSN": _as(pair, "cdc_bridge"),
+              "CDC_POSTGRES_SLOT_DSN": _as(pair, "cdc_bridge", pair.standby),
+              "CDC_POSTGRES_SPARE_SLOT_DSN": _as(pair, "cdc_bridge", pair.primary)}
+    owner_env = {"CDC_POSTGRES_DSN": _as(pair, "app_owner"),
+                 "CDC_POSTGRES_SLOT_DSN": _as(pair, "app_owner", pair.standby),
+                 "CDC_POSTGRES_SPARE_SLOT_DSN": _as(pair, "app_owner", pair.primary)}
+    env.write_config("batch: {max_entries: 40, max_delay_ms: 5}\n", dsn=pair.dsn,
+                     postgres=', receive_timeout_s: 5, slot_check_interval_s: 0.5, heartbeat_interval_s: 1, '
+                              'spare_after_s: 3')
+    env.execute(env.cdc("sql", check=True).stdout)  # as a superuser, what the how-to says
+    init = env.cdc("init", env=owner_env, timeout=240)
+    assert init.returncode == 0, init.stdout + init.stderr
+    assert "created the spare slot" in init.stdout + init.stderr, init.stdout + init.stderr
+    assert _slot(pair, pair.standby, env.slot) is not None and _slot(pair, pair.primary, env.slot) is not None
+    check = env.cdc("check", env=bridge)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "could stand in for the slot" in check.stdout and "the standby can decode" in check.stdout, check.stdout
+
+    workload = ResilientWorkload(pair.dsn, transactions=100000, seed=7, rate=150, big_every=40, big_size=100)
+    workload.start()
+    try:
+        proc = env.start_bridge(env=bridge)
+        created = _slot(pair, pair.primary, env.slot)
+        wait_for(lambda: (_slot(pair, pair.primary, env.slot) or (0,))[0] > created[0] or proc.poll() is not None,
+                 60, "cdc_bridge to move the spare on")
+        assert proc.poll() is None, proc.log_path.read_text()[-3000:]
+        pair.standby.stop("immediate")
+        before = env.redis.xlen("cdc:ledger")
+        wait_for(lambda: env.redis.xlen("cdc:ledger") > before + 20 or proc.poll() is not None, 120,
+                 "cdc_bridge to publish from the spare")
+        assert proc.poll() is None, proc.log_path.read_text()[-3000:]
+        assert "carrying on from the spare slot on the primary" in proc.log_path.read_text()
+    finally:
+        workload.stopped.set()
+        workload.done.wait(60)
+    assert workload.error is None, workload.error
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, proc.log_path.read_text()[-3000:]
+    env.cdc("run", "--until-caught-up", check=True, timeout=300, env=bridge)
+    _assert_exact(env, pair)

@@ -26,11 +26,13 @@ BENCH_BRIDGE_WRAP (e.g. a profiler's command line ending in --) runs each bridge
 Latency: a bridge (compiled path, transaction append) runs continuously while writers commit a
 steady 10,000 and then 50,000 changes/s (multi-row INSERTs in transactions of
 --latency-tx-rows rows); each entry's latency is its Redis entry time minus its commit time
-(ts_ms). The rate the writers actually achieved is printed beside p50/p99.
+(ts_ms). The rate the writers actually achieved is printed beside p50/p99. `--latency-delays 1,5,20`
+runs it once per `batch.max_delay_ms` value (a bridge each), for the latency each value buys.
 
 Usage: python bench/throughput.py [--changes 1000000] [--workloads small,large,rss]
        [--paths compiled,pure] [--modes script,transaction] [--streaming off] [--rounds 2]
        [--boundaries off,on] [--latency-rates 10000,50000] [--latency-seconds 10]
+       [--latency-delays 1,5,20]
 
 `--boundaries off,on` drains each workload with and without transaction END records
 (`transactions.stream`) side by side; with them on, the END records' counts are checked to add up
@@ -241,12 +243,12 @@ def drain_recvlogical(dsn: str, slot: str, end_lsn: str, total: int) -> dict:
 
 
 def write_config(root: Path, name: str, pg_dsn: str, redis_url: str, slot: str, append: str, streaming: str,
-                 boundaries: str = "off") -> Path:
+                 boundaries: str = "off", extra: str = "") -> Path:
     config = root / name
     config.write_text(f"postgres: {{dsn: '{pg_dsn}', slot: {slot}, publication: cdc, "
                       f"streaming: {'true' if streaming == 'on' else 'false'}}}\n"
                       f"redis: {{url: '{redis_url}', append: {append}}}\nmappings: mappings/\nhttp: {{port: 0}}\n"
-                      + (f"transactions: {{stream: '{TX_STREAM}'}}\n" if boundaries == "on" else ""))
+                      + (f"transactions: {{stream: '{TX_STREAM}'}}\n" if boundaries == "on" else "") + extra)
     return config
 
 
@@ -369,31 +371,35 @@ def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, fir
     return latencies, achieved
 
 
-def latency_runs(args, root: Path, pg, rd, client: redis.Redis) -> list[tuple[int, float, list[int]]]:
-    config = write_config(root, "cdc-latency.yaml", pg.dsn, rd.url, "latency", "transaction", "off")
+def latency_runs(args, root: Path, pg, rd, client: redis.Redis) -> list[tuple[int | None, int, float, list[int]]]:
+    """(batch.max_delay_ms or None for the default, target rate, achieved rate, sorted latencies) per run."""
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_create_logical_replication_slot('latency', 'pgoutput')")
     client.flushall()
-    register(config)
-    proc, _ = run_bridge(config, [], "compiled")
     out = []
-    try:
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            now_lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
-            wait_for(lambda: conn.execute("SELECT active AND confirmed_flush_lsn >= %s FROM pg_replication_slots "
-                                          "WHERE slot_name = 'latency'", (now_lsn,)).fetchone()[0],
-                     120, "the bridge to attach and catch up")
-        first_id = 10**12
-        for rate in args.latency_rates:
-            print(f"[latency] {rate:,} changes/s for {args.latency_seconds:.0f}s ...", flush=True)
-            latencies, achieved = steady_latency(pg.dsn, client, rate, args.latency_seconds, first_id,
-                                                 args.latency_tx_rows, args.latency_writers)
-            first_id += 10**11
-            out.append((rate, achieved, sorted(latencies)))
-            time.sleep(1)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    first_id = 10**12
+    for delay in args.latency_delays or [None]:
+        extra = f"batch: {{max_delay_ms: {delay}}}\n" if delay is not None else ""
+        config = write_config(root, "cdc-latency.yaml", pg.dsn, rd.url, "latency", "transaction", "off", extra=extra)
+        register(config)
+        proc, _ = run_bridge(config, [], "compiled")
+        try:
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                now_lsn = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+                wait_for(lambda: conn.execute("SELECT active AND confirmed_flush_lsn >= %s FROM pg_replication_slots "
+                                              "WHERE slot_name = 'latency'", (now_lsn,)).fetchone()[0],
+                         120, "the bridge to attach and catch up")
+            for rate in args.latency_rates:
+                shown = "default" if delay is None else f"{delay} ms"
+                print(f"[latency] max_delay_ms {shown}: {rate:,} changes/s for {args.latency_seconds:.0f}s ...", flush=True)
+                latencies, achieved = steady_latency(pg.dsn, client, rate, args.latency_seconds, first_id,
+                                                     args.latency_tx_rows, args.latency_writers)
+                first_id += 10**11
+                out.append((delay, rate, achieved, sorted(latencies)))
+                time.sleep(1)
+        finally:
+            proc.terminate()
+            proc.wait(30)
     return out
 
 
@@ -416,6 +422,8 @@ def main() -> int:
     parser.add_argument("--seed", type=float, default=0.42, help="setseed() of the small transactions' sizes")
     parser.add_argument("--latency-rates", type=csv(int), default=[10_000, 50_000], help="changes/s; empty: no latency run")
     parser.add_argument("--latency-seconds", type=float, default=10.0)
+    parser.add_argument("--latency-delays", type=csv(int), default=[],
+                        help="batch.max_delay_ms values of the latency runs (default: the bridge's default only)")
     parser.add_argument("--latency-tx-rows", type=int, default=100, help="rows per multi-row INSERT (one transaction)")
     parser.add_argument("--latency-writers", type=int, default=2, help="writer connections")
     args = parser.parse_args()
@@ -471,13 +479,14 @@ def main() -> int:
         print()
         print(f"commit-to-stream latency (bridge compiled/transaction; {args.latency_writers} writer(s), "
               f"multi-row INSERTs of {args.latency_tx_rows} rows per transaction):")
-        for rate, achieved, lat in latencies:
+        for delay, rate, achieved, lat in latencies:
             if not lat:
                 continue
             p50 = lat[len(lat) // 2]
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
-            print(f"  target {rate:>7,} changes/s, achieved {achieved:>9,.0f}: p50 {p50} ms, p99 {p99} ms, "
-                  f"max {lat[-1]} ms ({len(lat):,} entries)")
+            shown = "default" if delay is None else f"{delay} ms"
+            print(f"  max_delay_ms {shown:>7}, target {rate:>7,} changes/s, achieved {achieved:>9,.0f}: p50 {p50} ms, "
+                  f"p99 {p99} ms, max {lat[-1]} ms ({len(lat):,} entries)")
     print(f"\nwhole benchmark: {time.monotonic() - started:.0f}s")
     return 0
 

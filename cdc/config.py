@@ -596,6 +596,8 @@ OTHER_VARIABLES: dict[str, str] = {
     "CDC_*_SALT": "a mapping's hash salt (salt_env); other salt variables are named without CDC_",
     "CDC_PG_BIN": "where the demo and the tests find PostgreSQL's programs (cdc.demo.local)",
     "CDC_DEMO_*": "the demo's ports (cdc demo, cdc.demo.options)",
+    "CDC_IMAGE_CACHE": "where make image keeps the Debian-made base image (deploy/buildah-build.sh; default "
+                       "~/.cache/cdc/image)",
     "CDC_FAULT_*": "faults injected by the tests (cdc.bridge.loop, cdc.cli.consume)",
 }
 

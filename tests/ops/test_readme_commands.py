@@ -27,6 +27,7 @@ SKIPPED = {
     "cdc demo": "starts its own servers and runs until Ctrl-C (tests/ops/test_cli.py and tests/test_install.py run it)",
     "make test": "the whole test suite, of which this test is part",
     "make reconcile-deps": "installs system packages",
+    "docker build -f deploy/": "needs a Docker engine (tests/ops/test_image.py builds and runs the same Dockerfiles with buildah)",
     "pip install pg-redis-cdc": "installs into an environment (tests/test_install.py installs the built wheel so)",
     "cd examples/node-consumer": "needs npm packages from the registry (tests/consume/test_node_consumer.py runs it)",
     "--master spark://": "needs a Spark cluster",

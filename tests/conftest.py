@@ -121,6 +121,17 @@ def redis_server(servers_root):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, request) -> tuple[Path, Path]:
+    """(the folder holding the wheel built from the checkout's files as they are now, the wheelhouse of its
+    dependencies): once a session, for tests/test_install.py and tests/test_upgrade.py (tests/installs.py)."""
+    from installs import build_wheel, tracked_copy, wheelhouse
+
+    dist = tmp_path_factory.mktemp("dist")
+    wheel = build_wheel(tracked_copy(tmp_path_factory.mktemp("source")), dist, "pg_redis_cdc-*.whl")
+    return dist, wheelhouse(request.config.cache, wheel)
+
+
 class Env:
     """One test's database, slot, Redis keyspace and config file."""
 

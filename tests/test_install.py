@@ -5,18 +5,15 @@ its config meanwhile), then "On your own database" from `cdc sql` to `cdc consum
 PostgreSQL and Redis.
 
 The dependencies are real wheels of the versions pip resolves for the package, fetched once into a wheelhouse
-kept in pytest's cache (keyed by the package's requirements); every later run installs with --no-index from it.
+kept in pytest's cache (keyed by the package's requirements); every later run installs with --no-index from it
+(the `built` fixture of tests/conftest.py, helpers in tests/installs.py, shared with tests/test_upgrade.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
@@ -28,6 +25,7 @@ import pytest
 from cdc import __version__
 from cdc.demo.local import wait_for
 from conftest import ROOT
+from installs import fresh_venv, run, start, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -50,45 +48,6 @@ def commands(text: str) -> list[str]:
             if line.strip() and not line.strip().startswith("#")]
 
 
-def _tracked_copy(target: Path) -> Path:
-    """The checkout's files (tracked, and new ones not ignored) as they are now: nothing a build left behind."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, listed):
-        source = ROOT / name
-        if source.is_symlink() or source.is_file():
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            if source.is_symlink():
-                os.symlink(os.readlink(source), target / name)
-            else:
-                shutil.copy2(source, target / name)
-    return target
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, request) -> tuple[Path, Path]:
-    """(the folder holding the built wheel, the wheelhouse of its dependencies)."""
-    source = _tracked_copy(tmp_path_factory.mktemp("source"))
-    dist = tmp_path_factory.mktemp("dist")
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dist), str(source)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    (wheel,) = dist.glob("pg_redis_cdc-*.whl")
-    with zipfile.ZipFile(wheel) as z:
-        requires = sorted(line for line in z.read(f"pg_redis_cdc-{__version__}.dist-info/METADATA").decode().splitlines()
-                          if line.startswith("Requires-Dist:") and "extra ==" not in line)
-    key = hashlib.sha256("\n".join(requires).encode()).hexdigest()[:16]
-    house = Path(request.config.cache.mkdir(f"install-wheelhouse-{key}"))
-    if not (house / "complete").exists():  # once per set of requirements
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary", ":all:", "-d", str(house),
-                              str(wheel)], capture_output=True, text=True, timeout=600)
-        assert got.returncode == 0, got.stdout + got.stderr
-        for own in house.glob("pg_redis_cdc-*.whl"):
-            own.unlink()
-        (house / "complete").touch()
-    return dist, house
-
-
 def test_the_wheel_carries_what_runs_and_nothing_else(built):
     (wheel,) = built[0].glob("pg_redis_cdc-*.whl")
     assert wheel.name.startswith(f"pg_redis_cdc-{__version__}-")
@@ -101,26 +60,6 @@ def test_the_wheel_carries_what_runs_and_nothing_else(built):
         assert packaged in names, packaged
 
 
-def _run(line: str, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{line} -> {result.returncode}\n{result.stdout}\n{result.stderr}"
-    assert "Traceback" not in result.stderr, line
-    return result
-
-
-def _start(line: str, cwd: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(["bash", "-c", "exec " + line], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> str:
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
-    assert "Traceback" not in out
-    return out
-
-
 @pytest.mark.timeout(900)
 def test_a_pip_user_follows_getting_started_in_an_empty_folder(built, env):
     started = time.monotonic()
@@ -131,20 +70,18 @@ def test_a_pip_user_follows_getting_started_in_an_empty_folder(built, env):
     try:
         work.chmod(0o755)
         venv = work.parent / f"{work.name}-venv"
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-        user = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "CDC_", "VIRTUAL_ENV"))}
-        user["PATH"] = f"{venv / 'bin'}:" + ":".join(p for p in os.environ["PATH"].split(":") if ".venv" not in p)
+        user = fresh_venv(venv)
 
         install, version = commands(page["Install it"])
         assert install == "pip install pg-redis-cdc"
-        _run(f"{install} --quiet --no-index --find-links {dist} --find-links {house}", work, user)  # the index: the build
-        where = _run("python -c 'import cdc; print(cdc.__file__)'", work, user).stdout.strip()
+        run(f"{install} --quiet --no-index --find-links {dist} --find-links {house}", work, user)  # the index: the build
+        where = run("python -c 'import cdc; print(cdc.__file__)'", work, user).stdout.strip()
         assert where.startswith(str(venv)), where  # the installed package, not the checkout
-        assert _run(version, work, user).stdout == f"cdc {__version__}\n"
+        assert run(version, work, user).stdout == f"cdc {__version__}\n"
 
         demo_line, status_line = commands(page["Try the demo"])
         assert demo_line == "cdc demo"
-        demo = _start(demo_line, work, user)
+        demo = start(demo_line, work, user)
         lines: list[str] = []
         try:
             def arrived() -> bool:
@@ -152,10 +89,10 @@ def test_a_pip_user_follows_getting_started_in_an_empty_folder(built, env):
                 return " op=" in lines[-1]
 
             wait_for(arrived, 120, "the demo's first entry", interval=0)
-            status = _run(status_line, work, user)
+            status = run(status_line, work, user)
             assert "cdc:ride" in status.stdout
         finally:
-            out = _stop(demo, signal.SIGINT)  # Ctrl-C
+            out = stop(demo, signal.SIGINT)  # Ctrl-C
         shown = "".join(lines) + out
         assert "stopped postgres and redis" in out and "failover" not in shown, shown
         assert (work / "cdc-demo" / "cdc.yaml").exists()
@@ -171,25 +108,25 @@ def test_a_pip_user_follows_getting_started_in_an_empty_folder(built, env):
         assert [line.split(" --")[0].split(" >")[0] for line in lines] == [
             "cdc sql", "cdc sql", "cdc sql", 'psql "$ADMIN_DSN" -v ON_ERROR_STOP=1 -f rocket_rides.sql -f consumer_state.sql -f cdc-grants.sql',
             "cdc init", "cdc check", "cdc run", "cdc run", "cdc consume"]
-        sql_lines, psql, init, check, once, run, consume = lines[:3], lines[3], *lines[4:]
+        sql_lines, psql, init, check, once, streaming, consume = lines[:3], lines[3], *lines[4:]
         for line in sql_lines:
-            _run(line, work, user)
+            run(line, work, user)
         assert "GRANT SELECT ON public.rides TO cdc_bridge;" in (work / "cdc-grants.sql").read_text()
-        _run(psql, work, {**user, "ADMIN_DSN": env.dsn})
-        _run(init, work, user)
-        assert "cdc check: 1 mapping(s) valid" in _run(check, work, user).stdout
+        run(psql, work, {**user, "ADMIN_DSN": env.dsn})
+        run(init, work, user)
+        assert "cdc check: 1 mapping(s) valid" in run(check, work, user).stdout
         env.execute("INSERT INTO riders (id, name, email) VALUES (1, 'a', 'a@x'), (2, 'b', 'b@x')")
         env.execute("INSERT INTO rides (rider_id, distance_m) SELECT 1 + g % 2, g FROM generate_series(1, 10) g")
-        _run(once, work, user)  # --until-caught-up
+        run(once, work, user)  # --until-caught-up
         assert env.redis.xlen("cdc:ride") == 10
 
-        bridge = _start(run, work, user)
+        bridge = start(streaming, work, user)
         try:
             env.execute("INSERT INTO rides (rider_id, distance_m) VALUES (2, 45)")
             wait_for(lambda: env.redis.xlen("cdc:ride") == 11, 60, "the ride written while cdc run streams")
         finally:
-            _stop(bridge)
-        consumer = _start(consume, work, user)
+            stop(bridge)
+        consumer = start(consume, work, user)
         try:
             def totals() -> dict:
                 return dict(env.execute("SELECT rider_id, total_distance FROM consumer_states WHERE consumer = 'ride-totals'"))
@@ -197,8 +134,8 @@ def test_a_pip_user_follows_getting_started_in_an_empty_folder(built, env):
             expected = {0: Decimal(100), 1: Decimal(30), 2: Decimal(70)}  # rider 0: the overall total
             wait_for(lambda: totals() == expected, 60, "the consumer's totals")
         finally:
-            _stop(consumer)
+            stop(consumer)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(work.parent / f"{work.name}-venv", ignore_errors=True)
-    print(f"\ninstall test: {time.monotonic() - started:.1f}s (the wheel built before it, in the module fixture)")
+    print(f"\ninstall test: {time.monotonic() - started:.1f}s (the wheel built before it, in the session fixture)")

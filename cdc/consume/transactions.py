@@ -34,6 +34,7 @@ out, the clock given.
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,9 @@ __all__ = ["END_OP", "IncompleteTransaction", "TransactionAssembler", "Unit", "c
 END_OP = "e"
 #: ops no END record covers
 STANDALONE_OPS = ("r", "x")
+#: the position below every entry's: nothing handed over yet
+_NOWHERE = (-1, -1)
+_seq = attrgetter("seq")
 
 
 class IncompleteTransaction(DataLossError):
@@ -95,14 +99,16 @@ class TransactionAssembler:
         self.unended: Entry | None = None  # the first entry waiting for an END record not read yet (none buffered)
         self.since: float | None = None  # when the wait for what holds the head up (`stalled_on`) began
         self._stalled_on = ""  # the END record, or the entry, the head waits on
-        self._ids: set[str] = set()  # (stream, ID) of what is buffered: a re-read entry is not taken twice
+        #: stream -> the IDs of its entries buffered: a re-read entry is not taken twice
+        self._ids: dict[str, set[str]] = {s: set() for s in [*streams, transactions]}
         self.ready: deque[Unit] = deque()  # units taken, not yet handled: the consumer's queue
         self.cursor: dict[str, str] = {}  # stream -> the last ID read again from the pending list
 
     def add(self, entries: Iterable[Entry], redelivered: bool = False) -> None:
+        ids = self._ids
         for e in entries:
-            token = f"{e.stream} {e.id}"
-            if token in self._ids:
+            buffered = ids[e.stream]
+            if e.id in buffered:
                 continue
             if e.stream == self.transactions:
                 if e.op not in (END_OP, "x"):
@@ -111,7 +117,7 @@ class TransactionAssembler:
                 self.ends.append(e)
             else:
                 self.buffers[e.stream].append(e)
-            self._ids.add(token)
+            buffered.add(e.id)
             if redelivered:
                 self.redelivered.add(e.id)
 
@@ -136,9 +142,14 @@ class TransactionAssembler:
         """Every unit ready now, in order; `IncompleteTransaction` once a transaction whose END was read
         waited past `wait_s` for the entries it counts (entries waiting for their END wait on)."""
         units = []
+        ids = self._ids
         while (unit := self._next()) is not None:
-            for e in unit.records:
-                self._ids.discard(f"{e.stream} {e.id}")
+            for e in unit.entries:
+                ids[e.stream].discard(e.id)
+            for e in unit.extra:
+                ids[e.stream].discard(e.id)
+            if unit.end is not None:
+                ids[self.transactions].discard(unit.end.id)
             units.append(unit)
         if not self.pending():
             self.since, self._stalled_on = None, ""
@@ -155,33 +166,35 @@ class TransactionAssembler:
         return units
 
     def _next(self) -> Unit | None:
+        ends = self.ends
+        # an entry at or below this commit LSN has its END behind (or none to come): it goes alone
+        bound = ends[0].lsn - 1 if ends else self.ends_written
+        if self.last_end[0] > bound:
+            bound = self.last_end[0]
+        handed = self.handed
         for stream, buf in self.buffers.items():
-            unit = self._alone(stream, buf)
-            if unit is not None:
-                return unit
+            if not buf:
+                continue
+            e = buf[0]
+            if e.xid == 0 or e.op in STANDALONE_OPS:  # no END covers it
+                buf.popleft()
+                return Unit([e])
+            lsn, seq = handed.get(stream, _NOWHERE)
+            if e.lsn <= lsn and (e.lsn < lsn or e.seq <= seq):  # a duplicate of what was handed over
+                buf.popleft()
+                return Unit([], extra=[e])
+            if e.lsn <= bound:  # its END is behind
+                return self._alone(stream, buf, e)
         self.unended = None
-        if self.ends:
-            return self._transaction(self.ends[0])
+        if ends:
+            return self._transaction(ends[0])
         self.unended = min((b[0] for b in self.buffers.values() if b), key=lambda e: e.position, default=None)
         return None
 
-    def _alone(self, stream: str, buf: deque[Entry]) -> Unit | None:
-        """The head of `stream` when it is a unit of its own: a duplicate, an entry no END covers,
-        or an entry whose END is behind."""
-        if not buf:
-            return None
-        e = buf[0]
-        if not covered(e):
-            buf.popleft()
-            return Unit([e])
-        if e.position <= self.handed.get(stream, (-1, -1)):
-            buf.popleft()
-            return Unit([], extra=[e])
-        if not (e.lsn <= self.last_end[0] or (self.ends and e.lsn < self.ends[0].lsn)
-                or (not self.ends and e.lsn <= self.ends_written)):
-            return None  # its END is still to come
+    def _alone(self, stream: str, buf: deque[Entry], e: Entry) -> Unit:
+        """The entries of `e`'s transaction at the head of `stream`, whose END is behind: a unit of their own."""
         entries = []
-        while buf and covered(buf[0]) and (buf[0].lsn, buf[0].xid) == (e.lsn, e.xid):
+        while buf and covered(buf[0]) and buf[0].lsn == e.lsn and buf[0].xid == e.xid:
             entries.append(buf.popleft())
         self._handed(entries)
         return Unit(entries)
@@ -191,18 +204,33 @@ class TransactionAssembler:
             self.ends.popleft()
             return Unit([], extra=[end])
         counts = (end.data or {}).get("streams", {})
-        taken: dict[str, tuple[list[Entry], list[Entry]]] = {}
+        lsn, xid = end.lsn, end.xid
+        taken: list[tuple[str, deque[Entry], list[Entry], list[Entry], int]] = []
+        ordered = True  # the entries taken are in source order as they are (no sort needed)
         for stream, count in counts.items():
-            if stream not in self.buffers:
+            buf = self.buffers.get(stream)
+            if buf is None:
                 continue
             entries: list[Entry] = []
             twice: list[Entry] = []
-            seen: set = set()
-            for e in self.buffers[stream]:
-                if not covered(e) or (e.lsn, e.xid) != (end.lsn, end.xid):
+            top = -1  # the highest seq taken while the seqs rise: none of them is there twice
+            seen: set[int] | None = None  # the seqs taken, once they stopped rising
+            for e in buf:
+                if e.lsn != lsn or e.xid != xid or e.xid == 0 or e.op in STANDALONE_OPS:
                     break
-                (twice if e.position in seen else entries).append(e)
-                seen.add(e.position)
+                if seen is None:
+                    if e.seq > top or not entries:
+                        entries.append(e)
+                        top = e.seq
+                        continue
+                    seen = {x.seq for x in entries}  # every entry shares the END's commit LSN: the seq tells them apart
+                    ordered = False
+                if e.seq in seen:
+                    twice.append(e)
+                else:
+                    entries.append(e)
+                    seen.add(e.seq)
+                    top = max(top, e.seq)
             if len(entries) < int(count) and any(later.op == "x" for later in self.ends):
                 return self._superseded(end)
             if len(entries) < int(count):
@@ -210,19 +238,26 @@ class TransactionAssembler:
                 self.waiting = (f"transaction {end.xid} (commit LSN {end.lsn}) is incomplete: its END record "
                                 f"{self.transactions} {end.id} counts {count} entries in {stream}, {len(entries)} arrived")
                 return None
-            taken[stream] = (entries, twice)
+            taken.append((stream, buf, entries, twice, top))
         self.ends.popleft()
         self.short = ""
-        entries, extra = [], []
-        for stream, (mine, twice) in taken.items():
+        handed = self.handed
+        out: list[Entry] = []
+        extra: list[Entry] = []
+        for stream, buf, mine, twice, top in taken:
             for _ in range(len(mine) + len(twice)):
-                self.buffers[stream].popleft()
-            entries += mine
+                buf.popleft()
+            if mine:
+                if out:
+                    ordered = False
+                out += mine
+                if (lsn, top) > handed.get(stream, _NOWHERE):
+                    handed[stream] = (lsn, top)
             extra += twice
-            self._handed(mine)
         self.last_end = end.position
-        entries.sort(key=lambda e: e.position)
-        return Unit(entries, end, extra)
+        if not ordered:
+            out.sort(key=_seq)  # every entry has the END's commit LSN: by seq is by position
+        return Unit(out, end, extra)
 
     def _superseded(self, end: Entry) -> Unit:
         """An incomplete END before a `cdc recover` marker: the rebuild replaced entries it counts (the

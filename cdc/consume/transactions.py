@@ -89,6 +89,7 @@ class TransactionAssembler:
         self.wait_s = wait_s
         self.buffers: dict[str, deque[Entry]] = {s: deque() for s in streams}
         self.ends: deque[Entry] = deque()
+        self._markers = 0  # how many of `ends` are cdc recover's markers
         self.handed: dict[str, tuple[int, int]] = {}  # stream -> the highest position handed over
         self.last_end = (0, 0)  # the position of the last END handed over
         self.redelivered: set[str] = set()  # IDs read again from the pending list (their failures are cleared when done)
@@ -115,6 +116,7 @@ class TransactionAssembler:
                     raise ConfigError(f"entry {e.id} of the transactions stream {e.stream} is no END record (op {e.op!r})",
                                       hint="give --transactions the bridge's transactions.stream, not an entity's stream")
                 self.ends.append(e)
+                self._markers += e.op == "x"
             else:
                 self.buffers[e.stream].append(e)
             buffered.add(e.id)
@@ -202,6 +204,7 @@ class TransactionAssembler:
     def _transaction(self, end: Entry) -> Unit | None:
         if end.op == "x" or end.position <= self.last_end:  # cdc recover's marker, or the END sent twice
             self.ends.popleft()
+            self._markers -= end.op == "x"
             return Unit([], extra=[end])
         counts = (end.data or {}).get("streams", {})
         lsn, xid = end.lsn, end.xid
@@ -215,8 +218,8 @@ class TransactionAssembler:
             twice: list[Entry] = []
             top = -1  # the highest seq taken while the seqs rise: none of them is there twice
             seen: set[int] | None = None  # the seqs taken, once they stopped rising
-            for e in buf:
-                if e.lsn != lsn or e.xid != xid or e.xid == 0 or e.op in STANDALONE_OPS:
+            for e in buf if xid != 0 else ():  # (an END of xid 0 covers nothing)
+                if e.lsn != lsn or e.xid != xid or e.op in STANDALONE_OPS:
                     break
                 if seen is None:
                     if e.seq > top or not entries:
@@ -231,7 +234,7 @@ class TransactionAssembler:
                     entries.append(e)
                     seen.add(e.seq)
                     top = max(top, e.seq)
-            if len(entries) < int(count) and any(later.op == "x" for later in self.ends):
+            if len(entries) < int(count) and self._markers:  # a cdc recover marker after it
                 return self._superseded(end)
             if len(entries) < int(count):
                 self.short = stream

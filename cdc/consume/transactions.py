@@ -62,7 +62,7 @@ def covered(e: Entry) -> bool:
     return e.op not in STANDALONE_OPS and e.xid != 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Unit:
     """What the handler gets in one piece, and what is acknowledged with it."""
 
@@ -214,6 +214,7 @@ class TransactionAssembler:
             buf = self.buffers.get(stream)
             if buf is None:
                 continue
+            count = int(count)
             entries: list[Entry] = []
             twice: list[Entry] = []
             top = -1  # the highest seq taken while the seqs rise: none of them is there twice
@@ -234,9 +235,9 @@ class TransactionAssembler:
                     entries.append(e)
                     seen.add(e.seq)
                     top = max(top, e.seq)
-            if len(entries) < int(count) and self._markers:  # a cdc recover marker after it
+            if len(entries) < count and self._markers:  # a cdc recover marker after it
                 return self._superseded(end)
-            if len(entries) < int(count):
+            if len(entries) < count:
                 self.short = stream
                 self.waiting = (f"transaction {end.xid} (commit LSN {end.lsn}) is incomplete: its END record "
                                 f"{self.transactions} {end.id} counts {count} entries in {stream}, {len(entries)} arrived")

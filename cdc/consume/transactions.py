@@ -125,9 +125,9 @@ class TransactionAssembler:
 
     def wanted(self, limit: int) -> list[str]:
         """The streams worth reading next, so that no stream's buffer runs far ahead of the others:
-        a stream with nothing buffered, one the first END still waits for, and the transactions
-        stream while fewer than `limit` END records are buffered."""
-        streams = [s for s, buf in self.buffers.items() if not buf or s == self.short]
+        a stream with fewer than `limit` entries buffered, one the first END still waits for, and the
+        transactions stream while fewer than `limit` END records are buffered."""
+        streams = [s for s, buf in self.buffers.items() if len(buf) < limit or s == self.short]
         if len(self.ends) < limit:
             streams.append(self.transactions)
         return streams

@@ -90,7 +90,7 @@ def state(a) -> tuple:
     return ({s: [e.id for e in b] for s, b in a.buffers.items()}, [e.id for e in a.ends], dict(a.handed),
             a.last_end, set(a.redelivered), a.waiting, a.short, a.superseded,
             (a.unended.stream, a.unended.id) if a.unended is not None else None, a.since, a.pending(),
-            a.wanted(4), a.waiting_for_end(a.since or 0.0, 0.0))
+            a.waiting_for_end(a.since or 0.0, 0.0))
 
 
 def step(new, old, now: float) -> list[tuple]:

@@ -100,18 +100,25 @@ class TransactionAssembler:
         self.unended: Entry | None = None  # the first entry waiting for an END record not read yet (none buffered)
         self.since: float | None = None  # when the wait for what holds the head up (`stalled_on`) began
         self._stalled_on = ""  # the END record, or the entry, the head waits on
-        #: stream -> the IDs of its entries buffered: a re-read entry is not taken twice
-        self._ids: dict[str, set[str]] = {s: set() for s in [*streams, transactions]}
         self.ready: deque[Unit] = deque()  # units taken, not yet handled: the consumer's queue
         self.cursor: dict[str, str] = {}  # stream -> the last ID read again from the pending list
 
     def add(self, entries: Iterable[Entry], redelivered: bool = False) -> None:
-        ids = self._ids
+        """Buffer what was read; `redelivered`: read again from the pending list, where an entry still
+        buffered is not taken twice (entries read as new, with ``>``, never are: Redis delivers each once)."""
+        buffered: dict[str, set[str]] = {}  # stream -> the IDs buffered: built for entries read again only
+        transactions = self.transactions
         for e in entries:
-            buffered = ids[e.stream]
-            if e.id in buffered:
-                continue
-            if e.stream == self.transactions:
+            if redelivered:
+                ids = buffered.get(e.stream)
+                if ids is None:
+                    ids = buffered[e.stream] = {x.id for x in (self.ends if e.stream == transactions
+                                                               else self.buffers[e.stream])}
+                if e.id in ids:
+                    continue
+                ids.add(e.id)
+                self.redelivered.add(e.id)
+            if e.stream == transactions:
                 if e.op not in (END_OP, "x"):
                     raise ConfigError(f"entry {e.id} of the transactions stream {e.stream} is no END record (op {e.op!r})",
                                       hint="give --transactions the bridge's transactions.stream, not an entity's stream")
@@ -119,9 +126,6 @@ class TransactionAssembler:
                 self._markers += e.op == "x"
             else:
                 self.buffers[e.stream].append(e)
-            buffered.add(e.id)
-            if redelivered:
-                self.redelivered.add(e.id)
 
     def wanted(self, limit: int) -> list[str]:
         """The streams worth reading next, so that no stream's buffer runs far ahead of the others:
@@ -144,14 +148,7 @@ class TransactionAssembler:
         """Every unit ready now, in order; `IncompleteTransaction` once a transaction whose END was read
         waited past `wait_s` for the entries it counts (entries waiting for their END wait on)."""
         units = []
-        ids = self._ids
         while (unit := self._next()) is not None:
-            for e in unit.entries:
-                ids[e.stream].discard(e.id)
-            for e in unit.extra:
-                ids[e.stream].discard(e.id)
-            if unit.end is not None:
-                ids[self.transactions].discard(unit.end.id)
             units.append(unit)
         if not self.pending():
             self.since, self._stalled_on = None, ""

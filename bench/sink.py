@@ -17,9 +17,11 @@ With ``--baseline REV`` the consumer contestants also run on the package as it w
 in the same rounds, so that before and after come from one run on the same machine.
 With ``--transactions`` transaction mode runs too: the same number of changes over 3 streams plus the
 transactions stream, in source transactions of 1, 10 and 1,000 changes, each against plain mode on the
-same entries (trivial handler).
+same entries (trivial handler); with ``--baseline REV`` both on REV's package too, in the same rounds.
+``--tx-only`` runs that part alone (``--tx-sizes`` picks the transaction sizes).
 
-Usage: python bench/sink.py [--entries 300000] [--batch 1000] [--rounds 3] [--baseline REV] [--transactions [--tx-entries 100000]] [--cli-gc]
+Usage: python bench/sink.py [--entries 300000] [--batch 1000] [--rounds 3] [--baseline REV]
+       [--transactions [--tx-entries 100000] [--tx-sizes 1,10,1000] [--tx-only]] [--cli-gc]
 """
 
 from __future__ import annotations
@@ -276,6 +278,8 @@ def main() -> int:
     parser.add_argument("--only", default="copy,sink,trivial,totals", help="the contestants, comma-separated")
     parser.add_argument("--transactions", action="store_true", help="also transaction mode against plain mode")
     parser.add_argument("--tx-entries", type=int, default=100_000, help="changes per transaction-mode run")
+    parser.add_argument("--tx-sizes", default="1,10,1000", help="the source transactions' sizes (changes), comma-separated")
+    parser.add_argument("--tx-only", action="store_true", help="only transaction mode against plain mode (--transactions)")
     parser.add_argument("--cli-gc", action="store_true",
                         help="every contestant sets Python's collector as cdc consume does (gc.freeze, young threshold 20,000)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -289,20 +293,25 @@ def main() -> int:
     trees = {"": ROOT}
     if args.baseline:
         trees[f"@{args.baseline}"] = baseline_tree(args.baseline)
-    kinds = args.only.split(",")
+    if args.tx_only:
+        args.transactions, args.only = True, ""
+    kinds = [k for k in args.only.split(",") if k]
     contestants = [(k, "") for k in kinds] + [(k, t) for t in trees if t for k in kinds if k != "copy"]
     results: dict[str, list[dict]] = {}
-    print(f"building the workload ({args.entries:,} entries) ...", flush=True)
-    entries, final = workload(args.entries)
-    ops = {}
-    for fields, _, _ in entries:
-        op = fields[1] if fields[1] != "u" or orjson.loads(fields[3]) == {"id": orjson.loads(fields[7])["id"]} else "u (key changed)"
-        ops[op] = ops.get(op, 0) + 1
-    print("  " + ", ".join(f"{op}: {count:,}" for op, count in sorted(ops.items())), flush=True)
+    entries, final = [], {}
+    if contestants:
+        print(f"building the workload ({args.entries:,} entries) ...", flush=True)
+        entries, final = workload(args.entries)
+        ops = {}
+        for fields, _, _ in entries:
+            op = fields[1] if fields[1] != "u" or orjson.loads(fields[3]) == {"id": orjson.loads(fields[7])["id"]} else "u (key changed)"
+            ops[op] = ops.get(op, 0) + 1
+        print("  " + ", ".join(f"{op}: {count:,}" for op, count in sorted(ops.items())), flush=True)
     with bench_servers("cdc-bench-sink-", None) as (root, pg, rd):
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
             conn.execute((ROOT / "sql" / "20_consumer_state.sql").read_text())
-        fill(rd.url, entries)
+        if entries:
+            fill(rd.url, entries)
         client = redis.Redis.from_url(rd.url)
         for r in range(args.rounds):
             order = contestants if r % 2 == 0 else contestants[::-1]
@@ -326,8 +335,9 @@ def main() -> int:
         return statistics.median(args.entries / x[what] for x in results[name])
 
     print()
-    print(f"{args.entries:,} entries, batches of {args.batch}, {args.rounds} rounds; medians (entries/s)")
-    print(f"{'consumer':<26} {'wall':>10} {'per process CPU-s':>18}")
+    if results:
+        print(f"{args.entries:,} entries, batches of {args.batch}, {args.rounds} rounds; medians (entries/s)")
+        print(f"{'consumer':<26} {'wall':>10} {'per process CPU-s':>18}")
     for name in results:
         print(f"{name:<26} {median(name, 'wall'):>10,.0f} {median(name, 'cpu'):>18,.0f}")
     if "copy" in results:
@@ -340,32 +350,41 @@ def main() -> int:
         if tag and "trivial" in results:
             print(f"trivial handler, CPU per entry: {1e6 / median('trivial' + tag, 'cpu'):.2f} us ({tag}) -> "
                   f"{1e6 / median('trivial', 'cpu'):.2f} us (this tree)")
-    for size, (tx, plain) in tx_results.items():
-        print(f"transactions of {size:>5}: transaction mode {tx:>9,.0f} entries/s, plain {plain:>9,.0f}, ratio {tx / plain:.2f}")
+    if tx_results:
+        print(f"transaction mode against plain mode, {args.tx_entries:,} changes, {args.rounds} rounds; medians (entries/s)")
+    for (size, tag), (tx, plain, ratios) in tx_results.items():
+        print(f"transactions of {size:>5}{tag:<10}: transaction mode {tx:>9,.0f} entries/s, plain {plain:>9,.0f}, "
+              f"ratio {tx / plain:.2f} (rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
     for tree in trees.values():
         if tree != ROOT:
             shutil.rmtree(tree, ignore_errors=True)
     return 0
 
 
-def transaction_rounds(args, pg, rd, trees) -> dict[int, tuple[float, float]]:
-    """Transaction mode against plain mode (trivial handler) on the same entries, per transaction size."""
+def transaction_rounds(args, pg, rd, trees) -> dict[tuple[int, str], tuple[float, float, list[float]]]:
+    """Transaction mode against plain mode (trivial handler) on the same entries, per transaction size and tree
+    (this one, and --baseline's in the same rounds): (median tx, median plain, the rounds' ratios)."""
     out = {}
     client = redis.Redis.from_url(rd.url)
-    for size in (1, 10, 1000):
+    for size in (int(x) for x in args.tx_sizes.split(",")):
         client.flushall()  # the streams and their marks (the publisher refuses a stream gone under its mark)
         entries, _ = workload(args.tx_entries, per_tx=size)
         fill(rd.url, entries, TX_STREAMS, TX_END)
-        tx, plain = [], []
+        del entries
+        runs = [(kind, tag) for tag in trees for kind in ("tx", "plain3")]
+        got_by: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
         for r in range(args.rounds):
-            for kind in (("tx", "plain3") if r % 2 == 0 else ("plain3", "tx")):
-                group = f"t{size}_{r}_{kind}"
-                got = run_worker(kind, ROOT, pg, rd, group, "none", args.tx_entries, args.batch, args.cli_gc)
+            for kind, tag in (runs if r % 2 == 0 else runs[::-1]):
+                group = f"t{size}_{r}_{kind}_{list(trees).index(tag)}"
+                got = run_worker(kind, trees[tag], pg, rd, group, "none", args.tx_entries, args.batch, args.cli_gc)
                 for s in TX_STREAMS + ([TX_END] if kind == "tx" else []):
                     client.xgroup_destroy(s, group)
-                (tx if kind == "tx" else plain).append(args.tx_entries / got["wall"])
-                print(f"  transactions of {size}, round {r + 1} {kind:<7} {args.tx_entries / got['wall']:>9,.0f} entries/s", flush=True)
-        out[size] = (statistics.median(tx), statistics.median(plain))
+                got_by[kind, tag].append(args.tx_entries / got["wall"])
+                print(f"  transactions of {size}, round {r + 1} {kind + tag:<16} {args.tx_entries / got['wall']:>9,.0f} entries/s",
+                      flush=True)
+        for tag in trees:
+            tx, plain = got_by["tx", tag], got_by["plain3", tag]
+            out[size, tag] = (statistics.median(tx), statistics.median(plain), [t / p for t, p in zip(tx, plain)])
     return out
 
 

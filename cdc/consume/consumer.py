@@ -689,7 +689,10 @@ class Consumer:
     def _without_spent(self, batch: list[Unit]) -> list[Unit]:
         """Dead-letter the units read again whose failures already reached `max_deliveries` (a consumer
         stopped between counting the last failure and dead-lettering); the batch up to the first other."""
-        again = [u for u in batch if u.head is not None and u.head.id in self._assembly.redelivered]
+        redelivered = self._assembly.redelivered
+        if not redelivered:
+            return batch
+        again = [u for u in batch if u.head is not None and u.head.id in redelivered]
         if not again:
             return batch
         pipe = self.client.pipeline(transaction=False)
@@ -713,27 +716,47 @@ class Consumer:
         """Acknowledge units together: every entry and END, one MULTI/EXEC on one Redis; on a cluster,
         the ENDs first (an entry left pending behind its acknowledged END is handed over alone and
         skipped by the checkpoint)."""
-        records = [e for u in units for e in u.records]
+        by_stream: dict[str, list[str]] = {}  # the IDs to acknowledge, the handler's entries first
+        handled: list[tuple[str, int]] = []  # stream -> how many of the handler's entries (metrics)
+        for u in units:
+            for e in u.entries:
+                ids = by_stream.get(e.stream)
+                if ids is None:
+                    ids = by_stream[e.stream] = []
+                ids.append(e.id)
+        for stream, ids in by_stream.items():
+            handled.append((stream, len(ids)))
+        ends = by_stream.setdefault(self.transactions, [])
+        for u in units:
+            if u.end is not None:
+                ends.append(u.end.id)
+            for e in u.extra:
+                by_stream.setdefault(e.stream, []).append(e.id)
         redelivered = self._assembly.redelivered
-        cleared = [e for e in records if e.id in redelivered]
-        ends = [e.id for e in records if e.stream == self.transactions]
+        cleared: dict[str, list[str]] = {}
+        if redelivered:
+            for stream, ids in by_stream.items():
+                again = [i for i in ids if i in redelivered]
+                if again:
+                    cleared[stream] = again
         if self._cluster and ends:  # on its own node: acknowledged before the entries
             self.client.xack(self.transactions, self.group, *ends)
         pipe = self.client.pipeline(transaction=not self._cluster)
-        for stream in {e.stream for e in records} - ({self.transactions} if self._cluster else set()):
-            pipe.xack(stream, self.group, *(e.id for e in records if e.stream == stream))
-        for stream in {e.stream for e in cleared}:
-            ids = [e.id for e in cleared if e.stream == stream]
+        for stream, ids in by_stream.items():
+            if ids and not (self._cluster and stream == self.transactions):
+                pipe.xack(stream, self.group, *ids)
+        for stream, ids in cleared.items():
             pipe.hdel(keys.failures_key(stream, self.group), *ids, *(f"{i}:error" for i in ids))
         pipe.execute()
-        redelivered.difference_update(e.id for e in cleared)
-        del_count = len(units)
-        for _ in range(del_count):
-            self._assembly.ready.popleft()
-        self.acked += len(records)
+        for ids in cleared.values():
+            redelivered.difference_update(ids)
+        ready = self._assembly.ready
+        for _ in range(len(units)):
+            ready.popleft()
+        self.acked += sum(len(ids) for ids in by_stream.values())
         self.transactions_handled += sum(1 for u in units if u.end is not None)
-        for e in (e for u in units for e in u.entries):  # what the handler finished; the END records are not handed over
-            self.metrics.handled[e.stream] += 1
+        for stream, n in handled:  # what the handler finished; the END records are not handed over
+            self.metrics.handled[stream] += n
 
     def _fail_unit(self, unit: Unit, error: BaseException) -> None:
         """Count the handler's failure on a unit (on its END, or its entry); past `max_deliveries`

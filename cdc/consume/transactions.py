@@ -34,6 +34,7 @@ out, the clock given.
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,9 @@ __all__ = ["END_OP", "IncompleteTransaction", "TransactionAssembler", "Unit", "c
 END_OP = "e"
 #: ops no END record covers
 STANDALONE_OPS = ("r", "x")
+#: the position below every entry's: nothing handed over yet
+_NOWHERE = (-1, -1)
+_seq = attrgetter("seq")
 
 
 class IncompleteTransaction(DataLossError):
@@ -58,7 +62,7 @@ def covered(e: Entry) -> bool:
     return e.op not in STANDALONE_OPS and e.xid != 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Unit:
     """What the handler gets in one piece, and what is acknowledged with it."""
 
@@ -85,6 +89,7 @@ class TransactionAssembler:
         self.wait_s = wait_s
         self.buffers: dict[str, deque[Entry]] = {s: deque() for s in streams}
         self.ends: deque[Entry] = deque()
+        self._markers = 0  # how many of `ends` are cdc recover's markers
         self.handed: dict[str, tuple[int, int]] = {}  # stream -> the highest position handed over
         self.last_end = (0, 0)  # the position of the last END handed over
         self.redelivered: set[str] = set()  # IDs read again from the pending list (their failures are cleared when done)
@@ -95,31 +100,38 @@ class TransactionAssembler:
         self.unended: Entry | None = None  # the first entry waiting for an END record not read yet (none buffered)
         self.since: float | None = None  # when the wait for what holds the head up (`stalled_on`) began
         self._stalled_on = ""  # the END record, or the entry, the head waits on
-        self._ids: set[str] = set()  # (stream, ID) of what is buffered: a re-read entry is not taken twice
         self.ready: deque[Unit] = deque()  # units taken, not yet handled: the consumer's queue
         self.cursor: dict[str, str] = {}  # stream -> the last ID read again from the pending list
 
     def add(self, entries: Iterable[Entry], redelivered: bool = False) -> None:
+        """Buffer what was read; `redelivered`: read again from the pending list, where an entry still
+        buffered is not taken twice (entries read as new, with ``>``, never are: Redis delivers each once)."""
+        buffered: dict[str, set[str]] = {}  # stream -> the IDs buffered: built for entries read again only
+        transactions = self.transactions
         for e in entries:
-            token = f"{e.stream} {e.id}"
-            if token in self._ids:
-                continue
-            if e.stream == self.transactions:
+            if redelivered:
+                ids = buffered.get(e.stream)
+                if ids is None:
+                    ids = buffered[e.stream] = {x.id for x in (self.ends if e.stream == transactions
+                                                               else self.buffers[e.stream])}
+                if e.id in ids:
+                    continue
+                ids.add(e.id)
+                self.redelivered.add(e.id)
+            if e.stream == transactions:
                 if e.op not in (END_OP, "x"):
                     raise ConfigError(f"entry {e.id} of the transactions stream {e.stream} is no END record (op {e.op!r})",
                                       hint="give --transactions the bridge's transactions.stream, not an entity's stream")
                 self.ends.append(e)
+                self._markers += e.op == "x"
             else:
                 self.buffers[e.stream].append(e)
-            self._ids.add(token)
-            if redelivered:
-                self.redelivered.add(e.id)
 
     def wanted(self, limit: int) -> list[str]:
         """The streams worth reading next, so that no stream's buffer runs far ahead of the others:
-        a stream with nothing buffered, one the first END still waits for, and the transactions
-        stream while fewer than `limit` END records are buffered."""
-        streams = [s for s, buf in self.buffers.items() if not buf or s == self.short]
+        a stream with fewer than `limit` entries buffered, one the first END still waits for, and the
+        transactions stream while fewer than `limit` END records are buffered."""
+        streams = [s for s, buf in self.buffers.items() if len(buf) < limit or s == self.short]
         if len(self.ends) < limit:
             streams.append(self.transactions)
         return streams
@@ -137,8 +149,6 @@ class TransactionAssembler:
         waited past `wait_s` for the entries it counts (entries waiting for their END wait on)."""
         units = []
         while (unit := self._next()) is not None:
-            for e in unit.records:
-                self._ids.discard(f"{e.stream} {e.id}")
             units.append(unit)
         if not self.pending():
             self.since, self._stalled_on = None, ""
@@ -155,33 +165,35 @@ class TransactionAssembler:
         return units
 
     def _next(self) -> Unit | None:
+        ends = self.ends
+        # an entry at or below this commit LSN has its END behind (or none to come): it goes alone
+        bound = ends[0].lsn - 1 if ends else self.ends_written
+        if self.last_end[0] > bound:
+            bound = self.last_end[0]
+        handed = self.handed
         for stream, buf in self.buffers.items():
-            unit = self._alone(stream, buf)
-            if unit is not None:
-                return unit
+            if not buf:
+                continue
+            e = buf[0]
+            if e.xid == 0 or e.op in STANDALONE_OPS:  # no END covers it
+                buf.popleft()
+                return Unit([e])
+            lsn, seq = handed.get(stream, _NOWHERE)
+            if e.lsn <= lsn and (e.lsn < lsn or e.seq <= seq):  # a duplicate of what was handed over
+                buf.popleft()
+                return Unit([], extra=[e])
+            if e.lsn <= bound:  # its END is behind
+                return self._alone(stream, buf, e)
         self.unended = None
-        if self.ends:
-            return self._transaction(self.ends[0])
+        if ends:
+            return self._transaction(ends[0])
         self.unended = min((b[0] for b in self.buffers.values() if b), key=lambda e: e.position, default=None)
         return None
 
-    def _alone(self, stream: str, buf: deque[Entry]) -> Unit | None:
-        """The head of `stream` when it is a unit of its own: a duplicate, an entry no END covers,
-        or an entry whose END is behind."""
-        if not buf:
-            return None
-        e = buf[0]
-        if not covered(e):
-            buf.popleft()
-            return Unit([e])
-        if e.position <= self.handed.get(stream, (-1, -1)):
-            buf.popleft()
-            return Unit([], extra=[e])
-        if not (e.lsn <= self.last_end[0] or (self.ends and e.lsn < self.ends[0].lsn)
-                or (not self.ends and e.lsn <= self.ends_written)):
-            return None  # its END is still to come
+    def _alone(self, stream: str, buf: deque[Entry], e: Entry) -> Unit:
+        """The entries of `e`'s transaction at the head of `stream`, whose END is behind: a unit of their own."""
         entries = []
-        while buf and covered(buf[0]) and (buf[0].lsn, buf[0].xid) == (e.lsn, e.xid):
+        while buf and covered(buf[0]) and buf[0].lsn == e.lsn and buf[0].xid == e.xid:
             entries.append(buf.popleft())
         self._handed(entries)
         return Unit(entries)
@@ -189,40 +201,64 @@ class TransactionAssembler:
     def _transaction(self, end: Entry) -> Unit | None:
         if end.op == "x" or end.position <= self.last_end:  # cdc recover's marker, or the END sent twice
             self.ends.popleft()
+            self._markers -= end.op == "x"
             return Unit([], extra=[end])
         counts = (end.data or {}).get("streams", {})
-        taken: dict[str, tuple[list[Entry], list[Entry]]] = {}
+        lsn, xid = end.lsn, end.xid
+        taken: list[tuple[str, deque[Entry], list[Entry], list[Entry], int]] = []
+        ordered = True  # the entries taken are in source order as they are (no sort needed)
         for stream, count in counts.items():
-            if stream not in self.buffers:
+            buf = self.buffers.get(stream)
+            if buf is None:
                 continue
+            count = int(count)
             entries: list[Entry] = []
             twice: list[Entry] = []
-            seen: set = set()
-            for e in self.buffers[stream]:
-                if not covered(e) or (e.lsn, e.xid) != (end.lsn, end.xid):
+            top = -1  # the highest seq taken while the seqs rise: none of them is there twice
+            seen: set[int] | None = None  # the seqs taken, once they stopped rising
+            for e in buf if xid != 0 else ():  # (an END of xid 0 covers nothing)
+                if e.lsn != lsn or e.xid != xid or e.op in STANDALONE_OPS:
                     break
-                (twice if e.position in seen else entries).append(e)
-                seen.add(e.position)
-            if len(entries) < int(count) and any(later.op == "x" for later in self.ends):
+                if seen is None:
+                    if e.seq > top or not entries:
+                        entries.append(e)
+                        top = e.seq
+                        continue
+                    seen = {x.seq for x in entries}  # every entry shares the END's commit LSN: the seq tells them apart
+                    ordered = False
+                if e.seq in seen:
+                    twice.append(e)
+                else:
+                    entries.append(e)
+                    seen.add(e.seq)
+                    top = max(top, e.seq)
+            if len(entries) < count and self._markers:  # a cdc recover marker after it
                 return self._superseded(end)
-            if len(entries) < int(count):
+            if len(entries) < count:
                 self.short = stream
                 self.waiting = (f"transaction {end.xid} (commit LSN {end.lsn}) is incomplete: its END record "
                                 f"{self.transactions} {end.id} counts {count} entries in {stream}, {len(entries)} arrived")
                 return None
-            taken[stream] = (entries, twice)
+            taken.append((stream, buf, entries, twice, top))
         self.ends.popleft()
         self.short = ""
-        entries, extra = [], []
-        for stream, (mine, twice) in taken.items():
+        handed = self.handed
+        out: list[Entry] = []
+        extra: list[Entry] = []
+        for stream, buf, mine, twice, top in taken:
             for _ in range(len(mine) + len(twice)):
-                self.buffers[stream].popleft()
-            entries += mine
+                buf.popleft()
+            if mine:
+                if out:
+                    ordered = False
+                out += mine
+                if (lsn, top) > handed.get(stream, _NOWHERE):
+                    handed[stream] = (lsn, top)
             extra += twice
-            self._handed(mine)
         self.last_end = end.position
-        entries.sort(key=lambda e: e.position)
-        return Unit(entries, end, extra)
+        if not ordered:
+            out.sort(key=_seq)  # every entry has the END's commit LSN: by seq is by position
+        return Unit(out, end, extra)
 
     def _superseded(self, end: Entry) -> Unit:
         """An incomplete END before a `cdc recover` marker: the rebuild replaced entries it counts (the

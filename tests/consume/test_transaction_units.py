@@ -139,3 +139,14 @@ def test_an_end_the_rebuild_of_cdc_recover_left_incomplete_is_acknowledged_at_it
     assert [p for p in handed if p[0] == "cdc:ride"] == [("cdc:ride", 100, 0), ("cdc:ride", 150, 0)], "each stream in order"
     assert ("cdc:rider", 150, 0) in handed and len(units) == 5  # and the END and the marker, acknowledged
     assert a.superseded == 1 and not a.pending()
+
+
+def test_a_stream_is_read_again_while_fewer_than_a_batch_of_its_entries_wait_or_while_the_first_end_waits_for_it():
+    """Reads stay few and full (each stream topped up to about `limit`), and no buffer runs far ahead."""
+    a = TransactionAssembler(["cdc:ride", "cdc:rider"], TX, wait_s=5)
+    assert a.wanted(2) == ["cdc:ride", "cdc:rider", TX]
+    a.add([entry("cdc:ride", 100 + i, 0, 7 + i) for i in range(3)] + [entry("cdc:rider", 100, 1, 7)])
+    assert a.wanted(2) == ["cdc:rider", TX], "the ride stream has a batch waiting: not read"
+    a.add([end(100, 2, 7, cdc_ride=1, cdc_rider=2), end(101, 1, 8, cdc_ride=1)])
+    assert a.take(0.0) == [] and a.short == "cdc:rider"
+    assert a.wanted(1) == ["cdc:rider"], "END records enough; the one the first END waits for is read"

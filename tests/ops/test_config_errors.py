@@ -254,7 +254,8 @@ def test_a_malformed_redis_url_is_refused_at_load(url, says):
 
 def test_the_configuration_table_is_the_code():
     page = (ROOT / "docs" / "reference" / "configuration.md").read_text()
-    rows = {m[1]: (m[2], m[3], m[4]) for m in re.finditer(r"^\| `([a-z_]+\.[a-z_]+)` \| (\w+) \| `([^`]*)` \| ([^|]*?) \|", page, re.M)}
+    rows = {m[1]: (m[2], m[3], m[4] or "") for m in re.finditer(
+        r"^- \*\*`([a-z_]+\.[a-z_]+)`\*\* \((\w+), default `([^`]*)`, (?:(.*), )?`CDC_[A-Z_]+`\): ", page, re.M)}
     expected = {}
     for name, cls in config._SECTIONS.items():
         for f in dataclasses.fields(cls):

@@ -23,6 +23,7 @@ from cdc.errors import ConfigError
 from cdc.source.lsn import Lsn
 from cdc.source.spare_slot import SpareReading, judge
 from conftest import SQL, Env, read_stream
+from replay import replay
 from pg_pair import PrimaryStandby, env_on, running_pair
 from workload import ResilientWorkload
 
@@ -86,14 +87,8 @@ def _setup(env: Env, pair: PrimaryStandby) -> None:
 
 
 def _replay(entries: list[dict], field: str) -> dict:
-    table: dict = {}
-    for e in entries:
-        key = next(iter(e["key"].values()))
-        if e["op"] == "d":
-            table.pop(key, None)
-        else:
-            table[key] = e["data"][field]
-    return table
+    """The stream applied by its `id` key, as `field` per row."""
+    return {key: row[field] for key, row in replay(entries).items()}
 
 
 def _assert_exact(env: Env, pair: PrimaryStandby) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from cdc.demo.local import wait_for
 from conftest import Env, read_stream
+from replay import replay
 from pg_pair import PrimaryStandby, env_on, running_pair
 from workload import ResilientWorkload
 
@@ -56,14 +57,8 @@ def _logical_walsenders(pair: PrimaryStandby, server) -> int:
 
 
 def _replay(entries: list[dict], field: str) -> dict:
-    table: dict = {}
-    for e in entries:
-        key = next(iter(e["key"].values()))
-        if e["op"] == "d":
-            table.pop(key, None)
-        else:
-            table[key] = e["data"][field]
-    return table
+    """The stream applied by its `id` key, as `field` per row."""
+    return {key: row[field] for key, row in replay(entries).items()}
 
 
 def _setup(env: Env, pair: PrimaryStandby, extra: str = "") -> None:

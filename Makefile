@@ -118,6 +118,7 @@ bench: install reconcile-deps
 	$(BIN)/python bench/sink.py
 	$(BIN)/python bench/snapshot.py
 	$(BIN)/python bench/reconcile.py
+	$(BIN)/python bench/pipeline.py
 
 clean:
 	rm -rf .local $(VENV) *.egg-info site

@@ -22,6 +22,11 @@ pytestmark = pytest.mark.integration
 NO_STANDBY = "cdc_test_no_such_standby"
 
 
+def caught_up(env) -> None:
+    target = env.current_wal()
+    wait_for(lambda: env.confirmed_flush() >= target, 30, "the bridge to catch up")
+
+
 def _sync_rep_waiter(env, pid: int) -> bool:
     return bool(env.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event = 'SyncRep'", (pid,))[0][0])
 
@@ -98,6 +103,7 @@ def test_a_request_decoded_before_its_row_is_visible_is_still_served(env):
     requester.close()
     assert not requesting.errors, requesting.errors
     wait_for(lambda: backfill_done(env), 30, "the backfill requested while its row was invisible to be read")
+    caught_up(env)  # done is recorded with the last chunk's watermark, which reaches Redis when decoded
     reads = [e["key"]["id"] for e in read_stream(env.redis, "cdc:ride") if e["op"] == "r"]
     assert sorted(reads) == list(range(1, 51))
     proc.send_signal(signal.SIGTERM)
@@ -129,6 +135,7 @@ def test_an_idle_bridge_finds_a_backfill_queued_without_a_request(env):
     wait_for(env.slot_active, 30, "the bridge to attach")
     env.execute("INSERT INTO cdc_backfills (slot, entity) VALUES (%s, 'ride')", (env.slot,))
     wait_for(lambda: backfill_done(env), 30, "the backfill queued without a request to be read")
+    caught_up(env)
     assert sorted(e["key"]["id"] for e in read_stream(env.redis, "cdc:ride") if e["op"] == "r") == list(range(1, 21))
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0

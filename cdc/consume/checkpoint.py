@@ -133,19 +133,27 @@ class TransactionalHandler(StateConnection):
                 marks[stream] = mark
             fresh: list[Entry] = []
             last: dict[str, Entry] = {}
+            stream, mark = None, (0, 0)
             for e in entries:
-                replay_for = e.fields.get(b"replay_for")
-                if replay_for is not None:
+                if b"replay_for" in e.fields:
                     # a dead letter sent back: for its group only, applied once
-                    if replay_for.decode() == self.group and conn.execute(
+                    if e.fields[b"replay_for"].decode() == self.group and conn.execute(
                         _REPLAYED, (self.consumer, e.fields[b"replay_of"].decode())
                     ).rowcount:
                         fresh.append(e)
                     continue
-                if e.position > marks[e.stream]:
+                if e.stream != stream:
+                    if stream is not None:
+                        marks[stream] = mark
+                    stream = e.stream
+                    mark = marks[stream]
+                position = (e.lsn, e.seq)
+                if position > mark:
                     fresh.append(e)
-                    marks[e.stream] = e.position
-                    last[e.stream] = e
+                    mark = position
+                    last[stream] = e
+            if stream is not None:
+                marks[stream] = mark
             if fresh:
                 self.apply(conn, fresh, self.consumer)
             for stream, e in last.items():

@@ -89,27 +89,40 @@ def ride_totals(conn: psycopg.Connection, entries: list, consumer: str) -> None:
     need the before-image, so rides has REPLICA IDENTITY FULL.
     """
     deltas: dict[int, Decimal] = {}
-
-    def add(rider: int, amount: Decimal) -> None:
-        deltas[rider] = deltas.get(rider, Decimal(0)) + amount
-        deltas[0] = deltas.get(0, Decimal(0)) + amount
-
+    get = deltas.get
+    zero = Decimal(0)
+    overall = zero
     for e in entries:
-        if e.op in ("c", "r"):
-            add(int(e.data["rider"]), Decimal(e.data["distance"]))
-        elif e.op in ("u", "d"):
-            if e.before is None or "distance" not in e.before:
-                raise ValueError(f"{e.stream} {e.id}: a {e.op} without a before-image; rides needs REPLICA IDENTITY FULL")
-            add(int(e.before["rider"]), -Decimal(e.before["distance"]))
-            if e.op == "u":
-                add(int(e.data["rider"]), Decimal(e.data["distance"]))
-        elif e.op in ("t", "x"):  # x: the stream was rebuilt (cdc recover); its rows follow as r
+        op = e.op
+        if op == "c" or op == "r":
+            data = e.data
+            rider, amount = int(data["rider"]), Decimal(data["distance"])
+            deltas[rider] = get(rider, zero) + amount
+            overall += amount
+        elif op == "u" or op == "d":
+            before = e.before
+            if before is None or "distance" not in before:
+                raise ValueError(f"{e.stream} {e.id}: a {op} without a before-image; rides needs REPLICA IDENTITY FULL")
+            rider, amount = int(before["rider"]), Decimal(before["distance"])
+            deltas[rider] = get(rider, zero) - amount
+            overall -= amount
+            if op == "u":
+                data = e.data
+                rider, amount = int(data["rider"]), Decimal(data["distance"])
+                deltas[rider] = get(rider, zero) + amount
+                overall += amount
+        elif op == "t" or op == "x":  # x: the stream was rebuilt (cdc recover); its rows follow as r
             deltas.clear()
+            overall = zero
             conn.execute("DELETE FROM consumer_states WHERE consumer = %s", (consumer,))
     if deltas:
-        conn.cursor().executemany(
-            "INSERT INTO consumer_states (consumer, rider_id, total_distance) VALUES (%s, %s, %s) "
+        deltas[0] = get(0, zero) + overall
+        riders = sorted(deltas)
+        # one statement for the whole batch, the riders in one order (their rows are locked in it)
+        conn.execute(
+            "INSERT INTO consumer_states (consumer, rider_id, total_distance) "
+            "SELECT %s, r, d FROM unnest(%s::bigint[], %s::numeric[]) AS u (r, d) "
             "ON CONFLICT (consumer, rider_id) DO UPDATE "
             "SET total_distance = consumer_states.total_distance + EXCLUDED.total_distance",
-            [(consumer, rider, amount) for rider, amount in sorted(deltas.items())],
+            (consumer, riders, [deltas[r] for r in riders]),
         )

@@ -25,7 +25,7 @@ def test_help_names_every_default():
                             ("--claim-idle-ms", consumer.CLAIM_IDLE_MS), ("--max-deliveries", consumer.MAX_DELIVERIES)]:
         assert re.search(rf"{option} \S+ .*?\(default {default}\)", text), option
     assert "(default: host-pid)" in text and "$ (new entries only, the default)" in text
-    assert (consumer.LEASE_TTL_MS, consumer.CLAIM_IDLE_MS, consumer.COUNT) == (2000, 5000, 100)
+    assert (consumer.LEASE_TTL_MS, consumer.CLAIM_IDLE_MS, consumer.COUNT) == (2000, 5000, 1000)
 
 
 def test_the_docs_list_every_option_with_the_same_default():

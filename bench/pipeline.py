@@ -22,7 +22,7 @@ were committed but not yet applied when the writers' last transaction committed 
 backlog during the run), and how long after that commit the consumer had applied everything.
 
 Usage: python bench/pipeline.py [--rates 10000,50000] [--seconds 10] [--handlers trivial,totals]
-       [--tx-rows 100] [--writers 2] [--count 100]
+       [--tx-rows 100] [--writers 2] [--count N]
 """
 
 from __future__ import annotations

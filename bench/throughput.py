@@ -366,8 +366,8 @@ def steady_latency(dsn: str, client: redis.Redis, rate: int, seconds: float, fir
             break
         ms, seq = page[-1][0].decode().split("-")
         start_id = f"{ms}-{int(seq) + 1}"
-    if os.environ.get("CDC_BENCH_DUMP"):
-        Path(f"{os.environ['CDC_BENCH_DUMP']}.{rate}").write_text("\n".join(map(str, latencies)))
+    if os.environ.get("BENCH_LATENCY_DUMP"):
+        Path(f"{os.environ['BENCH_LATENCY_DUMP']}.{rate}").write_text("\n".join(map(str, latencies)))
     return latencies, achieved
 
 

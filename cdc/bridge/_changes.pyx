@@ -1109,7 +1109,8 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
     next seq; a Begin goes to `tx.begin_at` and a Commit to `tx.commit_at` and then
     `committed(end LSN)`, as `Session.dispatch` does. Inside a streamed block (of a
     transaction still running) a change is counted and held in `streams` instead.
-    Stops at the first other
+    A keepalive that asks no reply, read after changes of this burst while the batch
+    is pending, is passed over (`changes.burst`). Stops at the first other
     message (returned for the loop, which also decodes, and so names, anything
     malformed), when none is left, or when the batch is due (the rule of
     `Batcher.due`). Returns (changes read, that message or None).
@@ -1178,7 +1179,9 @@ cdef tuple _burst(get, stream, dict targets, windows, decoder, committed, stream
                 size = PyBytes_GET_SIZE(data)
         try:
             if size < 30 or p[0] != 0x77:  # not XLogData with a change's relid: the loop's
-                return count, _bytes_of(data, p, size)
+                if not (count and size == 18 and p[0] == 0x6B and not p[17] and st.pending):
+                    return count, _bytes_of(data, p, size)
+                continue  # a keepalive asking no reply while a batch is pending (`changes.burst`)
             kind = p[25]
             if kind == INSERT or kind == UPDATE or kind == DELETE:
                 count += 1

@@ -33,6 +33,7 @@ __all__ = ["INSERT", "UPDATE", "DELETE", "Target", "bind", "route_row", "route_r
 INSERT, UPDATE, DELETE = ord("I"), ord("U"), ord("D")
 _BEGIN, _COMMIT = ord("B"), ord("C")
 _XLOG = 0x77  # XLogData; its pgoutput message starts at 25
+_KEEPALIVE = 0x6B  # a primary keepalive: 'k', wal end, send time, reply requested (18 bytes)
 _HEADER = 25
 _RELID = struct.Struct(">I").unpack_from
 _BEGIN_FIELDS = struct.Struct(">QqI").unpack_from  # final LSN, commit time, xid
@@ -116,7 +117,9 @@ def burst(stream: Any, targets: dict[int, list[Target]], tx: Transaction, batche
     by `route_raw`, and takes the next seq; a Begin goes to `tx.begin_at` and a
     Commit to `tx.commit_at` and then `committed(end LSN)`, as `Session.dispatch`
     does. Inside a streamed block (of a transaction still running) a change is
-    counted and held in `streams` instead. Stops at the first other message
+    counted and held in `streams` instead. A keepalive that asks no reply, read after
+    changes of this burst while the batch is pending, is passed over (it would change
+    nothing: see the loop). Stops at the first other message
     (returned for the loop, which also decodes, and so names, anything malformed),
     when none is left, or when the batch is due (the rule of `Batcher.due`; its age is looked at
     once every `AGE_EVERY` messages that leave it pending, as the clock costs more than a change's
@@ -140,7 +143,13 @@ def burst(stream: Any, targets: dict[int, list[Target]], tx: Transaction, batche
         raw = bytes(data)
         size = len(raw)
         if size < _HEADER + 5 or raw[0] != _XLOG:  # not XLogData with a change's relid: the loop's
-            return count, raw
+            if not (count and size == 18 and raw[0] == _KEEPALIVE and not raw[17] and batcher.pending):
+                return count, raw
+            # a keepalive asking no reply, after changes of this burst, while a batch is pending: the server
+            # says it has sent everything so far, as it does after each transaction on live traffic; with
+            # a batch pending it moves nothing (`Session.keepalive`) and the loop would only wait on, so
+            # the burst reads on instead of handing it back (the changes read tell the loop it heard)
+            continue
         kind = raw[_HEADER]
         if kind == INSERT or kind == UPDATE or kind == DELETE:
             count += 1

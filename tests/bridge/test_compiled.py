@@ -963,7 +963,9 @@ def test_burst_queues_what_the_loop_queues_across_transactions(path, packed):
 
     decoder, batcher, targets, tx = setup(lane.packer if packed else None)
     ends = []
-    stream = Stream(raws + [keepalive])
+    asking = b"k" + bytes(16) + b"\x01"  # a keepalive that asks for a reply
+    # a keepalive after each transaction, as a walsender sends on live traffic: passed over while a batch is pending
+    stream = Stream(raws[:4] + [keepalive] + raws[4:8] + [keepalive] + raws[8:] + [asking])
     count, raw = burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams)
     got = {s: [[typed(v) for v in e] for e in b.entries] for s, b in batcher.batches.items()}
     if packed:
@@ -973,12 +975,20 @@ def test_burst_queues_what_the_loop_queues_across_transactions(path, packed):
         if path == "compiled":
             assert not any(got.values()), "every entry packed as it was queued"
             got = want  # what the packing saw is compared above, as bytes
-    assert (count, raw) == (5, keepalive), "stops at a message it does not take, handing it back"
+    assert (count, raw) == (5, asking), "stops at a message it does not take, handing it back"
     assert burst(stream, {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams) == (0, None)
+    # before any change of the burst, the loop hears the server through the keepalive itself
+    assert burst(Stream([keepalive]), {RELID: targets}, tx, batcher, Windows(), decoder, ends.append, Streams) \
+        == (0, keepalive)
     assert got == want and ends == want_ends
     assert ([getattr(tx, name) for name in Transaction.__slots__], batcher.pending) == want_state, \
         "the transaction and the batcher as the reference leaves them"
     assert {e[-1][1][:20] for e in got["cdc:e1"]} == {f"{0x2_0000_0100 * k:020d}" for k in (1, 2, 3)}
+    # with nothing pending, a keepalive may let the slot move (`Session.keepalive`): the loop's
+    decoder, batcher, targets, tx = setup(lane.packer if packed else None)
+    other = {RELID + 1: targets}  # the transaction's changes are of a table no mapping binds
+    assert burst(Stream(raws[:4] + [keepalive]), other, tx, batcher, Windows(), decoder, [].append, Streams) \
+        == (2, keepalive) and not batcher.pending
 
 
 def test_entries_queued_into_a_list_keep_the_compiled_ones_behind_them_in_order():

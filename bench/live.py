@@ -21,7 +21,7 @@ after pgbench ended Redis held everything and the slot confirmed it; and the WAL
 busy with other work: compare the ratios side by side, within one run.
 
 Usage: python bench/live.py [--seconds 15] [--rounds 2] [--clients 4] [--jobs 2] [--scale 10]
-       [--delays 20] [--readers none,bridge,recvlogical] [--compare DIR]
+       [--delays 5] [--readers none,bridge,recvlogical] [--compare DIR]
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--scale", type=int, default=10)
-    parser.add_argument("--delays", default="20", help="batch.max_delay_ms of the bridge's runs, comma-separated")
+    parser.add_argument("--delays", default="5", help="batch.max_delay_ms of the bridge's runs, comma-separated")
     parser.add_argument("--readers", default="none,bridge,recvlogical", help="of none,bridge,recvlogical")
     parser.add_argument("--compare", type=Path, help="a checkout whose `cdc run` also streams (default settings)")
     args = parser.parse_args()

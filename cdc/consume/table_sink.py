@@ -54,6 +54,8 @@ _TRUNCATE = "UPDATE {table} SET data = NULL, deleted = true, lsn = %s, seq = %s 
 
 #: a row to write: (key, data, lsn, seq, deleted, merge the data into the row's)
 _Row = tuple[dict, dict | None, int, int, bool, bool]
+#: a row as `_Fold` keeps it under its key's JSON text: (data as JSON text, lsn, seq, deleted, merge)
+_Folded = tuple[bytes | None, int, int, bool, bool]
 #: the ops that write a key's row
 _WRITES = frozenset(("c", "u", "r", "d"))
 
@@ -91,7 +93,11 @@ class TableSink(StateConnection):
     def __call__(self, entries: Sequence[Entry]) -> None:
         """Apply `entries` in one transaction, as if one by one in their order (each newer change of a key
         replaces the row, a truncate tombstones every older row), but a few statements for the batch: each
-        key's changes are folded in Python first (`_Fold`), so every key is written once per statement."""
+        key's changes are folded in Python first (`_Fold`), so every key is written once per statement.
+        Keys and data go to the server as the entries carry them (their JSON text in `Entry.fields`, not
+        parsed and written again; an entry without them, made in code, has its values written); a key whose
+        text differs between entries while equal as jsonb shows up as two rows for one key in a statement,
+        and the batch is then written row by row."""
         try:
             with self.transaction() as conn, conn.cursor() as cur:
                 fold = _Fold()
@@ -99,14 +105,19 @@ class TableSink(StateConnection):
                 for e in entries:
                     op = e.op
                     if op in _WRITES:  # as _rows, inline: this loop is most of the sink's own CPU
+                        fields = e.fields
+                        key = fields.get(b"key") or _json(e.key)
                         if op == "u" and e.before:
                             moved = _old_key(e)
                             if moved is not None:  # the key changed: the row under the old key is gone
-                                add((moved, None, e.lsn, e.seq, True, False))
+                                add(_json(moved), (None, e.lsn, e.seq, True, False))
                         if op == "d":
-                            add((e.key, None, e.lsn, e.seq, True, False))
+                            add(key, (None, e.lsn, e.seq, True, False))
                         else:
-                            add((e.key, e.data, e.lsn, e.seq, False, bool(e.unchanged)))
+                            data = fields.get(b"data")
+                            if data is None and e.data is not None:  # an entry made in code, without its fields
+                                data = _json(e.data)
+                            add(key, (data, e.lsn, e.seq, False, bool(e.unchanged)))
                     elif op in ("t", "x"):  # x: the stream was rebuilt; the rows after it are the whole table
                         self._write(cur, fold)
                         fold = _Fold()
@@ -122,12 +133,14 @@ class TableSink(StateConnection):
         successive rounds), the rows merging `unchanged` fields apart."""
         for round_ in fold.rounds():
             for merge in (False, True):
-                rows = [row[:5] for row in round_ if row[5] is merge]
+                rows = [b"[%s,%s,%d,%d,%s]" % (key, b"null" if data is None else data, lsn, seq,
+                                               b"true" if deleted else b"false")
+                        for key, (data, lsn, seq, deleted, merged) in round_ if merged is merge]
                 if not rows:
                     continue
                 statement = sql.SQL(_UPSERT_SET).format(table=self.table, data=sql.SQL(_MERGED if merge else _REPLACED))
                 try:
-                    cur.execute(statement, (orjson.dumps(rows).decode(),))
+                    cur.execute(statement, ((b"[" + b",".join(rows) + b"]").decode(),))
                 except psycopg.errors.CardinalityViolation:
                     raise _SameKeyTwice from None
 
@@ -172,34 +185,40 @@ class _Fold:
     - a newer row that replaces the data makes every earlier one moot: it alone is kept;
     - a newer row that merges into the data (an update listing `unchanged` fields) depends on the row
       before it: kept after it, written in the next round.
+
+    A row is (data as JSON text or None, lsn, seq, deleted, merge the data into the row's), under its key's
+    JSON text.
     """
 
     def __init__(self) -> None:
-        self.keys: dict[bytes, list[_Row]] = {}  # the key as sorted JSON -> its rows, oldest first
+        self.keys: dict[bytes, list[_Folded]] = {}  # the key's JSON text -> its rows, oldest first
 
-    def add(self, row: _Row) -> None:
-        text = orjson.dumps(row[0], option=orjson.OPT_SORT_KEYS)
-        rows = self.keys.get(text)
+    def add(self, key: bytes, row: _Folded) -> None:
+        rows = self.keys.get(key)
         if rows is None:
-            self.keys[text] = [row]
+            self.keys[key] = [row]
             return
         newest = rows[-1]  # each kept row is newer than the one before
-        if (row[2], row[3]) <= (newest[2], newest[3]):
+        if (row[1], row[2]) <= (newest[1], newest[2]):
             return
-        if row[5]:
+        if row[4]:
             rows.append(row)
         else:
-            self.keys[text] = [row]
+            self.keys[key] = [row]
 
-    def rounds(self) -> list[list[_Row]]:
-        """The rows, a key at most once in each round, each key's in its order across rounds."""
-        out: list[list[_Row]] = []
-        for rows in self.keys.values():
+    def rounds(self) -> list[list[tuple[bytes, _Folded]]]:
+        """The rows with their keys, a key at most once in each round, each key's in its order across rounds."""
+        out: list[list[tuple[bytes, _Folded]]] = []
+        for key, rows in self.keys.items():
             for i, row in enumerate(rows):
                 if i == len(out):
                     out.append([])
-                out[i].append(row)
+                out[i].append((key, row))
         return out
+
+
+def _json(value: dict) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
 def _old_key(e: Entry) -> dict | None:

@@ -197,7 +197,7 @@ def main() -> int:
         if h not in HANDLERS:
             parser.error(f"unknown handler {h!r}")
 
-    from servers import bench_servers
+    from servers import bench_servers, prepare
     from throughput import MAPPINGS, SCHEMA, register, run_bridge, write_config
     from cdc.demo.local import wait_for
 
@@ -206,11 +206,8 @@ def main() -> int:
     results = []
     with bench_servers("cdc-bench-pipeline-", settings) as (root, pg, rd):
         client = redis.Redis.from_url(rd.url)
-        (root / "mappings").mkdir()
-        for name, text in MAPPINGS.items():
-            (root / "mappings" / name).write_text(text)
+        prepare(root, pg.dsn, MAPPINGS, SCHEMA)
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            conn.execute(SCHEMA)
             conn.execute((ROOT / "sql" / "20_consumer_state.sql").read_text())
             conn.execute("SELECT pg_create_logical_replication_slot('pipeline', 'pgoutput')")
         config = write_config(root, "cdc-pipeline.yaml", pg.dsn, rd.url, "pipeline", "transaction", "off")

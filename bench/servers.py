@@ -111,3 +111,14 @@ def bench_servers(prefix: str, pg_settings: dict[str, str] | None = None) -> Ite
         rd.stop()
         pg.stop("immediate")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def prepare(root: Path, dsn: str, mappings: dict[str, str], schema: str) -> None:
+    """The benchmark's mappings written into `root`/mappings, and its schema created."""
+    import psycopg
+
+    (root / "mappings").mkdir()
+    for name, text in mappings.items():
+        (root / "mappings" / name).write_text(text)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(schema)  # type: ignore[arg-type]

@@ -56,7 +56,7 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from servers import WalsenderCpu, bench_servers, cdc_command, peak_rss  # noqa: E402
+from servers import WalsenderCpu, bench_servers, cdc_command, peak_rss, prepare  # noqa: E402
 from items import ITEM_MAPPING, ITEM_ROWS, ITEMS_TABLE  # noqa: E402
 from cdc.demo.local import pg_bin, wait_for  # noqa: E402
 
@@ -450,11 +450,7 @@ def main() -> int:
     settings = {"synchronous_commit": "off", "max_wal_size": "8GB", "max_replication_slots": "40", "max_wal_senders": "40"}
     with bench_servers("cdc-bench-", settings) as (root, pg, rd):
         client = redis.Redis.from_url(rd.url)
-        (root / "mappings").mkdir()
-        for name, text in MAPPINGS.items():
-            (root / "mappings" / name).write_text(text)
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            conn.execute(SCHEMA)
+        prepare(root, pg.dsn, MAPPINGS, SCHEMA)
         results = [run_workload(name, args, root, pg, rd, client) for name in args.workloads]
         latencies = latency_runs(args, root, pg, rd, client) if args.latency_rates else []
 

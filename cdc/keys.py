@@ -146,6 +146,13 @@ def bound_tables_key(slot: str) -> str:
     return f"cdc:bridge:{slot}:tables"
 
 
+def resync_key(slot: str) -> str:
+    """A hash of the mapped tables whose streams the bridge of `slot` is resyncing (`on_unaccountable: resync`;
+    field: "<schema>.<table>", value: JSON with the cause, the last position the bridge vouched for and the
+    state), written before the slot may move past the change it could not account for (see `cdc.bridge.gate`)."""
+    return f"cdc:bridge:{slot}:resync"
+
+
 def holds_key(stream: str) -> str:
     """A hash of holds on `stream` (field: who holds, value: "<entry id> <expiry ms>"): trimming keeps
     every entry after the lowest unexpired hold, so a reconciliation can re-read what consumers already

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import psycopg
@@ -61,7 +61,7 @@ import redis
 from .. import keys
 from ..errors import CdcError, MappingError, PrivilegeError, SlotError
 from ..mapping.judge import changed_while_running, filter_refusal
-from ..mapping.model import Mapping, mapped_columns
+from ..mapping.model import Mapping, mapped_columns, resync_tables
 from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_problem, operations_problem,
                                publication_problem, read_coverage, read_publication, where_is)
 from ..source.catalog import table_shape
@@ -69,9 +69,10 @@ from ..source.lsn import Lsn
 from ..source.slot_server import POSITION_SQL
 from ..source.pubcolumns import FILTERS_IN_BRIDGE, plan, sends_less
 from ..source.replication import quote_ident
+from .backfill import enqueue
 
-__all__ = ["Bound", "PublicationRows", "TableGate", "load_bound", "needed_operations", "read_rows", "record_bound",
-           "record_current", "record_rows"]
+__all__ = ["RESYNC_PREFIX", "Bound", "PublicationRows", "TableGate", "load_bound", "load_resync", "needed_operations",
+           "read_rows", "record_bound", "record_current", "record_rows"]
 
 log = logging.getLogger("cdc.gate")
 
@@ -85,6 +86,19 @@ PUBLICATION_FIELD = "publication-oid"
 ROWS_FIELD = "publication-rows"
 #: how a gap found in those rows starts in `GAP_FIELD`
 CHANGED = "changed: "
+#: the logical message marking, in the stream's order, where a `resync` table's stream gave up its changes
+RESYNC_PREFIX = "cdc.resync"
+#: what a resync waiting for its table says to do
+RESYNC_FIX = "waiting for it to exist and be in the publication again (re-create it if dropped, then cdc init)"
+
+
+def load_resync(client: redis.Redis, slot: str) -> dict[tuple[str, str], dict]:
+    """The tables the bridge of `slot` is resyncing (`keys.resync_key`): table -> its record."""
+    out = {}
+    for field, value in client.hgetall(keys.resync_key(slot)).items():
+        schema, _, name = field.decode().partition(".")
+        out[(schema, name)] = json.loads(value)
+    return out
 
 
 def needed_operations(mappings: Iterable[Mapping]) -> dict[str, list[str]]:
@@ -308,10 +322,21 @@ class TableGate:
         self.by_oid: dict[int, tuple[str, str]] = {}
         self.client: redis.Redis | None = None
         self.verifications = 0
+        #: the tables every mapping of which says `on_unaccountable: resync`, and those being resynced now
+        self.resync = resync_tables(mappings)
+        self.resyncing: dict[tuple[str, str], dict] = {}
+        self.mappings = [m for m in mappings if m.table is not None]
+        #: the primary (the resync marker and backfill are written there), and the last position the ack gate
+        #: vouched for (set by the session; `confirmed` before one runs)
+        self.writer: psycopg.Connection | None = None
+        self.vouched: Callable[[], Lsn] | None = None
+        self.confirmed = Lsn(0)
 
     def start(self, conn: psycopg.Connection, client: redis.Redis, confirmed: Lsn) -> None:
         """A session starts with the slot at `confirmed`: bind what was never bound, check the rest."""
         self.client = client
+        self.confirmed = confirmed
+        self.resyncing = {t: r for t, r in load_resync(client, self.slot).items() if t in self.resync}
         self.bound = load_bound(client, self.slot) if self.tables else {}
         self.bound = {t: b for t, b in self.bound.items() if t in self.tables}
         fresh = {}
@@ -344,6 +369,14 @@ class TableGate:
         changed = {}
         for t in self.tables:
             bound, now = self.bound.get(t), coverage[t]
+            if self._waiting(t):
+                self._resume(conn, t, now, publication)
+                continue
+            if t in self.resync and bound is not None and t not in adopt:
+                cause = self._cause(conn, t, bound, now, publication)
+                if cause is not None:
+                    self._break(t, cause)
+                    continue
             if now.partitioned and publication.exists and not publication.via_root:
                 # its changes come as those of its partitions, which no mapping reads: _judge stops the bridge
                 self._record_gap("publish_via_partition_root")
@@ -400,20 +433,128 @@ class TableGate:
         raw, gap = self.client.hmget(key, [ROWS_FIELD, GAP_FIELD])
         if gap is not None:
             return  # a gap is recorded already: the bridge stops on it, and cdc recover records the rows anew
-        now = read_rows(conn, self.publication, self.tables)
+        checked = [t for t in self.tables if not self._waiting(t)]
+        now = read_rows(conn, self.publication, checked)
         was = PublicationRows.decode(raw) if raw is not None else None
         if was is not None and was.at is not None and now.at is not None and now.at < was.at:
             # a standby that has not replayed the rows recorded (by cdc init, on the primary) yet: what it
             # received so far came before them, and init compared the rows before its own changes
             return
+        if was is not None and was.publication == now.publication:
+            # a resync table whose membership changed between two readings (out of the publication and back)
+            for t in [t for t in checked if t in self.resync]:
+                if now.changed_since(was, [t]) is not None:
+                    self._break(t, f"table {_field(t)} left publication {self.publication!r} and came back")
+                    checked.remove(t)
+                    now.tables.pop(t, None)
         if was is not None:
-            found = now.changed_since(was, self.tables)
+            found = now.changed_since(was, checked)
             if found is not None:
                 self._record_gap(CHANGED + found)
                 raise changed_error(self.publication, self.slot, found, recorded=False)
             now = replace(now, tables={**{t: r for t, r in was.tables.items() if t not in self.tables}, **now.tables})
         if was is None or (now.publication, now.tables) != (was.publication, was.tables):  # not for `at` alone
             self.client.hset(key, ROWS_FIELD, now.encode())
+
+    # -- on_unaccountable: resync ---------------------------------------------------------------
+
+    def _cause(self, conn: psycopg.Connection, t: tuple[str, str], bound: Bound, now: TableCoverage,
+               publication: Publication) -> str | None:
+        """What a `resync` table went through that its stream cannot account for, if it is a case resynced:
+        dropped, dropped and re-created, taken out of the publication. Anything else stops the bridge."""
+        name = _field(t)
+        if now.oid is None:
+            return None if where_is(conn, bound.oid) is not None else f"table {name} dropped"  # renamed: stops
+        if now.oid != bound.oid:
+            return f"table {name} dropped and re-created (OID {bound.oid}, now {now.oid})"
+        if publication.exists and not now.covered and not (now.partitioned and not publication.via_root):
+            return f"table {name} taken out of publication {self.publication!r}"
+        return None
+
+    def _break(self, t: tuple[str, str], cause: str) -> None:
+        """Give up table `t`'s changes knowingly: record it in Redis (before the slot may move past the change),
+        then mark the place in the WAL (`RESYNC_PREFIX`); the gate no longer checks it until it is back."""
+        vouched = self.vouched() if self.vouched is not None else self.confirmed
+        record = {"cause": cause, "vouched": str(vouched), "state": "waiting", "marker": False, "marked_at": None,
+                  "backfills": []}
+        self.resyncing[t] = record
+        self._save(t)
+        if self.client is not None:  # its catalog rows are read anew once it is bound again
+            raw = self.client.hmget(keys.bound_tables_key(self.slot), [ROWS_FIELD])[0]
+            if raw is not None:
+                rows = PublicationRows.decode(raw)
+                if rows.tables.pop(t, None) is not None:
+                    self.client.hset(keys.bound_tables_key(self.slot), ROWS_FIELD, rows.encode())
+        log.warning("%s: the stream of %s gives up its changes and is resynced from the table (on_unaccountable: "
+                    "resync); last position vouched for %s", cause, _field(t), vouched)
+        self.emit_markers()
+
+    def _waiting(self, t: tuple[str, str]) -> bool:
+        """A resyncing table not bound again yet: the gate does not check it."""
+        record = self.resyncing.get(t)
+        return record is not None and record["state"] == "waiting"
+
+    def _save(self, t: tuple[str, str]) -> None:
+        if self.client is not None:
+            self.client.hset(keys.resync_key(self.slot), _field(t), json.dumps(self.resyncing[t], sort_keys=True))
+
+    def emit_markers(self) -> None:
+        """Write the resync marker of every table whose record says none was written yet (on the primary)."""
+        if self.writer is None:
+            return  # before the session starts: it writes them
+        for t, record in self.resyncing.items():
+            if record["marker"]:
+                continue
+            content = json.dumps({"slot": self.slot, "table": _field(t), "cause": record["cause"],
+                                  "vouched": record["vouched"]})
+            self.writer.execute("SELECT pg_logical_emit_message(true, %s, %s)", (RESYNC_PREFIX, content))
+            record["marker"] = True
+            self._save(t)
+
+    def marked(self, t: tuple[str, str], at: int) -> dict | None:
+        """The session decoded `t`'s resync marker at `at`: its record (None: not resyncing, the marker is stale)."""
+        record = self.resyncing.get(t)
+        if record is None:
+            return None
+        if record["marked_at"] is None or record["marked_at"] < at:
+            record["marked_at"] = at
+            self._save(t)
+        return record
+
+    def _resume(self, conn: psycopg.Connection, t: tuple[str, str], now: TableCoverage, publication: Publication) -> None:
+        """A resyncing table: once it exists and is published again, bind it anew and queue its backfill."""
+        record = self.resyncing[t]
+        if not record["marker"]:
+            self.emit_markers()
+        if record["state"] != "waiting" or now.oid is None or not now.covered or self.writer is None:
+            return
+        if identity_problem(now, publication) is not None or \
+                sends_less(now, self.columns.get(t, ()), self.publication, self.slot) is not None:
+            return
+        since = Lsn(int(conn.execute(f"SELECT ({POSITION_SQL}) - '0/0'::pg_lsn").fetchone()[0]))
+        self.bound[t] = Bound(now.oid, since, now.leaves)
+        self._index()
+        if self.client is not None:
+            record_bound(self.client, self.slot, {t: self.bound[t]})
+        record["backfills"] = [enqueue(self.writer, self.slot, m) for m in self.mappings if m.table == t]
+        record["state"] = "backfilling"
+        record["oid"] = now.oid
+        self._save(t)
+        log.info("%s is back (OID %d): bound from %s, backfills %s queued to resync its stream", _field(t), now.oid,
+                 since, ", ".join(map(str, record["backfills"])))
+
+    def backfill_done(self, backfill_id: int) -> None:
+        """A backfill's last chunk: a table whose resync backfills are all done streams again."""
+        for t, record in list(self.resyncing.items()):
+            if backfill_id in record["backfills"]:
+                record["backfills"].remove(backfill_id)
+                if record["backfills"]:
+                    self._save(t)
+                    continue
+                del self.resyncing[t]
+                if self.client is not None:
+                    self.client.hdel(keys.resync_key(self.slot), _field(t))
+                log.info("%s resynced: its stream is streaming again", _field(t))
 
     def _record_gap(self, lacking: str) -> None:
         """Record what the publication left out, until `cdc recover`; the first finding stays (it came first)."""
@@ -532,12 +673,13 @@ class TableGate:
         if gap is None and recorded is not None and publication.oid is not None and int(recorded) != publication.oid:
             problems.append(recreated_error(self.publication, self.slot, int(recorded), publication.oid))
         rows = client.hmget(keys.bound_tables_key(self.slot), [ROWS_FIELD])[0]
+        # a `resync` table dropped, re-created or out of the publication is the running bridge's to resync
+        tables = [t for t in self.tables if t not in self.resync]
         if gap is None and rows is not None:
-            found = read_rows(conn, self.publication, self.tables).changed_since(PublicationRows.decode(rows),
-                                                                                self.tables)
+            found = read_rows(conn, self.publication, tables).changed_since(PublicationRows.decode(rows), tables)
             if found is not None:
                 problems.append(changed_error(self.publication, self.slot, found, recorded=False))
-        bound = {t: b for t, b in load_bound(client, self.slot).items() if t in self.tables}
+        bound = {t: b for t, b in load_bound(client, self.slot).items() if t in tables}
         if not bound:
             return problems
         coverage = read_coverage(conn, self.publication, bound)
@@ -552,23 +694,31 @@ class TableGate:
                 problems.append(exc)
         return problems
 
-    def relation(self, relid: int, namespace: str, name: str, commit_lsn: int) -> None:
+    def relation(self, relid: int, namespace: str, name: str, commit_lsn: int) -> bool:
         """A Relation message: a mapped name with another OID, or a bound OID under another name, stops the
-        bridge, unless its transaction lies before the binding (history a rebuild covers)."""
+        bridge, unless its transaction lies before the binding (history a rebuild covers). A `resync` table's
+        name with another OID starts its resync instead. True: the relation's changes are not published (a
+        resyncing table's, before its resync marker: the backfill after the marker supersedes them)."""
         t = (namespace or "pg_catalog", name)
         bound = self.bound.get(t)
+        record = self.resyncing.get(t)
+        if record is not None and (bound is None or bound.oid != relid or record["state"] == "waiting"):
+            return record["marked_at"] is None or commit_lsn < record["marked_at"]
         other = self.by_oid.get(relid)
         if (bound is None or bound.oid == relid) and (other is None or other == t):
-            return
+            return False
         if bound is not None and bound.oid != relid:
             if commit_lsn < bound.since:
-                return
+                return False
+            if t in self.resync:
+                self._break(t, f"table {_field(t)} dropped and re-created (OID {bound.oid}, now {relid})")
+                return True
             raise SlotError(
                 f"the stream names mapped table {_field(t)} with OID {relid}, not the OID {bound.oid} bound: it was "
                 f"dropped and re-created, slot {self.slot} held before it", hint=f"run: cdc init, then {RECOVER}")
         was = self.bound[other]
         if commit_lsn < was.since:
-            return
+            return False
         raise SlotError(
             f"mapped table {_field(other)} (OID {relid}) was renamed or moved: the stream names it {_field(t)}, a name "
             f"no mapping reads, slot {self.slot} held before its changes under that name",

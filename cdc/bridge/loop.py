@@ -360,6 +360,10 @@ class Bridge:
         r.gauge("cdc_streamed_held_bytes", "memory holding streamed transactions until they end", lambda: self.streams.size)
         r.counter("cdc_streamed_spilled_bytes_total", "bytes of streamed transactions spilled to batch.spill_dir",
                   lambda: self.streams.spilled_bytes)
+        r.gauge("cdc_mapping_state", "each table mapping's state: 0 streaming, 1 resyncing (on_unaccountable: resync; "
+                "cdc status names the cause and the fix)",
+                lambda: {(("entity", m.entity),): int(m.table in self.gate.resyncing) for m in self.mappings
+                         if m.table is not None})
         r.gauge("cdc_dead_letters", "entries in dead-letter streams", self._dead_letters)
         r.gauge("cdc_redis_memory_ratio", "Redis used memory / maxmemory", lambda: self.memory.ratio if self.memory else None)
         r.gauge("cdc_paused", "1 while reading is paused for Redis memory", lambda: int(self.state == "paused"))
@@ -471,6 +475,7 @@ class Bridge:
             except redis.RedisError as exc:
                 raise TransientError(f"redis unavailable: {exc}") from exc
             publisher.replicated()  # the record a session starts from must be on the replicas too
+            self.gate.writer, self.gate.vouched = writer, None  # resync markers and backfills go to the primary
             self.start_gate(catalog_conn, client, health.confirmed_lsn)
             self._release_stale_walsender(catalog_conn)
             try:

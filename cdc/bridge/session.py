@@ -30,6 +30,7 @@ from ..config import Settings
 from ..errors import MappingError, SourceError
 from ..mapping.model import Mapping
 from ..mapping.projector import Projector
+from ..ops.rebuild import EMPTY_KEY, REBUILT
 from ..sink.lane import packer
 from ..sink.publisher import Publisher
 from ..source import pgoutput as pg
@@ -44,7 +45,7 @@ from .backfill import IDLE_POLL_S, REQUEST_PREFIX, REQUEST_RETRY_S, WATERMARK_PR
 from .batcher import Batcher
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
 from .counters import Counters
-from .gate import TableGate
+from .gate import RESYNC_PREFIX, TableGate
 from .held_transactions import StreamedTransactions
 from .inflight import InFlight
 from .snapshot import queue_chunk
@@ -175,6 +176,9 @@ class Session:
         self.ack = host.ack
         self.ack.resume(held, confirmed)  # what Redis records now, not what an earlier session remembered
         self.gate = host.gate
+        self.gate.vouched = lambda: self.ack.verified
+        #: Relations of resyncing tables decoded before their resync marker: bound when it comes
+        self.held_relations: dict[tuple[str, str], list[pg.Relation]] = {}
         self.windows = Windows()  # open backfill watermark windows
         self.streams = host.streams  # transactions the server streams while they run, held until they end
         self.backfill = BackfillDriver(settings.postgres.slot, host.mappings, batch.backfill_chunk_rows)
@@ -340,7 +344,10 @@ class Session:
         elif isinstance(msg, pg.Relation):
             tx = self.tx
             at = int(tx.lsn) if tx.open else int(self.ack.ackable)
-            self.gate.relation(msg.relid, msg.namespace, msg.name, at)
+            if self.gate.relation(msg.relid, msg.namespace, msg.name, at):
+                self.targets[msg.relid] = []  # superseded by the resync after its marker
+                self.held_relations.setdefault((msg.namespace or "pg_catalog", msg.name), []).append(msg)
+                return
             try:
                 self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
             except MappingError as exc:
@@ -417,6 +424,8 @@ class Session:
     def message(self, msg: pg.Message) -> None:
         if msg.prefix == WATERMARK_PREFIX:
             self.watermark(msg)
+        elif msg.prefix == RESYNC_PREFIX:
+            self.resync_marker(msg)
         elif msg.prefix == REQUEST_PREFIX:  # `cdc backfill` queued one
             self.tx.seq += 1
             slot, backfill_id = parse_request(msg.content)
@@ -609,10 +618,44 @@ class Session:
                 self.counters.backfill_skipped += skipped
             if info["last"]:
                 log.info("backfill of %s complete at chunk %s", info["entity"], chunk)
+                if chunk.partition(":")[0].isdigit():
+                    self.gate.backfill_done(int(chunk.partition(":")[0]))
         elif kind == "failed":
             log.error("backfill chunk %s failed: %s; its window is closed and streaming goes on", chunk, info.get("error"))
         self.backfill.seen(chunk)
         self.drive_backfill()
+
+    def resync_marker(self, msg: pg.Message) -> None:
+        """A `resync` table's stream gave up its changes here: each of its mappings' streams gets the rebuild
+        marker (op x: what follows is the whole table), counted by no END record; the Relations held until now
+        are bound."""
+        info = orjson.loads(msg.content)
+        self.tx.seq += 1
+        if info.get("slot") != self.backfill.slot:
+            return
+        schema, _, name = info["table"].partition(".")
+        t = (schema, name)
+        record = self.gate.marked(t, int(self.tx.lsn) if self.tx.open else int(self.ack.ackable))
+        if record is None:
+            return  # resynced already (a marker decoded again after a restart: the stream holds it)
+        data = orjson.dumps({"resync": True, "cause": info["cause"], "vouched": info["vouched"]})
+        for m in self.host.mappings:
+            if m.table != t:
+                continue
+            for stream in m.stream_keys():
+                fields = [b"op", REBUILT, b"key", EMPTY_KEY, b"data", data]
+                if self.ends is None:
+                    self.batcher.add(self.batcher.batch(stream), fields, m.version, self.tx)
+                else:
+                    with self.ends.uncounted():
+                        self.batcher.add(self.batcher.batch(stream), fields, m.version, self.tx)
+                self.tx.seq += 1
+        log.info("resync marker of %s at %s: %s", info["table"], self.tx.lsn, info["cause"])
+        for held in self.held_relations.pop(t, []):
+            try:
+                self.targets[held.relid] = self.host.bind(held, self.conn, self.batcher)
+            except MappingError as exc:
+                self.unbound(held, int(self.tx.lsn), exc)
 
     def queue_chunk(self, info: dict, projector: Projector, changed: set) -> tuple[int, int]:
         """A chunk's ``r`` rows: they belong to no source transaction, no END record counts them."""

@@ -18,7 +18,8 @@ from .. import keys
 from ..errors import ConfigError, MappingError
 from ..yamlsrc import load_yaml_file, where, yaml_files
 
-__all__ = ["Condition", "FieldSpec", "Mapping", "load_mappings", "mapped_columns", "parse_mapping"]
+__all__ = ["ON_UNACCOUNTABLE", "Condition", "FieldSpec", "Mapping", "load_mappings", "mapped_columns", "parse_mapping",
+           "resync_tables"]
 
 ALL_OPS = ("c", "u", "d", "t", "r")
 CASTS = ("string", "float", "integer", "epoch_ms", "epoch_s", "date")
@@ -33,8 +34,11 @@ REDACTED = "***"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _TOP_KEYS = (
     "entity", "table", "message_prefix", "key", "fields", "stream", "version",
-    "ops", "before", "filter", "partitions", "snapshot",
+    "ops", "before", "filter", "partitions", "snapshot", "on_unaccountable",
 )
+#: what the bridge does when it cannot account for a change of the mapping's table (docs/concepts/cannot-account.md):
+#: stop (exit 4, slot held), or resync its stream from the table with an online backfill
+ON_UNACCOUNTABLE = ("stop", "resync")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class Mapping:
     partition_by: tuple[str, ...] = ()
     #: "initial": publish the table's rows (op r) when `cdc init` creates the slot; "never"
     snapshot: str = "never"
+    #: "stop" (the default) or "resync": see `ON_UNACCOUNTABLE`
+    on_unaccountable: str = "stop"
     where: str = ""
     field_lines: MappingABC[str, str] = field(default_factory=dict)
     #: file:line of `key:` ("" for a message mapping)
@@ -114,6 +120,15 @@ def mapped_columns(mappings: Iterable[Mapping]) -> dict[tuple[str, str], tuple[s
         if m.table is not None:
             seen.setdefault(m.table, {}).update(dict.fromkeys(m.columns))
     return {table: tuple(columns) for table, columns in seen.items()}
+
+
+def resync_tables(mappings: Iterable[Mapping]) -> set[tuple[str, str]]:
+    """The mapped tables every mapping of which says `on_unaccountable: resync` (any other stops the bridge)."""
+    says: dict[tuple[str, str], bool] = {}
+    for m in mappings:
+        if m.table is not None:
+            says[m.table] = says.get(m.table, True) and m.on_unaccountable == "resync"
+    return {t for t, resync in says.items() if resync}
 
 
 def _fail(place: str, message: str, hint: str | None = None) -> MappingError:
@@ -338,6 +353,13 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None, hash_key: b
     snapshot = raw.get("snapshot", "never")
     if snapshot not in ("initial", "never"):
         raise _fail(where(raw, "snapshot"), f"snapshot must be initial or never, not {snapshot!r}")
+    on_unaccountable = raw.get("on_unaccountable", "stop")
+    if on_unaccountable not in ON_UNACCOUNTABLE:
+        raise _fail(where(raw, "on_unaccountable"), f"on_unaccountable must be stop or resync, not {on_unaccountable!r}",
+                    "stop: the bridge stops, slot held (the default); resync: its stream is rebuilt from the table")
+    if on_unaccountable == "resync" and "r" not in ops:
+        raise _fail(where(raw, "on_unaccountable"), "on_unaccountable: resync needs op r in ops (the backfill that "
+                    "resyncs the stream publishes its rows as r)", "add r to ops, or leave on_unaccountable out")
     before = raw.get("before", True)
     if not isinstance(before, bool):
         raise _fail(where(raw, "before"), "before must be true or false")
@@ -350,7 +372,8 @@ def parse_mapping(raw: Any, env: MappingABC[str, str] | None = None, hash_key: b
         raise _fail(where(raw, "stream"), "a partitioned mapping's stream template must contain {partition}")
     return _own_streams(raw, Mapping(
         entity=entity, table=table, key=key, fields=fields, stream=stream, version=version, ops=ops,
-        before=before, filter=conditions, partitions=partitions, partition_by=partition_by, snapshot=snapshot, where=place,
+        before=before, filter=conditions, partitions=partitions, partition_by=partition_by, snapshot=snapshot,
+        on_unaccountable=on_unaccountable, where=place,
         field_lines={f.name: f.where for f in fields}, key_where=where(raw, "key"),
     ))
 

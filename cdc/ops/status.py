@@ -13,6 +13,7 @@ from .. import keys
 from .admin import connect, slot_connection
 from .preflight import redis_held
 from ..bridge.backfill import has_error_column
+from ..bridge.gate import RESYNC_FIX, load_resync
 from ..bridge.guards import invalidated_slot_error, missing_slot_error, redis_record
 from ..config import Settings
 from ..sink.entry import reply_text
@@ -157,6 +158,7 @@ def _collect_redis(settings: Settings, mappings: Sequence[Mapping], stale_after_
         bridge_state = {k.decode(): v.decode() for k, v in client.hgetall(keys.bridge_state_key(settings.postgres.slot)).items()}
         result["bridge"] = _bridge(bridge_state, bool(result["slot"] and result["slot"]["active"]))
         result["other_bridges"] = other_bridges(client, settings.postgres.slot)  # on the same Redis
+        result["resyncing"] = _resyncing(client, settings.postgres.slot, mappings)
         alarm = (missing_slot_error(settings.postgres.slot, redis_record(client, settings.postgres.slot))
                  if result["slot"] is None else
                  invalidated_slot_error(settings.postgres.slot) if result["slot"]["wal_status"] == "lost" else None)
@@ -173,6 +175,21 @@ def _collect_redis(settings: Settings, mappings: Sequence[Mapping], stale_after_
     finally:
         publisher.close()
         client.close()
+
+
+def _resyncing(client: redis.Redis, slot: str, mappings: Sequence[Mapping]) -> list[dict]:
+    """The mappings whose tables the bridge is resyncing (`on_unaccountable: resync`), with the cause and the fix."""
+    records = load_resync(client, slot)
+    out = []
+    for m in mappings:
+        record = records.get(m.table) if m.table is not None else None
+        if record is None:
+            continue
+        waiting = record["state"] == "waiting"
+        out.append({"entity": m.entity, "table": m.qualified_table, "cause": record["cause"], "state": record["state"],
+                    "vouched": record["vouched"], "backfills": record.get("backfills") or [],
+                    "fix": RESYNC_FIX if waiting else "none: its backfill is replaying the table into the stream"})
+    return out
 
 
 def _stream(client: redis.Redis, entity: str, stream: str, mark, trim_stats: dict, stale_after_s: float) -> dict:

@@ -152,6 +152,10 @@ def render(status: dict, *, color: bool = False, width: int | None = None) -> st
                       soft_wrap=True)
     for line in _bridge_lines(status.get("bridge") or {}):
         console.print(line, soft_wrap=True)
+    for r in status.get("resyncing") or []:
+        backfills = f" (backfill {', '.join(map(str, r['backfills']))})" if r["backfills"] else ""
+        console.print(f"{r['entity']}: resyncing{backfills}: {r['cause']} after {r['vouched']}, the last position "
+                      f"vouched for; {r['fix']}", soft_wrap=True)
     others = _others_line(status.get("other_bridges") or [])
     if others:
         console.print(others, soft_wrap=True)

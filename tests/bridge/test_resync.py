@@ -1,0 +1,255 @@
+"""`on_unaccountable: resync`: a mapped table the bridge cannot account for (dropped, dropped and re-created, taken
+out of the publication) gives up its changes knowingly, says so in its stream (op x, `"resync": true`) and is
+brought back to the table's state by an online backfill, while the bridge and the other mappings stream on."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import urllib.request
+
+import psycopg
+import pytest
+
+from cdc.demo.local import free_port, wait_for
+from cdc.errors import MappingError
+from cdc.source.lsn import Lsn
+from cdc.mapping.model import load_mappings, parse_mapping, resync_tables
+from cdc.yamlsrc import load_yaml_documents
+from conftest import read_stream
+from replay import replay
+
+pytestmark = pytest.mark.integration
+
+TABLES = """
+CREATE TABLE public.rides (id bigint PRIMARY KEY, rider_id bigint NOT NULL, distance_m numeric(12, 3) NOT NULL);
+CREATE TABLE public.trips (id bigint PRIMARY KEY, km int NOT NULL);
+"""
+RIDES = "CREATE TABLE public.rides (id bigint PRIMARY KEY, rider_id bigint NOT NULL, distance_m numeric(12, 3) NOT NULL);"
+RIDE = """entity: ride
+table: public.rides
+key: [id]
+on_unaccountable: resync
+fields: {id: id, distance: distance_m, rider: rider_id}
+"""
+TRIP = """entity: trip
+table: public.trips
+key: [id]
+fields: {id: id, km: km}
+"""
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
+
+
+def rides_now(env) -> dict:
+    return {i: {"id": i, "distance": d, "rider": r} for i, d, r in env.execute("SELECT id, distance_m::text, rider_id FROM rides")}
+
+
+def trips_now(env) -> dict:
+    return {i: {"id": i, "km": k} for i, k in env.execute("SELECT id, km FROM trips")}
+
+
+def resync_record(env) -> dict:
+    return {k.decode(): json.loads(v) for k, v in env.redis.hgetall(f"cdc:bridge:{env.slot}:resync").items()}
+
+
+class Writer(threading.Thread):
+    """Seeded inserts, updates and deletes into `table` on their own connection until stopped; a statement the
+    table cannot take right now (dropped, being re-created) is skipped."""
+
+    def __init__(self, env, table: str, seed: int, ids: range) -> None:
+        super().__init__(daemon=True)
+        self.env, self.table, self.rng, self.ids = env, table, random.Random(seed), ids
+        self.halt = threading.Event()
+        self.done = 0
+
+    def run(self) -> None:
+        column, value = ("km", "%s") if self.table == "trips" else ("distance_m", "%s")
+        extra = "" if self.table == "trips" else ", rider_id"
+        with psycopg.connect(self.env.dsn, autocommit=True) as conn:
+            while not self.halt.is_set():
+                i, v = self.rng.choice(self.ids), self.rng.randrange(1, 1000)
+                kind = self.rng.random()
+                if kind < 0.5:
+                    stmt = (f"INSERT INTO {self.table} (id, {column}{extra}) VALUES (%s, {value}{', 1' if extra else ''}) "
+                            f"ON CONFLICT (id) DO UPDATE SET {column} = excluded.{column}")
+                    params: tuple = (i, v)
+                elif kind < 0.8:
+                    stmt, params = f"UPDATE {self.table} SET {column} = %s WHERE id = %s", (v, i)
+                else:
+                    stmt, params = f"DELETE FROM {self.table} WHERE id = %s", (i,)
+                try:
+                    conn.execute(stmt, params)
+                    self.done += 1
+                except psycopg.Error:
+                    pass
+                self.halt.wait(0.002)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(30)
+
+
+@pytest.fixture
+def two(env):
+    """rides (on_unaccountable: resync) and trips (the default, stop), initialised, a bridge checking every 0.2 s with
+    its metrics served; some rows in both."""
+    env.execute(TABLES)
+    env.write_mapping("ride.yaml", RIDE)
+    env.write_mapping("trip.yaml", TRIP)
+    port = free_port()
+    env.write_config(f"batch: {{status_interval_s: 0.2}}\nhttp: {{host: 127.0.0.1, port: {port}}}\n")
+    env.cdc("init", check=True)
+    env.metrics = f"http://127.0.0.1:{port}/metrics"
+    env.execute("INSERT INTO rides SELECT g, 1, g FROM generate_series(1, 20) g; "
+                "INSERT INTO trips SELECT g, g FROM generate_series(1, 20) g")
+    return env
+
+
+def state_metric(env) -> float | None:
+    for line in get(env.metrics).splitlines():
+        if line.startswith('cdc_mapping_state{entity="ride"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def resynced(env, proc, trips: Writer, cut: int) -> None:
+    """The end state both cases share: the resync record cleared, the ride stream holds one resync marker after
+    which it replays exactly to the table, the trip stream replays to its table and kept receiving, the bridge runs
+    and the slot moved past the cut."""
+    wait_for(lambda: not resync_record(env), 90, "the resync to finish")
+    assert state_metric(env) == 0
+    env.execute("INSERT INTO rides VALUES (1000, 9, 1000); UPDATE rides SET distance_m = 7 WHERE id = 1000")
+    trips.stop()
+    env.execute("INSERT INTO trips VALUES (1000, 1000)")
+    wait_for(lambda: replay(read_stream(env.redis, "cdc:trip")) == trips_now(env), 60, "the trips to be exact")
+    wait_for(lambda: replay(read_stream(env.redis, "cdc:ride"), reset_at_marker=True) == rides_now(env), 60,
+             "the rides to replay to the table")
+    assert proc.poll() is None, proc.log_path.read_text()
+    entries = read_stream(env.redis, "cdc:ride")
+    markers = [i for i, e in enumerate(entries) if e["op"] == "x"]
+    assert len(markers) == 1, [entries[i] for i in markers]
+    marker = entries[markers[0]]
+    assert marker["data"]["resync"] is True and marker["data"]["cause"] and marker["data"]["vouched"], marker
+    assert int(marker["lsn"]) > cut
+    after = entries[markers[0] + 1:]
+    assert any(e["op"] == "r" for e in after), "the backfill's rows follow the marker"
+    # the rows after the marker alone make the table
+    assert replay(after) == rides_now(env)
+    assert env.confirmed_flush() > cut, "the slot moved past the change it could not account for"
+    assert "Traceback" not in proc.log_path.read_text()
+
+
+def test_a_resync_table_dropped_and_recreated_under_writes_resyncs_while_the_other_streams_on(two):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20 and env.redis.xlen("cdc:trip") == 20, 30, "the first rows")
+    trips = Writer(env, "trips", 1, range(1, 60))
+    rides = Writer(env, "rides", 2, range(1, 60))
+    trips.start()
+    rides.start()
+    wait_for(lambda: rides.done > 50, 30, "writes to rides")
+    cut = env.current_wal()
+    env.execute("BEGIN; DROP TABLE rides; " + RIDES + " COMMIT;")
+    env.execute("INSERT INTO rides SELECT g, 2, g FROM generate_series(100, 110) g")  # not published yet
+    record = wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record")
+    assert "dropped and re-created" in record["cause"] and record["state"] == "waiting", record
+    assert Lsn.parse(record["vouched"]) <= cut
+    assert state_metric(env) == 1
+    status = env.cdc("status")
+    assert "ride: resyncing" in status.stdout and "dropped and re-created" in status.stdout, status.stdout
+    assert "cdc init" in status.stdout
+    # the other mapping streams on, and the slot moves past the drop
+    seen = env.redis.xlen("cdc:trip")
+    wait_for(lambda: env.redis.xlen("cdc:trip") > seen + 20, 30, "more trips")
+    wait_for(lambda: env.confirmed_flush() > cut, 30, "the slot to move past the drop")
+    assert proc.poll() is None
+    env.cdc("init", check=True)  # publishes the new table
+    wait_for(lambda: rides.done > 300, 60, "writes to the new rides")
+    rides.stop()
+    resynced(env, proc, trips, cut)
+
+
+def test_a_resync_table_out_of_the_publication_and_back_with_init_resyncs(two):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20 and env.redis.xlen("cdc:trip") == 20, 30, "the first rows")
+    trips = Writer(env, "trips", 3, range(1, 60))
+    trips.start()
+    cut = env.current_wal()
+    env.execute(f"ALTER PUBLICATION {env.publication} DROP TABLE rides")
+    env.execute("INSERT INTO rides VALUES (200, 1, 200); DELETE FROM rides WHERE id = 3; "
+                "UPDATE rides SET distance_m = 0 WHERE id = 4")  # never decoded
+    record = wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record")
+    assert "taken out of publication" in record["cause"], record
+    assert state_metric(env) == 1
+    wait_for(lambda: env.confirmed_flush() > cut, 30, "the slot to move past the change")
+    rides = Writer(env, "rides", 4, range(1, 60))
+    rides.start()
+    env.cdc("init", check=True)
+    wait_for(lambda: rides.done > 200, 60, "writes to rides")
+    rides.stop()
+    resynced(env, proc, trips, cut)
+
+
+def test_a_resync_table_dropped_is_given_up_until_it_is_back(two):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20, 30, "the first rows")
+    cut = env.current_wal()
+    env.execute("DROP TABLE rides")
+    env.execute("INSERT INTO trips VALUES (500, 5)")
+    record = wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record")
+    assert record["cause"] == "table public.rides dropped", record
+    wait_for(lambda: env.confirmed_flush() > cut, 30, "the slot to move past the drop")
+    wait_for(lambda: any(e["key"] == {"id": 500} for e in read_stream(env.redis, "cdc:trip")), 30, "the trip")
+    env.execute(RIDES + "INSERT INTO rides SELECT g, 3, g FROM generate_series(1, 5) g")
+    env.cdc("init", check=True)
+    trips = Writer(env, "trips", 5, range(1, 10))
+    trips.start()
+    resynced(env, proc, trips, cut)
+
+
+def test_a_stop_table_beside_a_resync_one_still_stops(two):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:trip") == 20, 30, "the first rows")
+    before = env.current_wal()
+    env.execute("DROP TABLE trips")
+    assert proc.wait(30) == 4
+    assert "mapped table public.trips (OID" in proc.log_path.read_text()
+    assert env.confirmed_flush() <= before
+    assert not resync_record(env)
+
+
+def mapping(text: str):
+    return parse_mapping(load_yaml_documents(text, "m.yaml")[0], {})
+
+
+@pytest.mark.one_path
+def test_on_unaccountable_is_validated_with_its_line(env, tmp_path):
+    with pytest.raises(MappingError) as info:
+        mapping(RIDE.replace("resync", "rebuild"))
+    assert info.value.exit_code == 3
+    assert str(info.value).startswith("m.yaml:4: on_unaccountable must be stop or resync, not 'rebuild'"), info.value
+    with pytest.raises(MappingError) as info:
+        mapping(RIDE + "ops: [c, u, d]\n")
+    assert str(info.value).startswith("m.yaml:4: on_unaccountable: resync needs op r in ops"), info.value
+    # a table resyncs only if every mapping of it says resync
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "a.yaml").write_text(RIDE)
+    assert resync_tables(load_mappings(tmp_path / "m", {})) == {("public", "rides")}
+    (tmp_path / "m" / "b.yaml").write_text(RIDE.replace("entity: ride", "entity: ride2").replace("resync", "stop"))
+    assert resync_tables(load_mappings(tmp_path / "m", {})) == set()
+    # cdc check says it in one line, exit 3
+    env.execute(TABLES)
+    env.write_mapping("ride.yaml", RIDE.replace("resync", "yes"))
+    result = env.cdc("check")
+    assert result.returncode == 3, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("cdc: error:")]
+    assert len(lines) == 1 and "ride.yaml:4: on_unaccountable must be stop or resync" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr

@@ -511,15 +511,12 @@ class TableGate:
             record["marker"] = True
             self._save(t)
 
-    def marked(self, t: tuple[str, str], at: int) -> dict | None:
-        """The session decoded `t`'s resync marker at `at`: its record (None: not resyncing, the marker is stale)."""
+    def marked(self, t: tuple[str, str], at: int) -> None:
+        """The session decoded `t`'s resync marker at `at`: the Relations of `t` after it are bound."""
         record = self.resyncing.get(t)
-        if record is None:
-            return None
-        if record["marked_at"] is None or record["marked_at"] < at:
+        if record is not None and (record["marked_at"] is None or record["marked_at"] < at):
             record["marked_at"] = at
             self._save(t)
-        return record
 
     def _resume(self, conn: psycopg.Connection, t: tuple[str, str], now: TableCoverage, publication: Publication) -> None:
         """A resyncing table: once it exists and is published again, bind it anew and queue its backfill."""

@@ -635,9 +635,9 @@ class Session:
             return
         schema, _, name = info["table"].partition(".")
         t = (schema, name)
-        record = self.gate.marked(t, int(self.tx.lsn) if self.tx.open else int(self.ack.ackable))
-        if record is None:
-            return  # resynced already (a marker decoded again after a restart: the stream holds it)
+        # a table resynced already (the marker decoded again after a restart) gets it again all the same: the
+        # stream holds it at this position (its high-water mark drops it), or lost it with the crash
+        self.gate.marked(t, int(self.tx.lsn) if self.tx.open else int(self.ack.ackable))
         data = orjson.dumps({"resync": True, "cause": info["cause"], "vouched": info["vouched"]})
         for m in self.host.mappings:
             if m.table != t:

@@ -275,3 +275,24 @@ def test_on_unaccountable_is_validated_with_its_line(env, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("cdc: error:")]
     assert len(lines) == 1 and "ride.yaml:4: on_unaccountable must be stop or resync" in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_resync_survives_restarts_and_a_table_recreated_while_the_bridge_is_stopped(two):
+    env = two
+    env.cdc("run", "--until-caught-up", check=True)
+    cut = env.current_wal()
+    env.execute("BEGIN; DROP TABLE rides; " + RIDES + " COMMIT; INSERT INTO rides SELECT g, 4, g FROM generate_series(5, 9) g")
+    proc = env.start_bridge()
+    record = wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record at start")
+    assert "dropped and re-created" in record["cause"] and Lsn.parse(record["vouched"]) <= cut, record
+    env.execute("INSERT INTO trips VALUES (600, 6)")
+    wait_for(lambda: env.confirmed_flush() > cut, 30, "the slot to move past the drop")
+    proc.kill()
+    proc.wait(30)
+    env.wait_slot_inactive()
+    env.cdc("init", check=True)
+    env.execute("UPDATE rides SET distance_m = 1 WHERE id = 5; DELETE FROM rides WHERE id = 6")
+    proc = env.start_bridge()
+    trips = Writer(env, "trips", 6, range(1, 30))
+    trips.start()
+    resynced(env, proc, trips, cut)

@@ -286,9 +286,12 @@ def record_current(conn: psycopg.Connection, client: redis.Redis, slot: str, tab
                    since: Lsn, rows: PublicationRows | None = None) -> None:
     """Bind `tables` as they are now, from `since` on (a rebuild's position: what lies before it, it covers);
     `rows`: the publication's rows for them, as of `since`."""
+    tables = list(tables)
     coverage = read_coverage(conn, "", tables)
     # the rebuild holds what the publication left out before, and the next session records the publication anew
     client.hdel(keys.bound_tables_key(slot), GAP_FIELD, PUBLICATION_FIELD, ROWS_FIELD)
+    if tables:  # a resync of them is superseded by the rebuild
+        client.hdel(keys.resync_key(slot), *(_field(t) for t in tables))
     if rows is not None:
         client.hset(keys.bound_tables_key(slot), ROWS_FIELD, rows.encode())
     record_bound(client, slot, {t: Bound(c.oid, since, c.leaves) for t, c in coverage.items() if c.oid is not None})

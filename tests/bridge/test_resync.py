@@ -296,3 +296,22 @@ def test_a_resync_survives_restarts_and_a_table_recreated_while_the_bridge_is_st
     trips = Writer(env, "trips", 6, range(1, 30))
     trips.start()
     resynced(env, proc, trips, cut)
+
+
+def test_recover_supersedes_a_resync(two):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20, 30, "the first rows")
+    env.execute("DROP TABLE rides")
+    wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record")
+    proc.terminate()
+    assert proc.wait(30) == 0
+    env.execute(RIDES + "INSERT INTO rides SELECT g, 5, g FROM generate_series(3, 7) g")
+    env.cdc("init", check=True)
+    env.cdc("recover", check=True)
+    assert not resync_record(env), "cdc recover rebuilt the stream: nothing left to resync"
+    env.execute("INSERT INTO rides VALUES (50, 5, 50)")
+    env.cdc("run", "--until-caught-up", check=True)
+    assert not resync_record(env)
+    assert replay(read_stream(env.redis, "cdc:ride"), reset_at_marker=True) == rides_now(env)
+    assert not env.execute("SELECT 1 FROM cdc_backfills"), "no backfill: the rebuild holds the table"

@@ -126,7 +126,7 @@ def resynced(env, proc, trips: Writer, cut: int) -> None:
     which it replays exactly to the table, the trip stream replays to its table and kept receiving, the bridge runs
     and the slot moved past the cut."""
     wait_for(lambda: not resync_record(env), 90, "the resync to finish")
-    assert state_metric(env) == 0
+    wait_for(lambda: state_metric(env) == 0, 30, "the metric to say streaming")
     env.execute("INSERT INTO rides VALUES (1000, 9, 1000); UPDATE rides SET distance_m = 7 WHERE id = 1000")
     trips.stop()
     env.execute("INSERT INTO trips VALUES (1000, 1000)")
@@ -315,3 +315,21 @@ def test_recover_supersedes_a_resync(two):
     assert not resync_record(env)
     assert replay(read_stream(env.redis, "cdc:ride"), reset_at_marker=True) == rides_now(env)
     assert not env.execute("SELECT 1 FROM cdc_backfills"), "no backfill: the rebuild holds the table"
+
+
+def test_a_resync_table_out_of_the_publication_and_back_while_the_bridge_is_stopped_resyncs(two):
+    env = two
+    env.cdc("run", "--until-caught-up", check=True)
+    cut = env.current_wal()
+    env.execute(f"ALTER PUBLICATION {env.publication} DROP TABLE rides")
+    env.execute("INSERT INTO rides VALUES (300, 1, 300); DELETE FROM rides WHERE id = 2")  # never decoded
+    env.execute(f"ALTER PUBLICATION {env.publication} ADD TABLE rides")
+    env.execute("INSERT INTO trips VALUES (700, 7)")
+    env.cdc("run", "--until-caught-up", check=True)
+    entries = read_stream(env.redis, "cdc:ride")
+    markers = [e for e in entries if e["op"] == "x"]
+    assert len(markers) == 1 and "left publication 'cdc' and came back" in markers[0]["data"]["cause"], markers
+    proc = env.start_bridge()  # until its backfill is done
+    trips = Writer(env, "trips", 7, range(1, 30))
+    trips.start()
+    resynced(env, proc, trips, cut)

@@ -46,6 +46,14 @@ again; freezing keeps ``xmin`` readable), so a row changed and changed back stil
 is recorded as above. A member dropped and added again within one transaction (what `cdc init` does to
 set a column list) never left the publication: its new row was inserted after another write of that
 transaction (``cmin`` above 0), and is taken as it is.
+
+A table every mapping of which says ``on_unaccountable: resync`` is not stopped for when it is dropped,
+dropped and re-created, or taken out of the publication (found by a reading, by a Relation naming it with
+another OID, or by its publication rows): the gate records it in Redis (`keys.resync_key`) before the
+reading vouches for anything past it, writes the ``cdc.resync`` logical message on the primary (where the
+session decodes it, the table's streams get the rebuild marker, op ``x``), and stops checking it; its
+changes are given up until a reading finds it back in the publication, binds it anew and queues an online
+backfill of each of its mappings, whose last chunk clears the record (see docs/concepts/cannot-account.md).
 """
 
 from __future__ import annotations

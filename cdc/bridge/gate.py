@@ -68,15 +68,17 @@ import redis
 
 from .. import keys
 from ..errors import CdcError, MappingError, PrivilegeError, SlotError
-from ..mapping.judge import changed_while_running, filter_refusal
+from ..mapping.judge import changed_while_running, filter_refusal, judge
 from ..mapping.model import Mapping, mapped_columns, resync_tables
+from ..mapping.uniqueness import key_uniqueness_problem
 from ..source.coverage import (PUBLISH, Publication, TableCoverage, identity_problem, operations_problem,
                                publication_problem, read_coverage, read_publication, where_is)
-from ..source.catalog import table_shape
+from ..source.catalog import load_types, table_shape
 from ..source.lsn import Lsn
 from ..source.slot_server import POSITION_SQL
 from ..source.pubcolumns import FILTERS_IN_BRIDGE, plan, sends_less
 from ..source.replication import quote_ident
+from ..source.values import TypeCatalog
 from .backfill import enqueue
 
 __all__ = ["RESYNC_PREFIX", "Bound", "PublicationRows", "TableGate", "load_bound", "load_resync", "needed_operations",
@@ -380,7 +382,7 @@ class TableGate:
         changed = {}
         for t in self.tables:
             bound, now = self.bound.get(t), coverage[t]
-            if self._waiting(t):
+            if self.waiting(t):
                 self._resume(conn, t, now, publication)
                 continue
             if t in self.resync and bound is not None and t not in adopt:
@@ -444,7 +446,7 @@ class TableGate:
         raw, gap = self.client.hmget(key, [ROWS_FIELD, GAP_FIELD])
         if gap is not None:
             return  # a gap is recorded already: the bridge stops on it, and cdc recover records the rows anew
-        checked = [t for t in self.tables if not self._waiting(t)]
+        checked = [t for t in self.tables if not self.waiting(t)]
         now = read_rows(conn, self.publication, checked)
         was = PublicationRows.decode(raw) if raw is not None else None
         if was is not None and was.at is not None and now.at is not None and now.at < was.at:
@@ -500,10 +502,15 @@ class TableGate:
                     "resync); last position vouched for %s", cause, _field(t), vouched)
         self.emit_markers()
 
-    def _waiting(self, t: tuple[str, str]) -> bool:
+    def waiting(self, t: tuple[str, str]) -> bool:
         """A resyncing table not bound again yet: the gate does not check it."""
         record = self.resyncing.get(t)
         return record is not None and record["state"] == "waiting"
+
+    def holding(self, t: tuple[str, str]) -> bool:
+        """`t`'s changes are not published now: it waits to be bound again, or its marker was not decoded yet."""
+        record = self.resyncing.get(t)
+        return record is not None and (record["state"] == "waiting" or record["marked_at"] is None)
 
     def _save(self, t: tuple[str, str]) -> None:
         if self.client is not None:
@@ -536,8 +543,14 @@ class TableGate:
             self.emit_markers()
         if record["state"] != "waiting" or now.oid is None or not now.covered or self.writer is None:
             return
-        if identity_problem(now, publication) is not None or \
-                sends_less(now, self.columns.get(t, ()), self.publication, self.slot) is not None:
+        problem: CdcError | None = identity_problem(now, publication) or \
+            sends_less(now, self.columns.get(t, ()), self.publication) or self._refusal(conn, t)
+        if problem is not None:  # back, but not yet as its mappings need it: said in cdc status until fixed
+            fix = f"back in the publication, but {problem.message}; {problem.hint}"
+            if record.get("fix") != fix:
+                record["fix"] = fix
+                self._save(t)
+                log.warning("%s cannot be resynced yet: %s", _field(t), fix)
             return
         since = Lsn(int(conn.execute(f"SELECT ({POSITION_SQL}) - '0/0'::pg_lsn").fetchone()[0]))
         self.bound[t] = Bound(now.oid, since, now.leaves)
@@ -550,6 +563,25 @@ class TableGate:
         self._save(t)
         log.info("%s is back (OID %d): bound from %s, backfills %s queued to resync its stream", _field(t), now.oid,
                  since, ", ".join(map(str, record["backfills"])))
+
+    def _refusal(self, conn: psycopg.Connection, t: tuple[str, str]) -> MappingError | None:
+        """What refuses a mapping of `t` on the table as it is now (the judge `cdc check` and the binding use, and
+        a key that may name several rows)."""
+        shape = table_shape(conn, *t)
+        if shape is None:
+            return None  # gone again: the next reading finds it missing
+        catalog = TypeCatalog()
+        load_types(conn, catalog, [c.type_oid for c in shape.columns])
+        for m in self.mappings:
+            if m.table == t:
+                try:
+                    judge(m, shape, catalog)
+                except MappingError as exc:
+                    return exc
+                problem = key_uniqueness_problem(conn, m)  # as cdc run refuses it at start
+                if problem is not None:
+                    return problem
+        return None
 
     def backfill_done(self, backfill_id: int) -> None:
         """A backfill's last chunk: a table whose resync backfills are all done streams again."""

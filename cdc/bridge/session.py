@@ -83,6 +83,10 @@ NAP_SHARE = 0.25
 _GUARD_INTERVAL_S = 0.5
 
 
+def _name(t: tuple[str, str]) -> str:
+    return f"{t[0]}.{t[1]}"
+
+
 class Timers:
     """When the loop next does each periodic thing, and when the server was last heard (monotonic s)."""
 
@@ -346,12 +350,18 @@ class Session:
             at = int(tx.lsn) if tx.open else int(self.ack.ackable)
             if self.gate.relation(msg.relid, msg.namespace, msg.name, at):
                 self.targets[msg.relid] = []  # superseded by the resync after its marker
-                self.held_relations.setdefault((msg.namespace or "pg_catalog", msg.name), []).append(msg)
+                held = self.held_relations.setdefault((msg.namespace or "pg_catalog", msg.name), [])
+                held[:] = [h for h in held if h.relid != msg.relid] + [msg]  # the latest description of each
                 return
             try:
                 self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
             except MappingError as exc:
-                self.unbound(msg, at, exc)
+                if not self.hold_unbindable(msg, exc):
+                    self.unbound(msg, at, exc)
+            else:
+                t = (msg.namespace or "pg_catalog", msg.name)
+                if t in self.held_relations:  # described anew: an older description held is stale
+                    self.held_relations[t] = [h for h in self.held_relations[t] if h.relid != msg.relid]
         elif isinstance(msg, pg.Truncate):
             self.counters.changes_read += 1
             route_truncate(msg, self.targets, self.tx, self.batcher, self.windows)
@@ -533,6 +543,8 @@ class Session:
         what was received before the reading started (see `cdc.bridge.gate`); else the bridge stops."""
         received = self.ack.received()
         self.host.verify_tables(self.conn)
+        for t in [t for t in self.held_relations if not self.gate.holding(t)]:  # bound again by this reading
+            self.bind_held(t, int(self.tx.lsn) if self.tx.open else int(self.ack.ackable))
         self.ack.vouched(received)
         self.timers.verify = time.monotonic() + self.status_interval
 
@@ -651,11 +663,30 @@ class Session:
                         self.batcher.add(self.batcher.batch(stream), fields, m.version, self.tx)
                 self.tx.seq += 1
         log.info("resync marker of %s at %s: %s", info["table"], self.tx.lsn, info["cause"])
+        self.bind_held(t, int(self.tx.lsn))
+
+    def bind_held(self, t: tuple[str, str], at: int) -> None:
+        """Bind the Relations of `t` held while its changes were not published."""
         for held in self.held_relations.pop(t, []):
             try:
                 self.targets[held.relid] = self.host.bind(held, self.conn, self.batcher)
             except MappingError as exc:
-                self.unbound(held, int(self.tx.lsn), exc)
+                if not self.hold_unbindable(held, exc):
+                    self.unbound(held, at, exc)
+
+    def hold_unbindable(self, msg: pg.Relation, exc: MappingError) -> bool:
+        """A Relation of a resyncing table its mappings cannot bind yet (a re-created table lacking its key, say):
+        held, its changes left out, until the ack gate finds the table as they need it (`TableGate._resume`),
+        whose backfill, queued then, holds them. False: not a resyncing table waiting (the error stands)."""
+        t = (msg.namespace or "pg_catalog", msg.name)
+        if not self.gate.waiting(t):
+            return False
+        log.info("%s cannot be bound while it waits to be resynced (%s): its changes are left out until then",
+                 _name(t), exc.message)
+        self.targets[msg.relid] = []
+        held = self.held_relations.setdefault(t, [])
+        held[:] = [h for h in held if h.relid != msg.relid] + [msg]  # the latest description of each relation
+        return True
 
     def queue_chunk(self, info: dict, projector: Projector, changed: set) -> tuple[int, int]:
         """A chunk's ``r`` rows: they belong to no source transaction, no END record counts them."""

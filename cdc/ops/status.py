@@ -188,7 +188,8 @@ def _resyncing(client: redis.Redis, slot: str, mappings: Sequence[Mapping]) -> l
         waiting = record["state"] == "waiting"
         out.append({"entity": m.entity, "table": m.qualified_table, "cause": record["cause"], "state": record["state"],
                     "vouched": record["vouched"], "backfills": record.get("backfills") or [],
-                    "fix": RESYNC_FIX if waiting else "none: its backfill is replaying the table into the stream"})
+                    "fix": (record.get("fix") or RESYNC_FIX) if waiting else
+                    "none: its backfill is replaying the table into the stream"})
     return out
 
 

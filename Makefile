@@ -119,6 +119,7 @@ bench: install reconcile-deps
 	$(BIN)/python bench/snapshot.py
 	$(BIN)/python bench/reconcile.py
 	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/resync.py
 
 clean:
 	rm -rf .local $(VENV) *.egg-info site

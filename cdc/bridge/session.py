@@ -349,9 +349,7 @@ class Session:
             tx = self.tx
             at = int(tx.lsn) if tx.open else int(self.ack.ackable)
             if self.gate.relation(msg.relid, msg.namespace, msg.name, at):
-                self.targets[msg.relid] = []  # superseded by the resync after its marker
-                held = self.held_relations.setdefault((msg.namespace or "pg_catalog", msg.name), [])
-                held[:] = [h for h in held if h.relid != msg.relid] + [msg]  # the latest description of each
+                self.hold((msg.namespace or "pg_catalog", msg.name), msg)  # superseded by the resync after its marker
                 return
             try:
                 self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
@@ -683,10 +681,14 @@ class Session:
             return False
         log.info("%s cannot be bound while it waits to be resynced (%s): its changes are left out until then",
                  _name(t), exc.message)
+        self.hold(t, msg)
+        return True
+
+    def hold(self, t: tuple[str, str], msg: pg.Relation) -> None:
+        """Leave out the changes of `msg`'s relation (table `t`) and keep its latest description to bind later."""
         self.targets[msg.relid] = []
         held = self.held_relations.setdefault(t, [])
-        held[:] = [h for h in held if h.relid != msg.relid] + [msg]  # the latest description of each relation
-        return True
+        held[:] = [h for h in held if h.relid != msg.relid] + [msg]
 
     def queue_chunk(self, info: dict, projector: Projector, changed: set) -> tuple[int, int]:
         """A chunk's ``r`` rows: they belong to no source transaction, no END record counts them."""

@@ -281,8 +281,9 @@ class TransactionLane:
         self._largest = 0  # bytes of the largest transaction sent
 
     def reserve(self) -> int:
-        """Bytes Redis may need to queue the next transaction, judged by the largest one so far."""
-        return self._largest * QUEUE_MEMORY_FACTOR
+        """Bytes Redis may need to queue the next transaction, judged by the largest one so far, twice
+        while one is sent and not confirmed: Redis may not have queued it yet when its memory is read."""
+        return self._largest * QUEUE_MEMORY_FACTOR * (2 if self._plan is not None else 1)
 
     def _forget(self) -> None:
         self.marks.clear()

@@ -341,6 +341,8 @@ class TableGate:
         #: the tables every mapping of which says `on_unaccountable: resync`, and those being resynced now
         self.resync = resync_tables(mappings)
         self.resyncing: dict[tuple[str, str], dict] = {}
+        #: backfills whose last chunk this process decoded (one may stand in for a resync's failed backfill)
+        self.completed: set[int] = set()
         self.mappings = [m for m in mappings if m.table is not None]
         #: the primary (the resync marker and backfill are written there), and the last position the ack gate
         #: vouched for (set by the session; `confirmed` before one runs)
@@ -388,6 +390,8 @@ class TableGate:
             if self.waiting(t):
                 self._resume(conn, t, now, publication)
                 continue
+            if t in self.resyncing:
+                self._follow(t)
             if t in self.resync and bound is not None and t not in adopt:
                 cause = self._cause(conn, t, bound, now, publication)
                 if cause is not None:
@@ -590,9 +594,10 @@ class TableGate:
         log.info("%s is back (OID %d): bound from %s, backfills %s queued to resync its stream", _field(t), now.oid,
                  since, ", ".join(map(str, record["backfills"])))
 
-    def _refusal(self, conn: psycopg.Connection, t: tuple[str, str]) -> MappingError | None:
-        """What refuses a mapping of `t` on the table as it is now (the judge `cdc check` and the binding use, and
-        a key that may name several rows)."""
+    def _refusal(self, conn: psycopg.Connection, t: tuple[str, str]) -> CdcError | None:
+        """What refuses a mapping of `t` on the table as it is now (the judge `cdc check` and the binding use, a
+        key that may name several rows), or the bridge's role unable to read its mapped columns for the backfill
+        (a re-created table has lost its grants)."""
         shape = table_shape(conn, *t)
         if shape is None:
             return None  # gone again: the next reading finds it missing
@@ -607,20 +612,69 @@ class TableGate:
                 problem = key_uniqueness_problem(conn, m)  # as cdc run refuses it at start
                 if problem is not None:
                     return problem
+        reader = self.writer if self.writer is not None else conn  # the backfill reads on the primary
+        ident, readable = reader.execute(
+            "SELECT format('%%I.%%I', %s::text, %s::text), bool_and(has_column_privilege(format('%%I.%%I', %s::text, "
+            "%s::text)::regclass, c, 'SELECT')) FROM unnest(%s::text[]) c",
+            (*t, *t, list(self.columns.get(t, ())))).fetchone()
+        if readable is False:
+            role = reader.info.user
+            return PrivilegeError(f"role {role} may not read table {_field(t)} for its backfill",
+                                  hint=f"run: GRANT SELECT ON TABLE {ident} TO {role}")
         return None
 
     def backfill_done(self, backfill_id: int) -> None:
         """A backfill's last chunk: a table whose resync backfills are all done streams again."""
+        self.completed.add(backfill_id)
         for t, record in list(self.resyncing.items()):
             if backfill_id in record["backfills"]:
                 record["backfills"].remove(backfill_id)
-                if record["backfills"]:
-                    self._save(t)
-                    continue
-                del self.resyncing[t]
-                if self.client is not None:
-                    self.client.hdel(keys.resync_key(self.slot), _field(t))
-                log.info("%s resynced: its stream is streaming again", _field(t))
+                self._finish(t)
+
+    def _finish(self, t: tuple[str, str]) -> None:
+        """Save `t`'s record, or clear it once none of its backfills is left: its stream streams again."""
+        if self.resyncing[t]["backfills"]:
+            self._save(t)
+            return
+        del self.resyncing[t]
+        if self.client is not None:
+            self.client.hdel(keys.resync_key(self.slot), _field(t))
+        log.info("%s resynced: its stream is streaming again", _field(t))
+
+    def _follow(self, t: tuple[str, str]) -> None:
+        """A resyncing table's backfills, as `cdc_backfills` has them: one that ended without its last chunk
+        (failed, cancelled) leaves the resync failed, the record naming the backfill, its error and the fix, until
+        a whole backfill of the same mapping queued after it (`cdc backfill --entity ...`) stands in for it."""
+        record = self.resyncing[t]
+        if self.writer is None or not record["backfills"]:
+            return
+        ended = self.writer.execute(
+            "SELECT id, entity, status, error FROM cdc_backfills WHERE id = ANY(%s) "
+            "AND status NOT IN ('pending', 'running', 'done') ORDER BY id", (record["backfills"],)).fetchall()
+        fixes = []
+        for backfill_id, entity, status, error in ended:
+            newer = self.writer.execute(
+                "SELECT id, status FROM cdc_backfills WHERE slot = %s AND entity = %s AND where_sql IS NULL AND id > %s "
+                "AND status IN ('pending', 'running', 'done') ORDER BY id LIMIT 1", (self.slot, entity, backfill_id)).fetchone()
+            if newer is not None and (newer[1] != "done" or newer[0] in self.completed):
+                record["backfills"].remove(backfill_id)
+                if newer[1] != "done":
+                    record["backfills"].append(newer[0])
+                log.info("backfill %d of %s stands in for backfill %d (%s) to resync %s", newer[0], entity, backfill_id,
+                         status, _field(t))
+                continue
+            fixes.append(f"backfill {backfill_id} of {entity} {status}{': ' + error if error else ''}; fix its cause, "
+                         f"then run: cdc backfill --entity {entity} (its last chunk ends the resync), or cdc recover")
+        if fixes:
+            fix = "; ".join(fixes)
+            if record["state"] != "failed" or record.get("fix") != fix:
+                record["state"], record["fix"] = "failed", fix
+                self._save(t)
+                log.error("the resync of %s did not finish: %s", _field(t), fix)
+        elif len(ended):
+            record["state"] = "backfilling"
+            record.pop("fix", None)
+            self._finish(t)
 
     def _record_gap(self, lacking: str) -> None:
         """Record what the publication left out, until `cdc recover`; the first finding stays (it came first)."""

@@ -185,7 +185,7 @@ def _resyncing(client: redis.Redis, slot: str, mappings: Sequence[Mapping]) -> l
         record = records.get(m.table) if m.table is not None else None
         if record is None:
             continue
-        waiting = record["state"] == "waiting"
+        waiting = record["state"] in ("waiting", "failed")  # failed: a backfill of the resync ended without its rows
         out.append({"entity": m.entity, "table": m.qualified_table, "cause": record["cause"], "state": record["state"],
                     "vouched": record["vouched"], "backfills": record.get("backfills") or [],
                     "fix": (record.get("fix") or RESYNC_FIX) if waiting else

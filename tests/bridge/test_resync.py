@@ -505,3 +505,49 @@ def test_a_stop_table_losing_a_column_its_mapping_reads_stops_the_bridge(two):
     assert "column 'km' is not in table public.trips" in log and "Traceback" not in log, log
     assert env.confirmed_flush() <= before
     assert not resync_record(env)
+
+
+def test_as_the_least_privileged_role_a_resync_waits_for_its_grant_and_a_failed_backfill_is_stood_in_for(env, tmp_path):
+    """The how-to's role (cdc_bridge, the grants `cdc sql` prints): a re-created table has lost its grant, so its resync
+    waits naming the GRANT; a resync backfill that fails (the grant revoked under it) leaves the mapping resyncing, the
+    record naming the backfill, its error and the fix, and the `cdc backfill` that fix names ends the resync."""
+    password = "Rs-s3cret-2291"
+    env.execute(TABLES)
+    env.write_mapping("ride.yaml", RIDE)
+    env.write_mapping("trip.yaml", TRIP)
+    port = free_port()
+    env.write_config(f"batch: {{status_interval_s: 0.2, backfill_chunk_rows: 7}}\nhttp: {{host: 127.0.0.1, port: {port}}}\n"
+                     "transactions: {stream: 'cdc:tx'}\n")
+    env.metrics = f"http://127.0.0.1:{port}/metrics"
+    env.execute(env.cdc("sql", check=True).stdout)  # as a superuser, as the how-to says
+    env.execute(f"ALTER ROLE cdc_bridge PASSWORD '{password}'")
+    env.cdc("init", check=True)  # the owner
+    secret = tmp_path / "bridge_dsn"
+    secret.write_text(f"postgresql://cdc_bridge:{password}@127.0.0.1:{env.postgres.port}/{env.dbname}\n")
+    bridge = {"CDC_POSTGRES_DSN_FILE": str(secret)}
+    env.execute("INSERT INTO rides SELECT g, 1, g FROM generate_series(1, 20) g; "
+                "INSERT INTO trips SELECT g, g FROM generate_series(1, 20) g")
+    proc = env.start_bridge(env=bridge)
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20, 30, "the first rows")
+    cut = env.current_wal()
+    env.execute("DROP TABLE rides; " + RIDES + " INSERT INTO rides SELECT g, 2, g FROM generate_series(2001, 12000) g")
+    env.cdc("init", check=True)  # back in the publication, without the grant the old table had
+    grant = "GRANT SELECT ON TABLE public.rides TO cdc_bridge"
+    record = wait_for(lambda: (r := resync_record(env).get("public.rides")) and grant in r.get("fix", "") and r, 30,
+                      "the fix naming the grant")
+    assert record["state"] == "waiting", record
+    assert grant in env.cdc("status", env=bridge, check=True).stdout
+    env.execute(grant)
+    wait_for(lambda: env.execute("SELECT coalesce(max(rows_done), 0) FROM cdc_backfills")[0][0] > 0, 60, "the backfill")
+    env.execute("REVOKE SELECT ON public.rides FROM cdc_bridge")
+    record = wait_for(lambda: (r := resync_record(env).get("public.rides")) and r["state"] == "failed" and r, 60,
+                      "the resync to say its backfill failed")
+    assert "permission denied for table rides" in record["fix"] and "cdc backfill --entity ride" in record["fix"], record
+    status = env.cdc("status", env=bridge, check=True).stdout
+    assert "ride: resyncing" in status and "cdc backfill --entity ride" in status, status
+    assert state_metric(env) == 1
+    env.execute(grant)
+    env.cdc("backfill", "--entity", "ride", "--wait", env=bridge, check=True, timeout=120)
+    trips = Writer(env, "trips", 15, range(1, 30))
+    trips.start()
+    resynced(env, proc, trips, cut)

@@ -392,6 +392,10 @@ class TableGate:
                 continue
             if t in self.resyncing:
                 self._follow(t)
+            if t in self.resync and (bound is None or t in adopt) and self._left_since_init(t, now, publication):
+                what = "dropped" if now.oid is None else f"taken out of publication {self.publication!r}"
+                self._break(t, f"table {_field(t)} {what} after cdc init published it, before a bridge streamed it")
+                continue
             if t in self.resync and bound is not None and t not in adopt:
                 cause = self._cause(conn, t, bound, now, publication)
                 if cause is not None:
@@ -506,6 +510,15 @@ class TableGate:
         if problem is not None:
             return problem.message, problem.hint
         return None
+
+    def _left_since_init(self, t: tuple[str, str], now: TableCoverage, publication: Publication) -> bool:
+        """A table no bridge bound yet, gone or out of the publication although `cdc init` recorded it published
+        (its publication rows): dropped, or dropped and re-created, since. Its changes until then are in the
+        slot, under the OID it had."""
+        if self.client is None or (now.oid is not None and (not publication.exists or now.covered)):
+            return False
+        raw = self.client.hmget(keys.bound_tables_key(self.slot), [ROWS_FIELD])[0]
+        return raw is not None and t in PublicationRows.decode(raw).tables
 
     def give_up(self, t: tuple[str, str], cause: str, fix: str | None = None) -> None:
         """The session found table `t`'s stream unable to go on (a description of it its mappings cannot

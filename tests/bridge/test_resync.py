@@ -551,3 +551,23 @@ def test_as_the_least_privileged_role_a_resync_waits_for_its_grant_and_a_failed_
     trips = Writer(env, "trips", 15, range(1, 30))
     trips.start()
     resynced(env, proc, trips, cut)
+
+
+@pytest.mark.parametrize("step", ["re-created", "dropped"])
+def test_a_resync_table_broken_between_init_and_the_first_run_resyncs(two, step):
+    env = two  # initialised, and rows written: the slot holds them, under the table's first OID
+    cut = env.current_wal()
+    env.execute("DROP TABLE rides; " + (RIDES + " INSERT INTO rides SELECT g, 6, g FROM generate_series(3, 9) g"
+                                        if step == "re-created" else ""))
+    proc = env.start_bridge()
+    record = wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record at start")
+    assert record["cause"].startswith("table public.rides " + ("taken out of publication" if step == "re-created"
+                                                               else "dropped")), record
+    assert "after cdc init published it" in record["cause"], record
+    wait_for(lambda: env.redis.xlen("cdc:trip") == 20, 30, "the trips, streaming on")
+    if step == "dropped":
+        env.execute(RIDES + " INSERT INTO rides SELECT g, 6, g FROM generate_series(3, 9) g")
+    env.cdc("init", check=True)
+    trips = Writer(env, "trips", 16, range(1, 30))
+    trips.start()
+    resynced(env, proc, trips, cut)

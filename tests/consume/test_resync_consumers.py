@@ -275,9 +275,9 @@ def setup(env, reconcile: bool) -> None:
                 "INSERT INTO trips SELECT g, g FROM generate_series(1, 60) g")
 
 
-def break_rides(env, kind: str, rng: random.Random) -> list[int]:
+def break_rides(env, kind: str, rng: random.Random, before_init=lambda: None) -> list[int]:
     """Break the rides table as `kind` says, with transactions over both tables while it is out of the stream;
-    `cdc init` puts it back. The spanning transactions' xids."""
+    `before_init()`, then `cdc init` puts it back. The spanning transactions' xids."""
     if kind == "recreate":
         env.execute("BEGIN; DROP TABLE rides; " + RIDES + "INSERT INTO rides SELECT g, g % 3 + 1, g * 2.25 "
                     f"FROM generate_series({rng.randrange(1, 40)}, {rng.randrange(60, 120)}) g; COMMIT;")
@@ -289,6 +289,7 @@ def break_rides(env, kind: str, rng: random.Random) -> list[int]:
         env.execute(f"ALTER PUBLICATION {env.publication} DROP TABLE rides")
     wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record")
     xids = spanning(env, rng, 3)
+    before_init()
     env.cdc("init", check=True)
     return xids
 
@@ -400,7 +401,8 @@ def test_a_reconciliation_after_a_resync_resets_the_totals_exactly(env, spark):
     """The rocket-rides totals fold each change's before-image into sums: across a resync they are not exact (the
     online backfill's rows come after changes of rows the consumer never had: docs/concepts/cannot-account.md), and
     a reconciliation run once the resync is done sets them exactly to the table while the consumer runs on (a drift
-    added by hand is repaired with the rest); after more writes they stay exact."""
+    added by hand is repaired with the rest); after more writes they stay exact. A reconciliation while the
+    table is resyncing is refused, changing nothing."""
     rng = random.Random(4)
     setup(env, reconcile=True)
     running = Running()
@@ -411,7 +413,23 @@ def test_a_reconciliation_after_a_resync_resets_the_totals_exactly(env, spark):
         wait_for(lambda: env.redis.xlen("cdc:ride") >= 60 and env.redis.xlen("cdc:trip") >= 60, 30, "the bridge to stream")
         writes.start()
         wait_for(lambda: writes.done >= 50, 60, "writes before the break")
-        break_rides(env, "recreate", rng)
+        during: list = []
+
+        def reconcile_during_the_resync() -> None:
+            wait_for(lambda: any(e["op"] == "x" for e in read_stream(env.redis, "cdc:ride")), 30, "the marker")
+            wait_for(lambda: groups_caught_up(env), 30, "the consumers to read the marker")
+            during.append((totals_state(env), reconcile(env, spark)))
+            assert resync_record(env).get("public.rides"), "still resyncing after the reconciliation"
+
+        break_rides(env, "recreate", rng, reconcile_during_the_resync)
+        # refused while resyncing: the snapshot holds the new table, whose rows come later (a reset would count
+        # them twice); nothing changed, and the run is recorded as not repaired
+        [(totals_before, result)] = during
+        [outcome] = result.outcomes
+        assert outcome.status == "failed" and not result.exact, (outcome.status, outcome.reason)
+        assert "public.rides was being resynced at the snapshot" in outcome.reason, outcome.reason
+        assert totals_before == {}, "the consumer emptied its totals at the marker"
+        assert env.execute("SELECT status FROM cdc_reconcile_runs") == [("failed",)]
         after = writes.done + 150
         wait_for(lambda: writes.done >= after, 60, "writes after the break")
         wait_resynced(env, bridge, running, writes)
@@ -431,3 +449,35 @@ def test_a_reconciliation_after_a_resync_resets_the_totals_exactly(env, spark):
     finally:
         writes.halt.set()
         running.stop()
+
+
+def test_a_resync_marker_between_the_hold_and_the_snapshot_refuses_the_reset(env):
+    """The reconciliation's check of its snapshot against a resync: the bridge's record before or after the
+    snapshot names the table, or the stream holds a resync marker after the hold and below the snapshot's
+    position (a whole resync between the two readings of the record). A marker before the hold (a resync
+    over before the snapshot, the record cleared) or at or after the position (the stream resets after the
+    snapshot, as the consumer does) leaves the reset to go on."""
+    from cdc.reconcile.job import _resync_refusal
+
+    client = env.redis
+
+    def add(op: str, lsn: int, data: dict | None = None) -> str:
+        fields = {"op": op, "key": "{}" if op == "x" else '{"id": 1}', "lsn": str(lsn), "seq": "0", "xid": "9",
+                  "ts_ms": "0", "v": "1", "data": orjson.dumps(data or {"id": 1}).decode()}
+        return client.xadd("cdc:ride", fields).decode()
+
+    marker = {"resync": True, "cause": "table public.rides dropped", "vouched": "0/10"}
+    early = add("x", 100, marker)
+    hold = add("c", 110)
+    holds = {"cdc:ride": hold}
+    assert _resync_refusal(client, "public.rides", ["cdc:ride"], holds, 200, {}) == ""
+    assert "public.rides was being resynced" in _resync_refusal(client, "public.rides", ["cdc:ride"], holds, 200,
+                                                                 {"public.rides": "dropped"})
+    assert _resync_refusal(client, "public.rides", ["cdc:ride"], holds, 200, {"public.trips": "dropped"}) == ""
+    add("x", 150, {"rebuilt": True})  # cdc recover's marker: the rows follow at its one position
+    assert _resync_refusal(client, "public.rides", ["cdc:ride"], holds, 200, {}) == ""
+    add("x", 300, marker)  # after the snapshot's position
+    assert _resync_refusal(client, "public.rides", ["cdc:ride"], holds, 200, {}) == ""
+    refused = _resync_refusal(client, "public.rides", ["cdc:ride"], holds, 400, {})  # the marker at 300 is below
+    assert "table public.rides was being resynced at the snapshot (table public.rides dropped)" in refused, refused
+    assert _resync_refusal(client, "public.rides", ["cdc:ride"], {"cdc:ride": early}, 200, {}) == ""

@@ -7,7 +7,8 @@ For each spec (`cdc.reconcile.spec`):
 3. let Spark read the source under that snapshot in parallel and aggregate it (`cdc.reconcile.truth`);
 4. wait until the bridge has published everything committed before P;
 5. per consumer, in its state database: compare and reset (`cdc.reconcile.reset`), and
-   keep the drift report in ``cdc_reconcile_runs`` / ``cdc_drift``;
+   keep the drift report in ``cdc_reconcile_runs`` / ``cdc_drift``; a consumer whose entity's table
+   was being resynced at P (`on_unaccountable: resync`) is refused instead (`_resync_refusal`);
 6. release the holds.
 """
 

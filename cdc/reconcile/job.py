@@ -7,12 +7,14 @@ For each spec (`cdc.reconcile.spec`):
 3. let Spark read the source under that snapshot in parallel and aggregate it (`cdc.reconcile.truth`);
 4. wait until the bridge has published everything committed before P;
 5. per consumer, in its state database: compare and reset (`cdc.reconcile.reset`), and
-   keep the drift report in ``cdc_reconcile_runs`` / ``cdc_drift``;
+   keep the drift report in ``cdc_reconcile_runs`` / ``cdc_drift``; a consumer whose entity's table
+   was being resynced at P (`on_unaccountable: resync`) is refused instead (`_resync_refusal`);
 6. release the holds.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -27,11 +29,12 @@ from .. import keys
 from ..consume.checkpoint import Apply
 from ..config import Settings
 from ..errors import CdcError, ConfigError, TransientError
-from ..sink.entry import reply_text
+from ..sink.entry import parse_stream_id, reply_text
 from .exported_snapshot import ExportedSnapshot, import_snapshot
 from ..loader import load_callable
 from ..source.lsn import Lsn
 from ..mapping.model import Mapping
+from ..consume.replay import read_range
 from .spec import ConsumerTarget, ReconcileSpec
 from ..sink.redisconn import connect_redis
 from ..source.replication import classify_pg_error, quote_ident
@@ -245,7 +248,8 @@ def _refuse_volatile_calls(conn: psycopg.Connection, spec: ReconcileSpec) -> Non
                           hint="read with plain SELECT expressions and immutable or stable functions (count, sum, lower, ...)")
 
 
-Targets = list[tuple[ConsumerTarget, list[str], Apply]]
+#: per consumer: its target, its entity's streams, its apply function and its entity's table ("schema.table")
+Targets = list[tuple[ConsumerTarget, list[str], Apply, str]]
 
 
 def preflight(settings: Settings, mappings: Sequence[Mapping], spec: ReconcileSpec) -> Targets:
@@ -259,7 +263,8 @@ def preflight(settings: Settings, mappings: Sequence[Mapping], spec: ReconcileSp
         if target.entity not in by_entity:
             raise ConfigError(f"{target.where}: no mapping for entity {target.entity!r}",
                               hint=f"entities: {', '.join(sorted(by_entity))}")
-        targets.append((target, by_entity[target.entity].stream_keys(), load_callable(target.handler)))
+        mapping = by_entity[target.entity]
+        targets.append((target, mapping.stream_keys(), load_callable(target.handler), mapping.qualified_table))
         _check_state_database(spec, target, _state_dsn(settings, target))
     return targets
 
@@ -278,12 +283,13 @@ def reconcile_spec(
     consumer, what was found and done."""
     started_wall, started = time.time(), time.monotonic()
     result = SpecResult(spec)
-    all_streams = sorted({s for _, streams, _ in targets for s in streams})
+    all_streams = sorted({s for _, streams, _, _ in targets for s in streams})
     dsn = settings.postgres.dsn
     client = connect_redis(settings.redis)
     holder = f"reconcile:{spec.name}:{uuid.uuid4().hex[:8]}"
     holds: dict[str, str] = {}
     try:
+        resyncing = _resyncing(client, settings.postgres.slot)  # before the snapshot
         _hold(client, all_streams, holder, holds)
         truth = _read_truth(dsn, spec, spark, result, say, progress)
         with truth:  # its rows spill to a temporary file: remove it when done
@@ -296,9 +302,11 @@ def reconcile_spec(
                 say(f"{spec.name}: {truth.skipped_null_keys} source rows have a null key and belong to no state row")
             _wait_for_bridge(settings.postgres.slot_dsn or dsn, settings.postgres.slot, result.position,
                              settings.reconcile.wait_for_bridge_s, say)  # where the slot lives
-            for target, streams, apply in targets:
+            resyncing.update(_resyncing(client, settings.postgres.slot))  # after it
+            for target, streams, apply, table in targets:
+                refused = _resync_refusal(client, table, streams, holds, int(result.position), resyncing)
                 outcome = _reset_target(settings, client, spec, target, streams, apply, holds, truth, result,
-                                        started_wall, dry_run)
+                                        started_wall, dry_run, refused)
                 result.outcomes.append(outcome)
                 say(f"{spec.name}: consumer {target.name}: {describe(outcome)}")
     except redis.ConnectionError as exc:
@@ -336,11 +344,54 @@ def _read_truth(dsn: str, spec: ReconcileSpec, spark, result: SpecResult, say: C
     return truth
 
 
+def _resyncing(client: redis.Redis, slot: str) -> dict[str, str]:
+    """The tables the bridge of `slot` is resyncing now (`on_unaccountable: resync`): "schema.table" -> cause."""
+    out = {}
+    for table, record in client.hgetall(keys.resync_key(slot)).items():
+        try:
+            cause = str(json.loads(record).get("cause", ""))
+        except (ValueError, AttributeError):
+            cause = ""
+        out[reply_text(table)] = cause
+    return out
+
+
+def _resync_refusal(client: redis.Redis, table: str, streams: Sequence[str], holds: dict[str, str], position: int,
+                    resyncing: dict[str, str]) -> str:
+    """Why no reset of a consumer of `table` from the snapshot at `position` can be exact, or "": its table was
+    resyncing when the snapshot was taken (in the bridge's record before or after it, or a resync marker in its
+    streams after the hold and before the snapshot). The snapshot then holds rows the stream brings only later,
+    with the online backfill's `r` rows after the position: truth plus what the consumer applies after it would
+    count them twice."""
+    cause = resyncing.get(table)
+    if cause is None:
+        for stream in streams:
+            hold = holds.get(stream, "0-0")
+            start = "-" if parse_stream_id(hold) == (0, 0) else "(" + hold
+            for e in read_range(client, stream, start, on_foreign=lambda error: None):
+                if e.lsn >= position:
+                    break
+                if e.op == "x" and isinstance(e.data, dict) and e.data.get("resync") is True:
+                    cause = str(e.data.get("cause", ""))
+            if cause is not None:
+                break
+    if cause is None:
+        return ""
+    return (f"table {table} was being resynced at the snapshot ({cause or 'on_unaccountable: resync'}): its stream "
+            "is rebuilt by an online backfill after the snapshot's position, so no reset from this snapshot is exact; "
+            "nothing changed; run the reconciliation again once cdc status shows it streaming")
+
+
 def _reset_target(settings: Settings, client, spec: ReconcileSpec, target, streams, apply, holds: dict[str, str],
-                  truth, result: SpecResult, started_wall: float, dry_run: bool) -> ResetOutcome:
-    """Compare one consumer's state with the truth and reset it (unless `dry_run`); the run recorded."""
+                  truth, result: SpecResult, started_wall: float, dry_run: bool, refused: str = "") -> ResetOutcome:
+    """Compare one consumer's state with the truth and reset it (unless `dry_run`); the run recorded. `refused`:
+    why no reset can be exact, recorded as the outcome with nothing compared or changed."""
     try:
         with psycopg.connect(_state_dsn(settings, target), autocommit=True, connect_timeout=10) as conn:
+            if refused:
+                outcome = ResetOutcome(target.name, status="failed", reason=refused)
+                _record(conn, result, outcome, started_wall, dry_run)
+                return outcome
             outcome = reset_consumer(
                 conn, client, spec, target, streams, int(result.position), holds, truth, apply,
                 dry_run=dry_run, lock_timeout_s=settings.reconcile.lock_timeout_s,
@@ -372,6 +423,6 @@ def describe(outcome: ResetOutcome) -> str:
         "failed": f"NOT repaired: {outcome.reason}",
         "never": outcome.reason,
     }[outcome.status]
-    if outcome.status == "never":
+    if outcome.status == "never" or (outcome.status == "failed" and not outcome.streams):  # nothing compared
         return verdict
     return f"{found} ({where}; {moved}): {verdict}"

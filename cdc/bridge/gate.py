@@ -48,12 +48,15 @@ set a column list) never left the publication: its new row was inserted after an
 transaction (``cmin`` above 0), and is taken as it is.
 
 A table every mapping of which says ``on_unaccountable: resync`` is not stopped for when it is dropped,
-dropped and re-created, or taken out of the publication (found by a reading, by a Relation naming it with
-another OID, or by its publication rows): the gate records it in Redis (`keys.resync_key`) before the
-reading vouches for anything past it, writes the ``cdc.resync`` logical message on the primary (where the
-session decodes it, the table's streams get the rebuild marker, op ``x``), and stops checking it; its
-changes are given up until a reading finds it back in the publication, binds it anew and queues an online
-backfill of each of its mappings, whose last chunk clears the record (see docs/concepts/cannot-account.md).
+dropped and re-created, renamed or moved, taken out of the publication, sent with fewer columns or rows than
+its mappings read, or its partitions changed beyond an empty newcomer (found by a reading, by a Relation naming
+it with another OID or naming its OID under another name, or by its publication rows), nor when a Relation of
+it cannot be bound (a column its mappings read dropped; `TableGate.give_up`, from the session): the gate
+records it in Redis (`keys.resync_key`) before the reading vouches for anything past it, writes the
+``cdc.resync`` logical message on the primary (where the session decodes it, the table's streams get the
+rebuild marker, op ``x``), and stops checking it; its changes are given up until a reading finds it back in
+the publication as its mappings need it, binds it anew and queues an online backfill of each of its
+mappings, whose last chunk clears the record (see docs/concepts/cannot-account.md).
 """
 
 from __future__ import annotations
@@ -388,7 +391,7 @@ class TableGate:
             if t in self.resync and bound is not None and t not in adopt:
                 cause = self._cause(conn, t, bound, now, publication)
                 if cause is not None:
-                    self._break(t, cause)
+                    self._break(t, *cause)
                     continue
             if now.partitioned and publication.exists and not publication.via_root:
                 # its changes come as those of its partitions, which no mapping reads: _judge stops the bridge
@@ -402,7 +405,13 @@ class TableGate:
             if t in adopt:
                 changed[t] = replace(bound, leaves=now.leaves)
             elif now.leaves != bound.leaves:
-                changed[t] = self._partitions(conn, t, bound, now)
+                problem = self._partition_change(conn, t, bound, now)
+                if problem is not None and t in self.resync:
+                    self._break(t, problem)  # bound again with its partitions as they are by the next reading
+                    continue
+                if problem is not None:
+                    raise SlotError(f"{problem}, slot {self.slot} held before that", hint=f"run: {RECOVER}")
+                changed[t] = replace(bound, leaves=now.leaves)
         self._rows(conn)
         if not self.told:
             self._tell(publication, coverage)
@@ -472,24 +481,41 @@ class TableGate:
     # -- on_unaccountable: resync ---------------------------------------------------------------
 
     def _cause(self, conn: psycopg.Connection, t: tuple[str, str], bound: Bound, now: TableCoverage,
-               publication: Publication) -> str | None:
-        """What a `resync` table went through that its stream cannot account for, if it is a case resynced:
-        dropped, dropped and re-created, taken out of the publication. Anything else stops the bridge."""
+               publication: Publication) -> tuple[str, str | None] | None:
+        """What a `resync` table went through that its stream cannot account for, if it is a case resynced
+        (dropped, dropped and re-created, renamed or moved away, taken out of the publication, the publication
+        sending fewer of its columns or rows), and the fix while it waits (None: `RESYNC_FIX`). Anything else
+        stops the bridge."""
         name = _field(t)
         if now.oid is None:
-            return None if where_is(conn, bound.oid) is not None else f"table {name} dropped"  # renamed: stops
+            moved = where_is(conn, bound.oid)
+            if moved is None:
+                return f"table {name} dropped", None
+            return (f"table {name} renamed or moved: it is now {moved}",
+                    f"waiting for a table named {name} in the publication again (rename it back, or map {moved}: "
+                    "fix the mapping, then cdc init)")
         if now.oid != bound.oid:
-            return f"table {name} dropped and re-created (OID {bound.oid}, now {now.oid})"
+            return f"table {name} dropped and re-created (OID {bound.oid}, now {now.oid})", None
         if publication.exists and not now.covered and not (now.partitioned and not publication.via_root):
-            return f"table {name} taken out of publication {self.publication!r}"
+            return f"table {name} taken out of publication {self.publication!r}", None
+        problem = sends_less(now, self.columns.get(t, ()), self.publication)
+        if problem is not None:
+            return problem.message, problem.hint
         return None
 
-    def _break(self, t: tuple[str, str], cause: str) -> None:
+    def give_up(self, t: tuple[str, str], cause: str, fix: str | None = None) -> None:
+        """The session found table `t`'s stream unable to go on (a description of it its mappings cannot
+        bind): resync it (`t` is a `resync` table)."""
+        self._break(t, cause, fix)
+
+    def _break(self, t: tuple[str, str], cause: str, fix: str | None = None) -> None:
         """Give up table `t`'s changes knowingly: record it in Redis (before the slot may move past the change),
         then mark the place in the WAL (`RESYNC_PREFIX`); the gate no longer checks it until it is back."""
         vouched = self.vouched() if self.vouched is not None else self.confirmed
         record = {"cause": cause, "vouched": str(vouched), "state": "waiting", "marker": False, "marked_at": None,
                   "backfills": []}
+        if fix is not None:
+            record["fix"] = fix
         self.resyncing[t] = record
         self._save(t)
         if self.client is not None:  # its catalog rows are read anew once it is bound again
@@ -670,13 +696,20 @@ class TableGate:
 
     def _partitions(self, conn: psycopg.Connection, t: tuple[str, str], bound: Bound, now: TableCoverage) -> Bound:
         """The partitions changed: empty newcomers are bound as they are; anything else stops the bridge."""
+        problem = self._partition_change(conn, t, bound, now)
+        if problem is not None:
+            raise SlotError(f"{problem}, slot {self.slot} held before that", hint=f"run: {RECOVER}")
+        return replace(bound, leaves=now.leaves)
+
+    def _partition_change(self, conn: psycopg.Connection, t: tuple[str, str], bound: Bound,
+                          now: TableCoverage) -> str | None:
+        """What the partitions' change did that no change published (a partition gone, or one that joined holding
+        rows), or None: empty newcomers are bound as they are."""
         name = _field(t)
         gone = [oid for oid in bound.leaves if oid not in now.leaves]
         if gone:
             names = ", ".join(where_is(conn, oid) or f"OID {oid} (dropped)" for oid in gone)
-            raise SlotError(
-                f"partition {names} left mapped table {name}: its rows left the table without delete changes, "
-                f"slot {self.slot} held before that", hint=f"run: {RECOVER}")
+            return f"partition {names} left mapped table {name}: its rows left the table without delete changes"
         for oid in now.leaves:
             if oid in bound.leaves:
                 continue
@@ -697,11 +730,9 @@ class TableGate:
                     f"whether it brought rows: {str(exc).strip()}",
                     hint=f"run: GRANT SELECT ON TABLE {leaf} TO {conn.info.user}, then cdc run") from exc
             if holds:
-                raise SlotError(
-                    f"partition {leaf} joined mapped table {name} holding rows that no change published, "
-                    f"slot {self.slot} held before that", hint=f"run: {RECOVER}")
+                return f"partition {leaf} joined mapped table {name} holding rows that no change published"
             log.info("partition %s joined %s empty: bound", leaf, name)
-        return replace(bound, leaves=now.leaves)
+        return None
 
     def recorded_problems(self, conn: psycopg.Connection, client: redis.Redis) -> list[CdcError]:
         """What `cdc run` would refuse at start about the tables it bound before (for `cdc check`); changes
@@ -737,7 +768,7 @@ class TableGate:
     def relation(self, relid: int, namespace: str, name: str, commit_lsn: int) -> bool:
         """A Relation message: a mapped name with another OID, or a bound OID under another name, stops the
         bridge, unless its transaction lies before the binding (history a rebuild covers). A `resync` table's
-        name with another OID starts its resync instead. True: the relation's changes are not published (a
+        name with another OID, or its OID under another name, starts its resync instead. True: the relation's changes are not published (a
         resyncing table's, before its resync marker: the backfill after the marker supersedes them)."""
         t = (namespace or "pg_catalog", name)
         bound = self.bound.get(t)
@@ -756,9 +787,16 @@ class TableGate:
             raise SlotError(
                 f"the stream names mapped table {_field(t)} with OID {relid}, not the OID {bound.oid} bound: it was "
                 f"dropped and re-created, slot {self.slot} held before it", hint=f"run: cdc init, then {RECOVER}")
+        assert other is not None
         was = self.bound[other]
         if commit_lsn < was.since:
             return False
+        if other in self.resync:
+            if not self.waiting(other):  # renamed or moved away: the name it had is resynced once it is back
+                self._break(other, f"table {_field(other)} renamed or moved: the stream names it {_field(t)}",
+                            f"waiting for a table named {_field(other)} in the publication again (rename it back, "
+                            f"or map {_field(t)}: fix the mapping, then cdc init)")
+            return True
         raise SlotError(
             f"mapped table {_field(other)} (OID {relid}) was renamed or moved: the stream names it {_field(t)}, a name "
             f"no mapping reads, slot {self.slot} held before its changes under that name",

@@ -38,6 +38,7 @@ from ..source.catalog import load_types, table_shape
 from ..source.deadline import ConnectionSilent, bounded
 from ..source.framing import PrimaryKeepalive, parse_copy_data
 from ..source.lsn import Lsn
+from ..source.pubcolumns import ColumnsNotSent
 from ..source.replication import ReplicationStream
 from ..source.values import TypeCatalog
 from .ack import Acknowledger
@@ -349,12 +350,16 @@ class Session:
             tx = self.tx
             at = int(tx.lsn) if tx.open else int(self.ack.ackable)
             if self.gate.relation(msg.relid, msg.namespace, msg.name, at):
-                self.hold((msg.namespace or "pg_catalog", msg.name), msg)  # superseded by the resync after its marker
+                t = (msg.namespace or "pg_catalog", msg.name)
+                if self.gate.by_oid.get(msg.relid, t) != t:
+                    self.targets[msg.relid] = []  # a resyncing table renamed away: described anew once it is back
+                else:
+                    self.hold(t, msg)  # superseded by the resync after its marker
                 return
             try:
                 self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
-            except MappingError as exc:
-                if not self.hold_unbindable(msg, exc):
+            except (MappingError, ColumnsNotSent) as exc:
+                if not self.hold_unbindable(msg, exc, at):
                     self.unbound(msg, at, exc)
             else:
                 t = (msg.namespace or "pg_catalog", msg.name)
@@ -407,14 +412,16 @@ class Session:
         self.committed(tx.commit_at(int(msg.end_lsn)))
         t.heard = now()  # the connection was not read meanwhile: its silence starts now
 
-    def unbound(self, msg: pg.Relation, at: int, exc: MappingError) -> None:
-        """A Relation the mappings cannot bind, in a transaction before a rebuild of its table (`cdc recover`
-        recorded it in the gate's binding, `since`): the rebuild holds what its changes did, so they are
-        skipped, until a Relation that binds. None can be in force from `since` on: pgoutput describes a
+    def unbound(self, msg: pg.Relation, at: int, exc: MappingError | ColumnsNotSent) -> None:
+        """A Relation the mappings cannot bind, in a transaction before a rebuild of its table (`cdc recover`, or
+        a resync binding the table again, recorded it in the gate's binding, `since`): the rebuild holds what its
+        changes did, so they are skipped, until a Relation that binds (a column the publication did not send: for
+        a `resync` table only; any other stops). None can be in force from `since` on: pgoutput describes a
         relation again before its first change after any change of its schema, and `cdc recover` refuses a
         table its mappings cannot bind when it rebuilds. Any other is the error now."""
-        bound = self.gate.bound.get((msg.namespace or "pg_catalog", msg.name))
-        if bound is None or at >= bound.since:
+        t = (msg.namespace or "pg_catalog", msg.name)
+        bound = self.gate.bound.get(t)
+        if bound is None or at >= bound.since or (isinstance(exc, ColumnsNotSent) and t not in self.gate.resync):
             raise exc
         log.info("%s.%s as its changes at %s were written cannot be bound (%s); the rebuild at %s holds them: "
                  "skipped", msg.namespace, msg.name, Lsn(at), exc.message, bound.since)
@@ -668,17 +675,23 @@ class Session:
         for held in self.held_relations.pop(t, []):
             try:
                 self.targets[held.relid] = self.host.bind(held, self.conn, self.batcher)
-            except MappingError as exc:
-                if not self.hold_unbindable(held, exc):
+            except (MappingError, ColumnsNotSent) as exc:
+                if not self.hold_unbindable(held, exc, at):
                     self.unbound(held, at, exc)
 
-    def hold_unbindable(self, msg: pg.Relation, exc: MappingError) -> bool:
-        """A Relation of a resyncing table its mappings cannot bind yet (a re-created table lacking its key, say):
-        held, its changes left out, until the ack gate finds the table as they need it (`TableGate._resume`),
-        whose backfill, queued then, holds them. False: not a resyncing table waiting (the error stands)."""
+    def hold_unbindable(self, msg: pg.Relation, exc: MappingError | ColumnsNotSent, at: int) -> bool:
+        """A Relation of a `resync` table its mappings cannot bind (a re-created table lacking its key, a column a
+        mapping reads dropped or not sent, say): its resync starts if it is not waiting already, and the Relation
+        is held, its changes left out, until the ack gate finds the table as they need it (`TableGate._resume`),
+        whose backfill, queued then, holds them. False: not a `resync` table (the error stands), or a description
+        from before its binding (`unbound` judges it)."""
         t = (msg.namespace or "pg_catalog", msg.name)
         if not self.gate.waiting(t):
-            return False
+            bound = self.gate.bound.get(t)
+            if t not in self.gate.resync or bound is None or at < bound.since:
+                return False
+            self.gate.give_up(t, f"table {_name(t)} as the stream describes it cannot be streamed: {exc.message}",
+                              f"waiting for the table to be as its mappings need it ({exc.hint})")
         log.info("%s cannot be bound while it waits to be resynced (%s): its changes are left out until then",
                  _name(t), exc.message)
         self.hold(t, msg)

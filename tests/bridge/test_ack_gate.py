@@ -311,8 +311,9 @@ def test_init_sets_publish_via_partition_root_on_an_existing_publication(meas, t
 
 # -- the Relation rule, without servers ------------------------------------------------------------
 
-def gate_with(bound: dict) -> TableGate:
-    ride = parse_mapping(load_yaml_documents("entity: ride\ntable: public.rides\nkey: [id]\nfields: {id: id}\n",
+def gate_with(bound: dict, resync: bool = False) -> TableGate:
+    policy = "on_unaccountable: resync\n" if resync else ""
+    ride = parse_mapping(load_yaml_documents(f"entity: ride\ntable: public.rides\nkey: [id]\n{policy}fields: {{id: id}}\n",
                                              "m.yaml")[0], {})
     gate = TableGate("s", "p", [ride])
     gate.bound = bound
@@ -334,6 +335,28 @@ def test_a_relation_message_is_checked_against_the_tables_bound(relid, name, lsn
             gate.relation(relid, "public", name, lsn)
     else:
         gate.relation(relid, "public", name, lsn)
+
+
+@pytest.mark.parametrize("relid, name, lsn, resyncs", [
+    (100, "rides", 5000, False),  # the table bound
+    (200, "rides", 5000, True),  # the name, another table: re-created
+    (200, "rides", 999, False),  # ... in a transaction before the binding: history a rebuild covers
+    (100, "rides_old", 5000, True),  # the table bound, under another name: renamed
+    (100, "rides_old", 999, False),  # ... before the binding
+    (300, "other", 5000, False),  # not mapped
+])
+def test_a_relation_message_of_a_resync_table_starts_its_resync_instead_of_stopping(relid, name, lsn, resyncs):
+    gate = gate_with({("public", "rides"): Bound(100, Lsn(1000), (100,))}, resync=True)
+    assert gate.relation(relid, "public", name, lsn) is resyncs
+    assert bool(gate.resyncing) is resyncs
+    if resyncs:
+        record = gate.resyncing[("public", "rides")]
+        assert record["state"] == "waiting", record
+        assert ("renamed or moved: the stream names it public.rides_old" if name == "rides_old" else
+                "dropped and re-created (OID 100, now 200)") in record["cause"], record
+        # described again before its marker: still left out, and not broken twice
+        assert gate.relation(relid, "public", name, lsn + 10) is True
+        assert gate.resyncing[("public", "rides")] is record
 
 
 def test_bound_tables_round_trip_through_their_record():

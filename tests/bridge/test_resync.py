@@ -1,6 +1,7 @@
-"""`on_unaccountable: resync`: a mapped table the bridge cannot account for (dropped, dropped and re-created, taken
-out of the publication) gives up its changes knowingly, says so in its stream (op x, `"resync": true`) and is
-brought back to the table's state by an online backfill, while the bridge and the other mappings stream on."""
+"""`on_unaccountable: resync`: a mapped table the bridge cannot account for (dropped, dropped and re-created, renamed,
+taken out of the publication, sent with fewer columns, a column dropped, its partitions changed) gives up its changes
+knowingly, says so in its stream (op x, `"resync": true`) and is brought back to the table's state by an online
+backfill, while the bridge and the other mappings stream on."""
 
 from __future__ import annotations
 
@@ -361,3 +362,146 @@ def test_a_recreated_table_its_mappings_cannot_take_yet_waits_saying_why(two, ta
     trips = Writer(env, "trips", 8, range(1, 30))
     trips.start()
     resynced(env, proc, trips, cut)
+
+
+def test_a_resync_table_renamed_away_and_back_resyncs_while_the_other_streams_on(two):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20 and env.redis.xlen("cdc:trip") == 20, 30, "the first rows")
+    trips = Writer(env, "trips", 9, range(1, 60))
+    trips.start()
+    cut = env.current_wal()
+    env.execute("ALTER TABLE rides RENAME TO rides_old")
+    env.execute("INSERT INTO rides_old VALUES (400, 4, 400); DELETE FROM rides_old WHERE id = 5")  # not rides now
+    record = wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record")
+    assert "renamed or moved" in record["cause"] and "public.rides_old" in record["cause"], record
+    assert record["state"] == "waiting" and "rename it back" in record["fix"], record
+    status = env.cdc("status")
+    assert "ride: resyncing" in status.stdout and "rename it back" in status.stdout, status.stdout
+    wait_for(lambda: env.confirmed_flush() > cut, 30, "the slot to move past the rename")
+    env.execute("INSERT INTO rides_old VALUES (401, 4, 401)")
+    env.execute("ALTER TABLE rides_old RENAME TO rides")
+    env.execute("UPDATE rides SET distance_m = 3 WHERE id = 400")
+    rides = Writer(env, "rides", 10, range(1, 60))
+    rides.start()
+    wait_for(lambda: rides.done > 100, 60, "writes to rides")
+    rides.stop()
+    resynced(env, proc, trips, cut)
+
+
+@pytest.mark.parametrize("two", ["init", "all tables"], indirect=True)
+def test_a_resync_table_losing_a_column_its_mapping_reads_waits_until_it_is_back(two, request):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20, 30, "the first rows")
+    trips = Writer(env, "trips", 11, range(1, 60))
+    trips.start()
+    cut = env.current_wal()
+    # under cdc init's column list the publication depends on the column: dropped with it, the table leaves it
+    cascade = " CASCADE" if request.node.callspec.params["two"] == "init" else ""
+    env.execute(f"ALTER TABLE rides DROP COLUMN rider_id{cascade}; INSERT INTO rides VALUES (500, 500)")
+    says = "taken out of publication" if cascade else "rider_id"
+
+    def found() -> dict | None:  # out of the publication: waits for it first; else its fix names the column
+        r = resync_record(env).get("public.rides")
+        return r if r and (cascade or "rider_id" in r.get("fix", "")) else None
+
+    record = wait_for(found, 30, "the record and its fix")
+    assert record["state"] == "waiting" and says in record["cause"], record
+    wait_for(lambda: env.confirmed_flush() > cut, 30, "the slot to move past the change")
+    env.execute("UPDATE rides SET distance_m = 1 WHERE id = 500; DELETE FROM rides WHERE id = 7")
+    env.execute("ALTER TABLE rides ADD COLUMN rider_id bigint NOT NULL DEFAULT 7")
+    if cascade:
+        env.cdc("init", check=True)
+    rides = Writer(env, "rides", 12, range(1, 60))
+    rides.start()
+    wait_for(lambda: rides.done > 100, 60, "writes to rides")
+    rides.stop()
+    resynced(env, proc, trips, cut)
+
+
+def test_a_resync_table_whose_publication_sends_fewer_columns_resyncs_after_init(two):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20, 30, "the first rows")
+    trips = Writer(env, "trips", 13, range(1, 60))
+    trips.start()
+    cut = env.current_wal()
+    env.execute(f"ALTER PUBLICATION {env.publication} SET TABLE rides (id, distance_m), trips; "
+                "INSERT INTO rides VALUES (600, 6, 600)")
+    record = wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record")
+    assert "rider_id" in record["cause"] and "cdc init" in record["fix"], record
+    wait_for(lambda: env.confirmed_flush() > cut, 30, "the slot to move past the change")
+    assert proc.poll() is None, proc.log_path.read_text()
+    env.cdc("init", check=True)
+    resynced(env, proc, trips, cut)
+
+
+MEAS = """
+CREATE TABLE public.meas (id bigint NOT NULL, at int NOT NULL, val int, PRIMARY KEY (id, at)) PARTITION BY RANGE (at);
+CREATE TABLE public.meas_0 PARTITION OF meas FOR VALUES FROM (0) TO (100);
+CREATE TABLE public.meas_1 PARTITION OF meas FOR VALUES FROM (100) TO (200);
+"""
+MEAS_MAPPING = """entity: meas
+table: public.meas
+key: [id, at]
+on_unaccountable: resync
+fields: {id: id, at: at, val: val}
+"""
+
+
+def meas_now(env) -> dict:
+    return {(i, a): {"id": i, "at": a, "val": v} for i, a, v in env.execute("SELECT id, at, val FROM meas")}
+
+
+def meas_replayed(entries: list) -> dict:
+    """The meas stream replayed (its ids are unique across partitions), by (id, at)."""
+    return {(r["id"], r["at"]): r for r in replay(entries, reset_at_marker=True).values()}
+
+
+@pytest.mark.parametrize("step", ["detach", "attach holding rows"])
+def test_a_resync_partitioned_table_whose_partitions_change_resyncs(two, step):
+    env = two
+    env.execute(MEAS)
+    env.write_mapping("meas.yaml", MEAS_MAPPING)
+    env.cdc("init", check=True)
+    env.execute("INSERT INTO meas SELECT g, g % 200, g FROM generate_series(1, 40) g")
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:meas") == 40, 30, "the first rows")
+    trips = Writer(env, "trips", 14, range(1, 60))
+    trips.start()
+    cut = env.current_wal()
+    if step == "detach":
+        env.execute("ALTER TABLE meas DETACH PARTITION meas_1")
+        says = "partition public.meas_1 left mapped table public.meas"
+    else:
+        env.execute("CREATE TABLE meas_2 (LIKE meas INCLUDING ALL); INSERT INTO meas_2 VALUES (900, 250, 9), (901, 260, 9)")
+        env.execute("ALTER TABLE meas ATTACH PARTITION meas_2 FOR VALUES FROM (200) TO (300)")
+        says = "partition public.meas_2 joined mapped table public.meas holding rows"
+    env.execute("INSERT INTO meas VALUES (1000, 50, 1), (1001, 51, 1); UPDATE meas SET val = 0 WHERE id = 3")
+    record = wait_for(lambda: resync_record(env).get("public.meas"), 30, "the resync record")
+    assert record["cause"].startswith(says), record
+    wait_for(lambda: not resync_record(env), 90, "the resync to finish")
+    env.execute("INSERT INTO meas VALUES (1002, 52, 2); DELETE FROM meas WHERE id = 4")
+    trips.stop()
+    wait_for(lambda: meas_replayed(read_stream(env.redis, "cdc:meas")) == meas_now(env), 60,
+             "the meas stream to replay to its table")
+    wait_for(lambda: replay(read_stream(env.redis, "cdc:trip")) == trips_now(env), 60, "the trips to be exact")
+    assert env.confirmed_flush() > cut
+    assert proc.poll() is None, proc.log_path.read_text()
+    markers = [e for e in read_stream(env.redis, "cdc:meas") if e["op"] == "x"]
+    assert len(markers) == 1 and markers[0]["data"]["cause"].startswith(says), markers
+
+
+@pytest.mark.parametrize("two", ["all tables"], indirect=True)
+def test_a_stop_table_losing_a_column_its_mapping_reads_stops_the_bridge(two):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:trip") == 20, 30, "the first rows")
+    before = env.current_wal()
+    env.execute("ALTER TABLE trips DROP COLUMN km; INSERT INTO trips VALUES (99)")
+    assert proc.wait(30) == 3
+    log = proc.log_path.read_text()
+    assert "column 'km' is not in table public.trips" in log and "Traceback" not in log, log
+    assert env.confirmed_flush() <= before
+    assert not resync_record(env)

@@ -47,7 +47,8 @@ STEPS = int(os.environ.get("MODEL_STEPS", "24"))
 PLAIN_DDL = "CREATE TABLE {name} (id int PRIMARY KEY, name text NOT NULL, qty int NOT NULL, note text)"
 PARTITIONED_DDL = "CREATE TABLE {name} (id int NOT NULL, at int NOT NULL, val int, PRIMARY KEY (id, at)) PARTITION BY RANGE (at)"
 #: the breaking steps a `resync` table takes part in (each resyncs it, never stopping the bridge)
-RESYNC_CASES = {"recreate", "drop", "unpublish"}
+RESYNC_CASES = {"recreate", "drop", "unpublish", "rename", "move", "rename_replaced", "detach", "drop_partition", "attach_rows",
+                "drop_column", "narrow_columns"}
 #: breaking steps whose resync the gate always finds (it may miss a table renamed away and back between two readings)
 ALWAYS_FOUND = {"recreate", "drop", "unpublish", "rename_replaced", "detach", "drop_partition", "attach_rows",
                 "drop_column", "narrow_columns"}
@@ -159,7 +160,15 @@ class Model:
         choices = [t for t in self.tables.values() if t.exists and t.name not in waiting
                    and (partitioned is None or t.partitioned == partitioned) and (resync is None or t.resync == resync)
                    and (case is None or not t.resync or case in RESYNC_CASES)]
-        return self.rng.choice(choices) if choices else None
+        if not choices:
+            return None
+        t = self.rng.choice(choices)
+        self.said(t.name)
+        return t
+
+    def said(self, what: str) -> None:
+        """What the step did, beside its name in the log."""
+        self.log[-1] += f" {what}"
 
     def broke(self, t: Table, case: str, what: str) -> None:
         """A step did to `t` what the bridge cannot account for: a stop table may stop it, a resync one resyncs."""
@@ -263,6 +272,7 @@ class Model:
         self.insert_rows(t, 3, "unpublished")
         if self.rng.random() < 0.5:
             self.env.execute(f"ALTER PUBLICATION {self.env.publication} ADD TABLE {t.name}")
+            self.said("(added back at once)")
         self.pending.append((t.name, "init"))
 
     def rename_away_and_back(self) -> None:
@@ -272,6 +282,7 @@ class Model:
         t = self.pick(case)
         if t is None:
             return
+        self.said(case)
         away = f"{t.name}_old{len(self.log)}" if case == "rename_replaced" else f"{t.name}_moved"
         if case == "move":
             self.env.execute(f"ALTER TABLE {t.name} SET SCHEMA elsewhere")
@@ -321,6 +332,7 @@ class Model:
         if t is None or len(t.partitions) < 2:
             return
         lo, hi = t.partitions.pop(self.rng.randrange(len(t.partitions)))
+        self.said(f"{case} {t.name}_{lo}")
         if case == "detach":
             self.env.execute(f"ALTER TABLE {t.name} DETACH PARTITION {t.name}_{lo}")
             t.detached.append((lo, hi))
@@ -335,6 +347,7 @@ class Model:
         t = self.pick(case, partitioned=False, resync=True)
         if t is None:
             return
+        self.said(case)
         if case == "drop_column":
             self.env.execute(f"ALTER TABLE {t.name} DROP COLUMN note CASCADE")
             t.has_note = False
@@ -449,7 +462,14 @@ class Model:
         if not self.pending:
             return
         # cdc init takes a change of the publication it finds for a table whose break the bridge has not read yet for a
-        # gap (the bridge then stops, naming cdc recover): as an operator reading cdc status would, wait for the resync
+        # gap: a resync table's then stops the bridge (naming cdc recover), a stop table's stops only its next start
+        # (the running bridge streams on). As an operator reading cdc status would, wait for the bridge to see them.
+        for name, _ in self.pending:
+            if not self.tables[name].resync:
+                try:
+                    wait_for(lambda: self.bridge.poll() is not None, 60, "the bridge to stop", interval=0.2)
+                except TimeoutError:
+                    raise AssertionError(f"the bridge did not stop after {self.risky}: {self.log}\n{self.bridge_log()}") from None
         for case, name in self.resyncs:
             t = self.tables[name]
             if case in ALWAYS_FOUND:

@@ -280,18 +280,27 @@ def changed_error(publication: str, slot: str, what: str, recorded: bool) -> Slo
 
 
 def record_rows(conn: psycopg.Connection, client: redis.Redis, slot: str, publication: str,
-                tables: Iterable[tuple[str, str]], before: PublicationRows | None = None) -> str | None:
+                tables: Iterable[tuple[str, str]], before: PublicationRows | None = None,
+                resync: set[tuple[str, str]] = frozenset()) -> str | None:
     """`cdc init`: record the publication's rows for `tables` as they are now (after its own changes); but first,
     what changed since a reading recorded them, found in `before` (read before init changed anything), is
-    recorded as a gap, which is returned."""
+    recorded as a gap, which is returned. A `resync` table's rows that changed keep their old record instead: the
+    bridge's next reading finds the change and resyncs the table."""
+    tables = list(tables)
     key = keys.bound_tables_key(slot)
     raw, gap = client.hmget(key, [ROWS_FIELD, GAP_FIELD])
     found = None
-    if raw is not None and before is not None and gap is None:
-        found = before.changed_since(PublicationRows.decode(raw), tables)
+    was = PublicationRows.decode(raw) if raw is not None else None
+    if was is not None and before is not None and gap is None:
+        found = before.changed_since(was, [t for t in tables if t not in resync])
         if found is not None:
             client.hset(key, GAP_FIELD, CHANGED + found)
-    client.hset(key, ROWS_FIELD, read_rows(conn, publication, tables).encode())
+    now = read_rows(conn, publication, tables)
+    if was is not None and before is not None:
+        for t in resync:
+            if t in was.tables and before.changed_since(was, [t]) is not None:
+                now.tables[t] = was.tables[t]
+    client.hset(key, ROWS_FIELD, now.encode())
     return None if found is None else changed_error(publication, slot, found, True).message
 
 
@@ -461,8 +470,11 @@ class TableGate:
             return
         key = keys.bound_tables_key(self.slot)
         raw, gap = self.client.hmget(key, [ROWS_FIELD, GAP_FIELD])
-        if gap is not None:
-            return  # a gap is recorded already: the bridge stops on it, and cdc recover records the rows anew
+        if gap is not None:  # recorded already (by cdc init beside a running bridge, say): stop on it
+            found = self._gap(self.client)
+            if found is not None:
+                raise found
+            return
         checked = [t for t in self.tables if not self.waiting(t)]
         now = read_rows(conn, self.publication, checked)
         was = PublicationRows.decode(raw) if raw is not None else None

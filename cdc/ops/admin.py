@@ -37,7 +37,7 @@ from ..source.lsn import Lsn
 from ..sink.claims import BridgeIdentity, claim
 from ..sink.redisconn import connect_redis
 from ..mapping.judge import judge
-from ..mapping.model import Mapping, mapped_columns
+from ..mapping.model import Mapping, mapped_columns, resync_tables
 from ..mapping.projector import Projector
 from ..source.replication import SESSION_OPTIONS, classify_pg_error, quote_ident, quote_literal
 from ..source.values import TypeCatalog, json_schema_for
@@ -311,7 +311,7 @@ def _record_rows(settings: Settings, conn: psycopg.Connection, mappings: Sequenc
     client = None
     try:
         client = connect_redis(settings.redis)
-        found = record_rows(conn, client, pgs.slot, pgs.publication, _tables(mappings), before)
+        found = record_rows(conn, client, pgs.slot, pgs.publication, _tables(mappings), before, resync_tables(mappings))
     except redis.RedisError as exc:  # unreachable: 75; a refused login or command: 5
         raise as_cdc_error(exc) from exc
     finally:

@@ -94,6 +94,23 @@ def test_publish_turned_off_and_on_between_two_readings_stops_the_bridge_until_r
     recovered_to_the_table(rides)
 
 
+def test_init_putting_a_table_back_before_the_running_bridge_read_it_stops_the_bridge_until_recover(rides):
+    rides.write_config("batch: {status_interval_s: 0.2}\n")
+    proc = rides.start_bridge()
+    wait_for(lambda: rides.redis.xlen("cdc:ride") == 10, 30, "the first rows")
+    with frozen(rides, proc):  # cdc init runs before the bridge's next reading
+        before = rides.current_wal()
+        rides.execute("ALTER PUBLICATION cdc DROP TABLE rides")
+        rides.execute(WRITES)  # never decoded
+        rides.cdc("init", check=True)  # puts it back, and records what it found
+    rides.execute("INSERT INTO rides (rider_id, distance_m) VALUES (2, 90)")
+    assert proc.wait(30) == 4, "the bridge streamed on past the changes it never received"
+    line = error_line(proc.log_path.read_text())
+    assert "publication 'cdc' changed while slot" in line and "run: cdc recover" in line, line
+    assert rides.confirmed_flush() <= before, "the slot moved past the change"
+    recovered_to_the_table(rides)
+
+
 @pytest.mark.parametrize("out, back", [
     ("ALTER PUBLICATION cdc DROP TABLE rides", "ALTER PUBLICATION cdc ADD TABLE rides"),
     ("ALTER PUBLICATION cdc DROP TABLES IN SCHEMA public", "ALTER PUBLICATION cdc ADD TABLES IN SCHEMA public"),

@@ -571,3 +571,22 @@ def test_a_resync_table_broken_between_init_and_the_first_run_resyncs(two, step)
     trips = Writer(env, "trips", 16, range(1, 30))
     trips.start()
     resynced(env, proc, trips, cut)
+
+
+@pytest.mark.parametrize("step", [
+    "ALTER PUBLICATION cdc DROP TABLE rides; INSERT INTO rides VALUES (300, 1, 300)",
+    "DROP TABLE rides; " + RIDES + " INSERT INTO rides VALUES (300, 1, 300)",
+], ids=["out of the publication", "re-created"])
+def test_init_run_before_the_bridge_read_a_broken_resync_table_leaves_it_to_resync(two, step):
+    env = two
+    env.cdc("run", "--until-caught-up", check=True)
+    cut = env.current_wal()
+    env.execute(step)
+    env.cdc("init", check=True)  # puts it back in the publication before any bridge read the change
+    proc = env.start_bridge()
+    record = wait_for(lambda: resync_record(env).get("public.rides"), 30, "the resync record at start")
+    assert record["cause"], record
+    trips = Writer(env, "trips", 17, range(1, 30))
+    trips.start()
+    wait_for(lambda: env.confirmed_flush() > cut, 30, "the slot to move past the change")
+    resynced(env, proc, trips, cut)

@@ -427,7 +427,7 @@ class TableGate:
                     self._break(t, problem)  # bound again with its partitions as they are by the next reading
                     continue
                 if problem is not None:
-                    raise SlotError(f"{problem}, slot {self.slot} held before that", hint=f"run: {RECOVER}")
+                    raise self._partitions_error(problem)
                 changed[t] = replace(bound, leaves=now.leaves)
         self._rows(conn)
         if not self.told:
@@ -777,8 +777,12 @@ class TableGate:
         """The partitions changed: empty newcomers are bound as they are; anything else stops the bridge."""
         problem = self._partition_change(conn, t, bound, now)
         if problem is not None:
-            raise SlotError(f"{problem}, slot {self.slot} held before that", hint=f"run: {RECOVER}")
+            raise self._partitions_error(problem)
         return replace(bound, leaves=now.leaves)
+
+    def _partitions_error(self, problem: str) -> SlotError:
+        """What stops the bridge for a partitions' change no change published (`_partition_change`)."""
+        return SlotError(f"{problem}, slot {self.slot} held before that", hint=f"run: {RECOVER}")
 
     def _partition_change(self, conn: psycopg.Connection, t: tuple[str, str], bound: Bound,
                           now: TableCoverage) -> str | None:

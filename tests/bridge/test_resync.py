@@ -95,6 +95,14 @@ class Writer(threading.Thread):
         self.join(30)
 
 
+def write_for_a_while(env, table: str, seed: int, writes: int = 100) -> None:
+    """A `Writer` on `table` until it made `writes` writes."""
+    writer = Writer(env, table, seed, range(1, 60))
+    writer.start()
+    wait_for(lambda: writer.done > writes, 60, f"writes to {table}")
+    writer.stop()
+
+
 @pytest.fixture
 def two(env, request):
     """rides (on_unaccountable: resync) and trips (the default, stop), initialised (the publication FOR ALL TABLES
@@ -382,10 +390,7 @@ def test_a_resync_table_renamed_away_and_back_resyncs_while_the_other_streams_on
     env.execute("INSERT INTO rides_old VALUES (401, 4, 401)")
     env.execute("ALTER TABLE rides_old RENAME TO rides")
     env.execute("UPDATE rides SET distance_m = 3 WHERE id = 400")
-    rides = Writer(env, "rides", 10, range(1, 60))
-    rides.start()
-    wait_for(lambda: rides.done > 100, 60, "writes to rides")
-    rides.stop()
+    write_for_a_while(env, "rides", 10)
     resynced(env, proc, trips, cut)
 
 
@@ -413,10 +418,7 @@ def test_a_resync_table_losing_a_column_its_mapping_reads_waits_until_it_is_back
     env.execute("ALTER TABLE rides ADD COLUMN rider_id bigint NOT NULL DEFAULT 7")
     if cascade:
         env.cdc("init", check=True)
-    rides = Writer(env, "rides", 12, range(1, 60))
-    rides.start()
-    wait_for(lambda: rides.done > 100, 60, "writes to rides")
-    rides.stop()
+    write_for_a_while(env, "rides", 12)
     resynced(env, proc, trips, cut)
 
 

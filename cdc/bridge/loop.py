@@ -37,7 +37,7 @@ from ..config import Settings
 from ..errors import (CdcError, ConfigError, DataLossError, MappingError, SlotError, SlotTaken, SourceError,
                       TransientError)
 from ..mapping.judge import InexactFilter, OldRowMissing, changed_while_running, filter_refusal, judge, partition_refusal
-from ..mapping.model import Mapping
+from ..mapping.model import Mapping, resync_tables
 from ..sink.publisher import Publisher
 from ..sink.redisconn import connect_redis
 from ..source import pgoutput as pg
@@ -555,13 +555,21 @@ class Bridge:
         """Every table mapping against its table now, by the judge cdc init and cdc check use
         (`cdc.mapping.judge`): what they refuse, cdc run refuses before streaming, with the same line."""
         catalog = TypeCatalog()
+        resync = resync_tables(self.mappings)
         try:
             with self._bounded(catalog_conn, "checking the mappings"):
                 for m in self.mappings:
                     shape = table_shape(catalog_conn, *m.table) if m.table is not None else None
                     if shape is not None:  # a table missing now: the ack gate's reading names it and the fix
                         load_types(catalog_conn, catalog, [c.type_oid for c in shape.columns])
-                        judge(m, shape, catalog)
+                        try:
+                            judge(m, shape, catalog)
+                        except MappingError as exc:
+                            if m.table not in resync:
+                                raise
+                            # its stream gives up what it cannot bind and waits, the fix in its resync record
+                            log.warning("%s (on_unaccountable: resync: its stream is resynced once fixed: %s)",
+                                        exc.message, exc.hint)
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
 

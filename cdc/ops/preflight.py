@@ -32,14 +32,14 @@ from psycopg.conninfo import conninfo_to_dict
 
 from .. import keys
 from ..config import Settings
-from ..bridge.gate import TableGate, needed_operations
+from ..bridge.gate import ROWS_FIELD, PublicationRows, TableGate, load_bound, load_resync, needed_operations
 from ..keys import written_streams
 from ..bridge.encoding import sql_ascii_warning
 from ..bridge.guards import (check_redis_has_flushed, check_source_history, invalidated_slot_error, missing_slot_error,
                              redis_record, slot_database_error, stream_problems)
 from ..bridge.held_transactions import spill_dir_error, spill_place
-from ..errors import CdcError, DataLossError, PrivilegeError, PublishError, SlotError, SourceError, TransientError
-from ..mapping.model import Mapping, mapped_columns
+from ..errors import CdcError, DataLossError, MappingError, PrivilegeError, PublishError, SlotError, SourceError, TransientError
+from ..mapping.model import Mapping, mapped_columns, resync_tables
 from ..sink.claims import BridgeIdentity, claim_problems, unmapped_owned
 from ..sink.redisconn import connect_redis, is_sentinel_url, parse_sentinel_url
 from ..source.standbys import read_copies
@@ -207,6 +207,7 @@ def _check_role(conn: psycopg.Connection, report: CheckReport) -> bool:
 def _check_mappings(conn: psycopg.Connection, mappings: Sequence[Mapping], superuser: bool, report: CheckReport) -> None:
     catalog = TypeCatalog()
     role = conn.info.user
+    resync = resync_tables(mappings)
     for m in mappings:
         if m.table is None:
             report.ok.append(f"entity {m.entity}: logical messages with prefix {m.message_prefix!r} -> {m.stream_key()}")
@@ -214,7 +215,11 @@ def _check_mappings(conn: psycopg.Connection, mappings: Sequence[Mapping], super
         try:
             bind_live(conn, m, catalog)
         except CdcError as exc:
-            report.problems.append(exc)
+            if isinstance(exc, MappingError) and m.table in resync:  # cdc run resyncs it, as cdc status then says
+                report.warnings.append(f"{exc.message}: cdc run gives up its stream's changes and resyncs it from the "
+                                       f"table once fixed ({m.entity} says on_unaccountable: resync); {exc.hint}")
+            else:
+                report.problems.append(exc)
             continue
         ambiguous = key_uniqueness_problem(conn, m)
         if ambiguous is not None:
@@ -311,6 +316,7 @@ def _check_publication_and_slot(conn: psycopg.Connection, sconn: psycopg.Connect
         report.ok.append(f"publication {pgs.publication} publishes {', '.join(PUBLISH[op] for op in PUBLISH if op in pub.publishes)}")
     # a publication cdc init would create publishes updates and deletes
     would = pub if pub.exists else Publication(pgs.publication, exists=True)
+    resynced = _resynced_by_run(settings, mappings)
     for c in read_coverage(conn, pgs.publication, _tables(mappings)).values():
         if c.oid is None:
             continue  # binding the mapping reported it
@@ -318,12 +324,16 @@ def _check_publication_and_slot(conn: psycopg.Connection, sconn: psycopg.Connect
         if problem is not None:
             report.problems.append(problem)
         problem = publication_problem(c, pub, init) if pub.exists else None
-        if problem is not None:
+        if problem is not None and (c.schema, c.name) in resynced:
+            report.warnings.append(f"{problem.message}: cdc run gives up its stream's changes and resyncs it from the "
+                                   f"table once it is back (on_unaccountable: resync); {problem.hint}")
+        elif problem is not None:
             report.problems.append(problem)
         elif pub.exists:
             report.ok.append(f"publication {pgs.publication} covers {c.qualified}"
                              + (" and every partition of it" if c.partitioned else ""))
-            _check_columns(c, mapped_columns(mappings).get((c.schema, c.name), ()), pub, report)
+            _check_columns(c, mapped_columns(mappings).get((c.schema, c.name), ()), pub, report,
+                           (c.schema, c.name) in resynced)
     if sconn is None:
         return  # the slot's server could not be reached: reported
     held = redis_held(settings) if slot is None else None
@@ -342,9 +352,39 @@ def _check_publication_and_slot(conn: psycopg.Connection, sconn: psycopg.Connect
         report.ok.append(f"slot {pgs.slot} (pgoutput) exists")
 
 
-def _check_columns(c: TableCoverage, mapped: Sequence[str], pub: Publication, report: CheckReport) -> None:
-    """Less than the mappings need stops cdc run; more is sent for nothing (the bridge drops it)."""
+def _resynced_by_run(settings: Settings, mappings: Sequence[Mapping]) -> set[tuple[str, str]]:
+    """The `on_unaccountable: resync` tables cdc run resyncs rather than refuses when they are out of the publication
+    or sent with fewer columns: those a bridge bound, is resyncing, or `cdc init` recorded published (Redis says;
+    `cdc.bridge.gate`). Nothing when Redis cannot be read (its own check says why)."""
+    resync = resync_tables(mappings)
+    if not resync:
+        return set()
+    slot = settings.postgres.slot
+    try:
+        client = connect_redis(settings.redis)
+    except CdcError:
+        return set()
+    try:
+        raw = client.hmget(keys.bound_tables_key(slot), [ROWS_FIELD])[0]
+        known = set(load_bound(client, slot)) | set(load_resync(client, slot))
+        if raw is not None:
+            known |= set(PublicationRows.decode(raw).tables)
+        return resync & known
+    except (redis.RedisError, ValueError):
+        return set()
+    finally:
+        client.close()
+
+
+def _check_columns(c: TableCoverage, mapped: Sequence[str], pub: Publication, report: CheckReport,
+                   resynced: bool = False) -> None:
+    """Less than the mappings need stops cdc run (a `resync` table's stream is resynced: a warning); more is sent
+    for nothing (the bridge drops it)."""
     problem = sends_less(c, mapped, pub.name, fix=INIT_FIX.replace("run: cdc init", "run: cdc init --config <file>", 1))
+    if problem is not None and resynced:
+        report.warnings.append(f"{problem.message}: cdc run gives up its stream's changes and resyncs it from the "
+                               f"table once fixed (on_unaccountable: resync); {problem.hint}")
+        return
     if problem is not None:
         report.problems.append(problem)
         return

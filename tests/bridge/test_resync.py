@@ -422,6 +422,37 @@ def test_a_resync_table_losing_a_column_its_mapping_reads_waits_until_it_is_back
     resynced(env, proc, trips, cut)
 
 
+@pytest.mark.parametrize("two", ["init", "all tables"], indirect=True)
+def test_a_column_its_mapping_reads_dropped_while_the_bridge_is_stopped_is_resynced_not_refused(two, request):
+    env = two
+    proc = env.start_bridge()
+    wait_for(lambda: env.redis.xlen("cdc:ride") == 20, 30, "the first rows")
+    proc.terminate()
+    assert proc.wait(30) == 0
+    cut = env.current_wal()
+    cascade = " CASCADE" if request.node.callspec.params["two"] == "init" else ""
+    env.execute(f"ALTER TABLE rides DROP COLUMN rider_id{cascade}; INSERT INTO rides VALUES (500, 500)")
+    check = env.cdc("check")  # what cdc run takes in its stride is a warning, not a refusal
+    assert check.returncode == 0, check.stdout + check.stderr
+    said = check.stdout + check.stderr
+    assert "rider_id" in said and "warning:" in said and "on_unaccountable: resync" in said, said
+    proc = env.start_bridge()
+    trips = Writer(env, "trips", 13, range(1, 60))
+    trips.start()
+
+    def found() -> dict | None:
+        r = resync_record(env).get("public.rides")
+        return r if r and (cascade or "rider_id" in r.get("fix", "")) else None
+
+    assert wait_for(found, 30, "the record and its fix")["state"] == "waiting"
+    assert proc.poll() is None, proc.log_path.read_text()
+    env.execute("ALTER TABLE rides ADD COLUMN rider_id bigint NOT NULL DEFAULT 7")
+    if cascade:
+        env.cdc("init", check=True)
+    write_for_a_while(env, "rides", 14)
+    resynced(env, proc, trips, cut)
+
+
 def test_a_resync_table_whose_publication_sends_fewer_columns_resyncs_after_init(two):
     env = two
     proc = env.start_bridge()

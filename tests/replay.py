@@ -24,6 +24,32 @@ def replay(entries: list[dict], reset_at_marker: bool = False, strict_reads: boo
     return rows
 
 
+def brought_in_order(entries: list[dict]) -> dict:
+    """The rows a stream's entries after its last resync marker make, applied strictly, as a consumer summing
+    differences needs them (docs/concepts/cannot-account.md): a c or r only for a row the stream does not hold, a
+    u or d only for one it holds (its before-image, when whole, that row), a u never onto a row held."""
+    last = max(i for i, e in enumerate(entries) if e["op"] == "x" and e["data"].get("resync"))
+    rows: dict = {}
+    for e in entries[last + 1:]:
+        op, key = e["op"], e["key"].get("id")
+        if op in ("c", "r"):
+            assert key not in rows, f"{e}: brought twice"
+            rows[key] = e["data"]
+        elif op in ("u", "d"):
+            before = e.get("before") or {}
+            old = before.get("id", key)
+            assert old in rows, f"{e}: a change of a row the stream has not brought"
+            if len(before) > 1:
+                assert rows[old] == before, f"{e}: its before-image is not the row the stream brought"
+            del rows[old]
+            if op == "u":
+                assert key not in rows, f"{e}: moved onto a row the stream holds"
+                rows[key] = e["data"]
+        elif op == "t":
+            rows.clear()
+    return rows
+
+
 def ride_rows(env) -> dict:
     """public.rides as the ride mapping publishes it, by id."""
     rows = env.execute("SELECT id, distance_m, rider_id FROM rides")

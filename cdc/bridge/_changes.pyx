@@ -792,7 +792,7 @@ def route_raw(int kind, bytes raw, Py_ssize_t offset, list targets, tx, batcher,
     cdef _State st = _State(tx, batcher)
     try:
         return _route(kind, <const unsigned char *>PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw), raw, offset, targets,
-                      windows, decoder, not windows.tables and not decoder.streaming, st)
+                      windows, decoder, not windows.tables and not windows.introducing and not decoder.streaming, st)
     finally:
         st.store()
 
@@ -1116,7 +1116,8 @@ def burst(stream, dict targets, tx, batcher, windows, decoder, committed, stream
     `Batcher.due`). Returns (changes read, that message or None).
     """
     xid = decoder.stream_xid  # the block being received, if any: only the loop's messages start or stop one
-    cdef bint plain = not windows.tables and xid is None  # nor open or close a window
+    # nor open or close a window, nor bring rows after a resync marker (`cdc.bridge.introductions`)
+    cdef bint plain = not windows.tables and not windows.introducing and xid is None
     cdef _State st = _State(tx, batcher)
     get = stream.get_copy_data
     reader = getattr(stream, "copy_reader", None)

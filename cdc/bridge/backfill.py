@@ -50,6 +50,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import ConfigError, PrivilegeError
+from .introductions import Introduction
 from ..mapping.model import Mapping
 from ..operator_sql import WHERE_HINT, Condition, SqlRefused, parse_where
 from ..source.privileges import fix_for
@@ -233,6 +234,9 @@ class Windows:
     def __init__(self) -> None:
         self.open: dict[str, _Window] = {}  # chunk id -> window
         self.tables: dict[tuple[str, str], list[_Window]] = {}
+        #: entity -> the rows its stream brought since its resync marker, until the resync's last chunk
+        #: (`cdc.bridge.introductions`); like an open window, it sends its table's changes the reference's way
+        self.introducing: dict[str, Introduction] = {}
 
     def low(self, chunk: str, table: tuple[str, str]) -> None:
         self.close(chunk)

@@ -95,7 +95,14 @@ def route_row(kind: int, msg, targets: list[Target], tx: Transaction, batcher: B
         except CastRefused as exc:
             raise projector.placed(exc, msg.new if kind != DELETE else msg.old, tx.lsn, tx.seq) from None
         if out is not None:
-            batcher.add(t.batches[out.partition], out.fields, t.version, tx)
+            fields: list | None = out.fields
+            if windows.introducing:
+                intro = windows.introducing.get(projector.mapping.entity)
+                if intro is not None:
+                    fields = intro.live(out.fields, projector.key_json(msg.old)
+                                        if kind == UPDATE and msg.old is not None else None)
+            if fields is not None:
+                batcher.add(t.batches[out.partition], fields, t.version, tx)
 
 
 def route_raw(kind: int, raw: bytes, offset: int, targets: list[Target], tx: Transaction, batcher: Batcher,
@@ -193,6 +200,9 @@ def route_truncate(msg: pg.Truncate, targets: dict[int, list[Target]], tx: Trans
         if tlist:  # only mapped tables have backfill windows
             windows.truncated(tlist[0].projector.table)
         for t in tlist:
+            intro = windows.introducing.get(t.projector.mapping.entity)
+            if intro is not None:
+                intro.truncated()
             for out in t.projector.truncate():
                 batcher.add(t.batches[out.partition], out.fields, t.version, tx)
 

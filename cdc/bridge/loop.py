@@ -573,6 +573,27 @@ class Bridge:
         except psycopg.Error as exc:
             raise classify_pg_error(exc) from exc
 
+    def since_marker(self, stream: str) -> tuple[int, list[tuple[bytes, bytes, bool]]] | None:
+        """The latest rebuild marker of a stream (its lsn) and the entries after it, in order, as (op, key JSON,
+        whether it lists unchanged fields); None when the stream holds none (`cdc.bridge.introductions`)."""
+        client: Any = self._streams_client
+        after: list[tuple[bytes, bytes, bool]] = []
+        end = "+"
+        try:
+            while True:
+                page = client.xrevrange(stream, max=end, min="-", count=10_000)
+                if not page:
+                    return None
+                for entry_id, fields in page:
+                    op = fields.get(b"op", b"")
+                    if op == b"x":
+                        after.reverse()
+                        return int(fields.get(b"lsn", b"0")), after
+                    after.append((op, fields.get(b"key", b"{}"), b"unchanged" in fields))
+                end = "(" + page[-1][0].decode()
+        except redis.RedisError as exc:
+            raise TransientError(f"redis unavailable: {exc}") from exc
+
     def claim(self, client, server: ServerHistory) -> None:
         """Register the slot and claim the mapped streams on Redis (`cdc.sink.claims`), once per session."""
         pgs = self.settings.postgres

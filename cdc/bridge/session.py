@@ -42,6 +42,7 @@ from ..source.pubcolumns import ColumnsNotSent
 from ..source.replication import ReplicationStream
 from ..source.values import TypeCatalog
 from .ack import Acknowledger
+from .introductions import Introduction
 from .backfill import IDLE_POLL_S, REQUEST_PREFIX, REQUEST_RETRY_S, WATERMARK_PREFIX, BackfillDriver, Windows, parse_request
 from .batcher import Batcher
 from .changes import DELETE, INSERT, UPDATE, Target, burst_changes, route_change, route_message, route_truncate
@@ -147,6 +148,8 @@ class SessionHost(Protocol):
 
     def drive_backfill(self, backfill: BackfillDriver, catalog_conn: psycopg.Connection) -> None: ...
 
+    def since_marker(self, stream: str) -> tuple[int, list[tuple[bytes, bytes, bool]]] | None: ...
+
 
 class Session:
     """Streams one replication connection into Redis until stopped, caught up or failed."""
@@ -183,8 +186,9 @@ class Session:
         self.gate = host.gate
         self.gate.vouched = lambda: self.ack.verified
         #: Relations of resyncing tables decoded before their resync marker: bound when it comes
-        self.held_relations: dict[tuple[str, str], list[pg.Relation]] = {}
+        self.held_relations: dict[tuple[str, str], list[tuple[pg.Relation, int]]] = {}  # each with its position
         self.windows = Windows()  # open backfill watermark windows
+        self.read_back_introductions()
         self.streams = host.streams  # transactions the server streams while they run, held until they end
         self.backfill = BackfillDriver(settings.postgres.slot, host.mappings, batch.backfill_chunk_rows)
         self.snapshot_projectors: dict[str, Projector] = {}
@@ -354,7 +358,7 @@ class Session:
                 if self.gate.by_oid.get(msg.relid, t) != t:
                     self.targets[msg.relid] = []  # a resyncing table renamed away: described anew once it is back
                 else:
-                    self.hold(t, msg)  # superseded by the resync after its marker
+                    self.hold(t, msg, at)  # superseded by the resync after its marker
                 return
             try:
                 self.targets[msg.relid] = self.host.bind(msg, self.conn, self.batcher)
@@ -364,7 +368,7 @@ class Session:
             else:
                 t = (msg.namespace or "pg_catalog", msg.name)
                 if t in self.held_relations:  # described anew: an older description held is stale
-                    self.held_relations[t] = [h for h in self.held_relations[t] if h.relid != msg.relid]
+                    self.held_relations[t] = [h for h in self.held_relations[t] if h[0].relid != msg.relid]
         elif isinstance(msg, pg.Truncate):
             self.counters.changes_read += 1
             route_truncate(msg, self.targets, self.tx, self.batcher, self.windows)
@@ -549,7 +553,9 @@ class Session:
         received = self.ack.received()
         self.host.verify_tables(self.conn)
         for t in [t for t in self.held_relations if not self.gate.holding(t)]:  # bound again by this reading
-            self.bind_held(t, int(self.tx.lsn) if self.tx.open else int(self.ack.ackable))
+            self.bind_held(t)
+        if self.windows.introducing:
+            self.end_introductions()
         self.ack.vouched(received)
         self.timers.verify = time.monotonic() + self.status_interval
 
@@ -629,7 +635,8 @@ class Session:
             if projector is None:
                 log.error("backfill chunk %s: entity %s is not mapped to an existing table; skipped", chunk, info["entity"])
             else:
-                queued, skipped = self.queue_chunk(info, projector, changed)
+                queued, skipped = self.queue_chunk(info, projector, changed,
+                                                   self.windows.introducing.get(info["entity"]))
                 if queued:
                     self.counters.backfill_rows[info["entity"]] += queued
                 self.counters.backfill_skipped += skipped
@@ -637,6 +644,8 @@ class Session:
                 log.info("backfill of %s complete at chunk %s", info["entity"], chunk)
                 if chunk.partition(":")[0].isdigit():
                     self.gate.backfill_done(int(chunk.partition(":")[0]))
+                    if self.windows.introducing:
+                        self.end_introductions()
         elif kind == "failed":
             log.error("backfill chunk %s failed: %s; its window is closed and streaming goes on", chunk, info.get("error"))
         self.backfill.seen(chunk)
@@ -659,6 +668,7 @@ class Session:
         for m in self.host.mappings:
             if m.table != t:
                 continue
+            self.windows.introducing[m.entity] = Introduction(len(m.key) > 1)  # nothing brought after the marker
             for stream in m.stream_keys():
                 fields = [b"op", REBUILT, b"key", EMPTY_KEY, b"data", data]
                 if self.ends is None:
@@ -668,11 +678,13 @@ class Session:
                         self.batcher.add(self.batcher.batch(stream), fields, m.version, self.tx)
                 self.tx.seq += 1
         log.info("resync marker of %s at %s: %s", info["table"], self.tx.lsn, info["cause"])
-        self.bind_held(t, int(self.tx.lsn))
+        self.bind_held(t)
 
-    def bind_held(self, t: tuple[str, str], at: int) -> None:
-        """Bind the Relations of `t` held while its changes were not published."""
-        for held in self.held_relations.pop(t, []):
+    def bind_held(self, t: tuple[str, str]) -> None:
+        """Bind the Relations of `t` held while its changes were not published. One that cannot bind is judged at
+        its own position: from before the table was bound anew (a description the fix made stale, which pgoutput
+        replaces before the next change), it is skipped; else the table waits again."""
+        for held, at in self.held_relations.pop(t, []):
             try:
                 self.targets[held.relid] = self.host.bind(held, self.conn, self.batcher)
             except (MappingError, ColumnsNotSent) as exc:
@@ -694,21 +706,55 @@ class Session:
                               f"waiting for the table to be as its mappings need it ({exc.hint})")
         log.info("%s cannot be bound while it waits to be resynced (%s): its changes are left out until then",
                  _name(t), exc.message)
-        self.hold(t, msg)
+        self.hold(t, msg, at)
         return True
 
-    def hold(self, t: tuple[str, str], msg: pg.Relation) -> None:
-        """Leave out the changes of `msg`'s relation (table `t`) and keep its latest description to bind later."""
+    def hold(self, t: tuple[str, str], msg: pg.Relation, at: int) -> None:
+        """Leave out the changes of `msg`'s relation (table `t`, described at `at`) and keep its latest description
+        to bind later."""
         self.targets[msg.relid] = []
         held = self.held_relations.setdefault(t, [])
-        held[:] = [h for h in held if h.relid != msg.relid] + [msg]
+        held[:] = [h for h in held if h[0].relid != msg.relid] + [(msg, at)]
 
-    def queue_chunk(self, info: dict, projector: Projector, changed: set) -> tuple[int, int]:
+    def queue_chunk(self, info: dict, projector: Projector, changed: set,
+                    intro: Introduction | None = None) -> tuple[int, int]:
         """A chunk's ``r`` rows: they belong to no source transaction, no END record counts them."""
         if self.ends is None:
-            return queue_chunk(info, projector, changed, self.batcher, self.tx)
+            return queue_chunk(info, projector, changed, self.batcher, self.tx, intro)
         with self.ends.uncounted():
-            return queue_chunk(info, projector, changed, self.batcher, self.tx)
+            return queue_chunk(info, projector, changed, self.batcher, self.tx, intro)
+
+    def end_introductions(self) -> None:
+        """The streams of tables no longer resyncing bring their rows as they change again."""
+        for m in self.host.mappings:
+            intro = self.windows.introducing.get(m.entity)
+            if intro is not None and m.table not in self.gate.resyncing:
+                del self.windows.introducing[m.entity]
+                log.info("%s: its resync brought %d rows (%d live updates as c, %d changes and chunk rows left out "
+                         "as brought already or never had)", m.entity, len(intro.keys), intro.converted, intro.left_out)
+
+    def read_back_introductions(self) -> None:
+        """A session starting in the middle of a resync: each of its mappings' streams tells what it brought since
+        its marker (`Introduction.from_entries`). A marker not in the stream yet is decoded again, and starts it."""
+        for t, record in self.gate.resyncing.items():
+            if record.get("marked_at") is None:
+                continue
+            for m in self.host.mappings:
+                if m.table != t:
+                    continue
+                intro = Introduction(len(m.key) > 1)
+                for stream in m.stream_keys():
+                    found = self.host.since_marker(stream)
+                    if found is None or found[0] != record["marked_at"]:
+                        if found is None:
+                            log.warning("%s: no resync marker in %s (trimmed?): its rows are published as they come "
+                                        "until its resync ends; a consumer summing changes needs a reconciliation "
+                                        "after it", m.entity, stream)
+                        break
+                    intro.keys |= Introduction.from_entries(found[1], intro.several).keys
+                else:
+                    self.windows.introducing[m.entity] = intro
+                    log.info("%s: resuming its resync with %d rows brought since its marker", m.entity, len(intro.keys))
 
     def abandoned_high(self, chunk: str, entity: str) -> None:
         """Drop a late chunk's rows and mark its backfill failed, so that its gap is visible."""

@@ -9,13 +9,16 @@ from __future__ import annotations
 from ..mapping.projector import CastRefused, Projector
 from .backfill import TRUNCATED
 from .batcher import Batcher
+from .introductions import Introduction
 from .positions import Transaction
 
 __all__ = ["queue_chunk"]
 
 
-def queue_chunk(info: dict, projector: Projector, changed: set, batcher: Batcher, tx: Transaction) -> tuple[int, int]:
-    """Queue the chunk's rows not in `changed` (none if the table was truncated); (queued, skipped).
+def queue_chunk(info: dict, projector: Projector, changed: set, batcher: Batcher, tx: Transaction,
+                intro: Introduction | None = None) -> tuple[int, int]:
+    """Queue the chunk's rows not in `changed` (none if the table was truncated), nor, during a resync
+    (`intro`), already brought by the stream since its marker; (queued, skipped).
 
     Each queued row takes the transaction's next seq.
     """
@@ -36,6 +39,10 @@ def queue_chunk(info: dict, projector: Projector, changed: set, batcher: Batcher
         except CastRefused as exc:
             raise projector.placed(exc, values, tx.lsn, tx.seq) from None
         if out is not None:
+            if intro is not None and not intro.chunk_row(out.fields[3]):
+                skipped += 1  # its seq taken all the same: the rows after keep their places whatever the
+                tx.seq += 1  # stream brought (what a restart reads back from it may hold more)
+                continue
             batcher.add(batches[out.partition], out.fields, version, tx)
             queued += 1
         tx.seq += 1

@@ -428,6 +428,11 @@ class Projector:
             key[name] = None if value is None or value is UNCHANGED_TOAST else conv(value)
         return key
 
+    def key_json(self, values: Sequence[Any]) -> bytes:
+        """The key of a row as an insert's entry writes it (the key's order)."""
+        key = self._key(values)
+        return orjson.dumps({n: key[n] for n in self.plan.key_order})
+
     def placed(self, exc: CastRefused, values: Sequence[Any], lsn: str | None, seq: int | None) -> CastRefused:
         """A cast's refusal of a value of `values`, placed: the commit LSN of its transaction (decimal, as
         entries carry it; None for a read of the table), the change's seq in it, and the row's public key

@@ -90,6 +90,11 @@ def tables() -> list[Table]:
             Table("ritems", "ritem", False, True, {**plain, "note": "note"}), Table("rmeas", "rmeas", True, True, meas)]
 
 
+def _entry_id(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq)
+
+
 class Model:
     """The servers, the bridge process and what the steps did since the last quiet point."""
 
@@ -106,6 +111,8 @@ class Model:
         #: steps that broke a `resync` table (since the last quiet point), and what puts each back before it
         self.resyncs: list[tuple[str, str]] = []
         self.pending: list[tuple[str, str]] = []
+        #: per table, the last entry id of its stream when a backfill of it was asked for
+        self.asked: dict[str, list[bytes]] = {}
         #: how many resync markers each stream held at the last quiet point
         self.markers: dict[str, int] = {}
         self.log: list[str] = []
@@ -363,13 +370,21 @@ class Model:
     def backfill(self) -> None:
         t = self.pick()
         if t is not None:
+            self.backfilled(t)
             self.env.cdc("backfill", "--entity", t.entity)
 
     def failing_backfill(self) -> None:
         # a condition that fails on some rows only, at read time
         t = self.pick(partitioned=False)
         if t is not None:
+            self.backfilled(t)
             self.env.cdc("backfill", "--entity", t.entity, "--where", "qty / (qty % 7) >= 0")
+
+    def backfilled(self, t: Table) -> None:
+        """A backfill of `t` asked for: after its resync ends, its rows come again (a stream's order says nothing of
+        that end: `out_of_order` looks no further than the last entry before the ask)."""
+        last = self.env.redis.xrevrange(t.stream, count=1) if self.env.redis.type(t.stream) == b"stream" else []
+        self.asked.setdefault(t.name, []).append(last[0][0] if last else b"0-0")
 
     def restart(self) -> None:
         self.running()
@@ -424,6 +439,40 @@ class Model:
                 known.rows.clear()
             known.apply(fields)
         return {orjson.loads(k).__repr__(): orjson.loads(v) for k, v in known.rows.items()}
+
+    def out_of_order(self, t: Table) -> list:
+        """After a resync marker (the last marker of `t`'s stream), a row brought twice, or changed before the stream
+        brought it (an update that lacks a value it did not resend cannot bring its row, and passes as it is)."""
+        client = self.env.redis
+        entries = [(i, f) for i, f in client.xrange(t.stream)] if client.type(t.stream) == b"stream" else []
+        last = max((n for n, (_, f) in enumerate(entries) if f.get(b"op") == b"x"), default=None)
+        if last is None or not orjson.loads(entries[last][1][b"data"]).get("resync"):
+            return []
+        marker = _entry_id(entries[last][0])
+        asked = [_entry_id(a) for a in self.asked.get(t.name, []) if _entry_id(a) > marker]
+        entries = [(i, f) for i, f in entries[last + 1:] if not asked or _entry_id(i) <= min(asked)]
+
+        def canon(record: dict) -> bytes:
+            return orjson.dumps({k: record[k] for k in sorted(t.key)})
+
+        held: set[bytes] = set()
+        problems = []
+        for _, f in entries:
+            op = f.get(b"op")
+            if op in (b"c", b"r", b"u", b"d"):
+                key = canon(orjson.loads(f[b"key"]))
+                before = orjson.loads(f[b"before"]) if b"before" in f else {}
+                old = canon(before) if all(k in before for k in t.key) else key
+                if op in (b"c", b"r") and key in held:
+                    problems.append(("brought twice", f))
+                elif op in (b"u", b"d") and old not in held and b"unchanged" not in f:
+                    problems.append(("changed before it was brought", f))
+                held.discard(old)
+                if op != b"d":
+                    held.add(key)
+            elif op == b"t":
+                held.clear()
+        return problems[:3]
 
     def table(self, t: Table) -> dict:
         columns = list(t.fields.values())
@@ -498,6 +547,8 @@ class Model:
             raise AssertionError(f"the bridge runs but a stream does not replay to its table: {self.differences()}; "
                                  f"resyncing: {self.resyncing()}\nsteps: {self.log}\n{self.bridge_log()}") from None
         if self.bridge.poll() is None:
+            for t in self.tables.values():  # what a consumer summing differences needs
+                assert not self.out_of_order(t), f"{t.stream}: {self.out_of_order(t)}\nsteps: {self.log}"
             # the slot keeps moving: nothing pins it
             wait_for(lambda: self.env.confirmed_flush() >= last_write or self.bridge.poll() is not None, 60,
                      "the slot to be acknowledged past the last write", interval=0.2)

@@ -4,11 +4,11 @@ and re-created with rows, under a `FOR TABLE` publication or, in a transaction w
 TABLES`; dropped and created again later; taken out of the publication and back) and `cdc init` puts it back.
 Meanwhile four consumers run: a plain group keeping a key->row read model of both streams, a plain group keeping
 the rocket-rides totals of the rides, a transaction-mode group keeping the same read model, and a `TableSink`
-mirroring the rides. Once the resync is done, the keyed ones equal the tables' projections; every transaction
-reached the transaction-mode handler whole, in one call, and those committed while the rides changes were left
-out came with their trips entries only (no END record counts what was left out). The totals, which the online
-backfill leaves inexact, are set exactly to the table by a reconciliation run after the resync; one run during it
-is refused and changes nothing."""
+mirroring the rides. Once the resync is done, all of them equal the tables (the totals, which fold each change's
+before-image, because after the marker the stream brings every row once, before any change of it); every
+transaction reached the transaction-mode handler whole, in one call, and those committed while the rides changes
+were left out came with their trips entries only (no END record counts what was left out). A reconciliation run
+during a resync is refused and changes nothing; one after it finds the totals exact."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from cdc.consume import Consumer, TableSink, TransactionalHandler
 from cdc.demo.local import wait_for
 from cdc.demo.rocketrides import ride_totals
 from conftest import read_stream
+from replay import brought_in_order
 
 pytestmark = pytest.mark.integration
 
@@ -160,9 +161,9 @@ class Writes(threading.Thread):
     with 1-4 inserts, updates (a ride may move to another rider) and deletes. A transaction the rides table
     cannot take right now (dropped, being re-created) fails and is skipped."""
 
-    def __init__(self, env, seed: int) -> None:
+    def __init__(self, env, seed: int, ride_ids: range = range(1, 80)) -> None:
         super().__init__(daemon=True, name="writes")
-        self.env, self.rng = env, random.Random(seed)
+        self.env, self.rng, self.ride_ids = env, random.Random(seed), ride_ids
         self.halt = threading.Event()
         self.done = 0
         self.error: BaseException | None = None
@@ -173,6 +174,7 @@ class Writes(threading.Thread):
         for _ in range(rng.randint(1, 4)):
             i, roll = rng.randrange(1, 80), rng.random()
             if table == "rides":
+                i = rng.choice(self.ride_ids)
                 distance = Decimal(rng.randrange(1, 10**6)) / 1000
                 if roll < 0.45:
                     out.append(("INSERT INTO rides VALUES (%s, %s, %s) ON CONFLICT (id) DO UPDATE "
@@ -333,6 +335,9 @@ def check_states(env) -> None:
         assert read_model(env, group, "cdc:ride") == rides, group
         assert read_model(env, group, "cdc:trip") == trips, group
     assert mirror(env) == rides
+    # the totals fold before- and after-images: exact because the stream brings each row before changing it
+    assert totals_state(env) == totals_now(env)
+    assert brought_in_order(read_stream(env.redis, "cdc:ride")) == rides
 
 
 def check_transactions(env, left_out: list[int], maybe: list[int]) -> None:
@@ -403,6 +408,41 @@ def test_consumers_across_a_resync_end_equal_to_the_tables(env, seed, kind):
     assert "Traceback" not in bridge.log_path.read_text()
 
 
+@pytest.mark.parametrize("seed", [5, 6])
+def test_a_bridge_killed_while_the_resync_backfills_still_brings_every_row_once(env, seed):
+    """kill -9 twice while the re-created table's backfill runs under writes: each new session reads back from the
+    stream what it brought since the marker, and the totals and every other consumer end equal to the table."""
+    rng = random.Random(seed)
+    setup(env, reconcile=False)
+    running = Running()
+    bridge = env.start_bridge()
+    writes = Writes(env, seed, ride_ids=range(1, 4000))  # rows the backfill has not read yet change too
+    try:
+        start_consumers(env, running)
+        wait_for(lambda: env.redis.xlen("cdc:ride") >= 81 and env.redis.xlen("cdc:trip") >= 60, 30, "the bridge to stream")
+        writes.start()
+        wait_for(lambda: writes.done >= rng.randrange(20, 60), 60, "writes before the break")
+        env.execute("BEGIN; DROP TABLE rides; " + RIDES + "INSERT INTO rides SELECT g, g % 5 + 1, g * 1.25 "
+                    "FROM generate_series(1, 4000) g WHERE g <> 1000; COMMIT;")
+        wait_for(lambda: resync_record(env).get("public.rides", {}).get("marked_at"), 30, "the marker")
+        base = env.redis.xlen("cdc:ride")
+        env.cdc("init", check=True)  # the new table into the publication: its backfill starts
+        for brought in (rng.randrange(30, 200), rng.randrange(800, 2000)):
+            wait_for(lambda: bridge.poll() is not None or env.redis.xlen("cdc:ride") >= base + brought, 60,
+                     "the backfill to bring rows")
+            assert bridge.poll() is None, bridge.log_path.read_text()
+            assert resync_record(env), "killed before the resync ends"
+            bridge.kill()
+            bridge.wait(30)
+            bridge = env.start_bridge()
+        wait_resynced(env, bridge, running, writes)
+        check_states(env)
+    finally:
+        writes.halt.set()
+        running.stop()
+    assert "resuming its resync with" in bridge.log_path.read_text()
+
+
 @pytest.fixture
 def spark():
     from cdc.reconcile.truth import start_spark
@@ -425,11 +465,10 @@ def reconcile(env, spark):
 
 @pytest.mark.slow
 def test_a_reconciliation_after_a_resync_resets_the_totals_exactly(env, spark):
-    """The rocket-rides totals fold each change's before-image into sums: across a resync they are not exact (the
-    online backfill's rows come after changes of rows the consumer never had: docs/concepts/cannot-account.md), and
-    a reconciliation run once the resync is done sets them exactly to the table while the consumer runs on (a drift
-    added by hand is repaired with the rest); after more writes they stay exact. A reconciliation while the
-    table is resyncing is refused, changing nothing."""
+    """The rocket-rides totals fold each change's before-image into sums. A reconciliation while the table is
+    resyncing is refused, changing nothing (the rows its snapshot holds come again in the stream); once the
+    resync is done the totals are exact by themselves, and a run repairs a drift added by hand while the consumer
+    runs on; after more writes they stay exact."""
     rng = random.Random(4)
     setup(env, reconcile=True)
     running = Running()
@@ -461,7 +500,7 @@ def test_a_reconciliation_after_a_resync_resets_the_totals_exactly(env, spark):
         wait_for(lambda: writes.done >= after, 60, "writes after the break")
         wait_resynced(env, bridge, running, writes)
         check_states(env)
-        # and a drift of its own, so that the reset must repair whatever the resync left
+        # and a drift of its own, so that the reset has something to repair
         env.execute("INSERT INTO consumer_states (consumer, rider_id, total_distance) VALUES ('totals', 99, 5)")
         result = reconcile(env, spark)
         [outcome] = result.outcomes

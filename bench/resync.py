@@ -127,6 +127,15 @@ def latencies(client: redis.Redis, since_ms: int, until_ms: int) -> list[int]:
     return sorted(out)
 
 
+def memory_mib(pid: int, field: str) -> float:
+    """A process's VmRSS (now) or VmHWM (its peak), MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the table that resyncs")
@@ -172,6 +181,7 @@ def main() -> int:
             after = last[0][0].decode() if last else "0-0"
             print(f"[resync] big ({args.rows:,} rows) dropped and re-created, cdc init ...", flush=True)
             broke_ms = int(time.time() * 1000)
+            rss_before = memory_mib(bridge.pid, "VmRSS")
             cpu0 = cpu_seconds(bridge.pid)
             with psycopg.connect(pg.dsn) as conn:
                 conn.execute("ALTER TABLE big RENAME TO big_old")
@@ -188,6 +198,7 @@ def main() -> int:
             ended = time.monotonic() - broke
             ended_ms = int(time.time() * 1000)
             during_cpu = cpu_seconds(bridge.pid) - cpu0
+            rss_peak = memory_mib(bridge.pid, "VmHWM")
             stop.set()
             writers.join()
             if bridge.poll() is not None:
@@ -213,6 +224,8 @@ def main() -> int:
     print(f"  break -> stream replays again: {ended:6.1f} s   ({args.rows / max(ended, 1e-3):,.0f} rows/s)")
     print(f"  big's stream after the marker: {'replays to the table' if ok else 'WRONG'}: {said}")
     print(f"  rides' stream: {written:,} rows written, {'all' if rides_ok else 'NOT all'} in the stream")
+    print(f"  bridge memory: {rss_before:.0f} MiB before the break, peak {rss_peak:.0f} MiB (the rows brought are "
+          "held until the resync ends)")
     print(f"{'rides, commit-to-stream ms':<28} {'p50':>5} {'p99':>5} {'max':>6} {'entries':>9} {'bridge CPU/s':>12}")
     for name, lats, cpu, span in (("before the break", base, base_cpu, (broke_ms - base_from) / 1000),
                                   ("during the resync", lat, during_cpu, ended)):

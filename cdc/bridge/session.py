@@ -668,7 +668,8 @@ class Session:
         for m in self.host.mappings:
             if m.table != t:
                 continue
-            self.windows.introducing[m.entity] = Introduction(len(m.key) > 1)  # nothing brought after the marker
+            # nothing brought after the marker
+            self.windows.introducing[m.entity] = Introduction(len(m.key) > 1, "c" in m.ops)
             for stream in m.stream_keys():
                 fields = [b"op", REBUILT, b"key", EMPTY_KEY, b"data", data]
                 if self.ends is None:
@@ -742,7 +743,7 @@ class Session:
             for m in self.host.mappings:
                 if m.table != t:
                     continue
-                intro = Introduction(len(m.key) > 1)
+                intro = Introduction(len(m.key) > 1, "c" in m.ops)
                 for stream in m.stream_keys():
                     found = self.host.since_marker(stream)
                     if found is None or found[0] != record["marked_at"]:
@@ -751,7 +752,7 @@ class Session:
                                         "until its resync ends; a consumer summing changes needs a reconciliation "
                                         "after it", m.entity, stream)
                         break
-                    intro.keys |= Introduction.from_entries(found[1], intro.several).keys
+                    intro.keys |= Introduction.from_entries(found[1], intro.several, intro.creates).keys
                 else:
                     self.windows.introducing[m.entity] = intro
                     log.info("%s: resuming its resync with %d rows brought since its marker", m.entity, len(intro.keys))

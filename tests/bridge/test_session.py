@@ -105,6 +105,8 @@ class Catalog:  # the catalog connection: no backfill table, no type look-ups ne
 
 
 class Gate:  # the ack gate, with a catalog that always vouches for the mapped tables
+    resyncing: dict = {}  # and nothing resyncing
+
     def verify(self, conn) -> None:
         pass
 

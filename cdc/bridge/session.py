@@ -151,6 +151,11 @@ class SessionHost(Protocol):
     def since_marker(self, stream: str) -> tuple[int, list[tuple[bytes, bytes, bool]]] | None: ...
 
 
+def introduction(m: Mapping) -> Introduction:
+    """What `m`'s stream has brought since its resync marker: nothing yet."""
+    return Introduction(len(m.key) > 1, "c" in m.ops)
+
+
 class Session:
     """Streams one replication connection into Redis until stopped, caught up or failed."""
 
@@ -668,8 +673,7 @@ class Session:
         for m in self.host.mappings:
             if m.table != t:
                 continue
-            # nothing brought after the marker
-            self.windows.introducing[m.entity] = Introduction(len(m.key) > 1, "c" in m.ops)
+            self.windows.introducing[m.entity] = introduction(m)  # nothing brought after the marker
             for stream in m.stream_keys():
                 fields = [b"op", REBUILT, b"key", EMPTY_KEY, b"data", data]
                 if self.ends is None:
@@ -743,7 +747,7 @@ class Session:
             for m in self.host.mappings:
                 if m.table != t:
                     continue
-                intro = Introduction(len(m.key) > 1, "c" in m.ops)
+                intro = introduction(m)
                 for stream in m.stream_keys():
                     found = self.host.since_marker(stream)
                     if found is None or found[0] != record["marked_at"]:

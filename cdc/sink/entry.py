@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 from datetime import datetime
 from typing import Any
 
@@ -14,21 +14,109 @@ from ..keys import DEAD_LETTER_PREFIX
 __all__ = ["Entry", "ForeignEntryError", "foreign_entry", "next_stream_id", "parse_entry", "parse_stream_id", "reply_text", "stream_id_for"]
 
 
-@dataclass(frozen=True, slots=True)
+_UNREAD: Any = object()  # a JSON field not parsed yet
+
+
 class Entry:
+    """A stream entry, frozen. Its JSON fields (``key``, ``data``, ``before``, ``unchanged``) are parsed
+    the first time they are read, from `fields`: a handler that passes an entry's text on (`TableSink`)
+    or never looks at its data pays nothing for them. A field that does not parse raises
+    `ForeignEntryError` when it is read, naming the entry."""
+
+    __slots__ = ("stream", "id", "op", "lsn", "seq", "xid", "ts_ms", "v", "fields",
+                 "_key", "_data", "_before", "_unchanged")
+
     stream: str
     id: str
     op: str
-    key: dict
-    data: dict | None
-    before: dict | None
-    unchanged: tuple[str, ...]
     lsn: int
     seq: int
     xid: int
     ts_ms: int
     v: int
     fields: dict  # every field as sent, bytes to bytes
+
+    def __init__(self, stream: str, id: str, op: str, key: dict, data: dict | None, before: dict | None,
+                 unchanged: tuple[str, ...], lsn: int, seq: int, xid: int, ts_ms: int, v: int, fields: dict) -> None:
+        for name, value in (("stream", stream), ("id", id), ("op", op), ("_key", key), ("_data", data),
+                            ("_before", before), ("_unchanged", unchanged), ("lsn", lsn), ("seq", seq), ("xid", xid),
+                            ("ts_ms", ts_ms), ("v", v), ("fields", fields)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def _unparsed(self, name: bytes) -> ForeignEntryError:
+        return foreign_entry(self.stream, self.id, f"its {name.decode()} field does not parse as JSON")
+
+    @property
+    def key(self) -> dict:
+        value = self._key
+        if value is _UNREAD:  # (inline: read once per entry by most handlers)
+            raw = self.fields.get(b"key")
+            try:
+                value = (_loads(raw) if raw is not None else None) or {}
+            except ValueError:  # orjson.JSONDecodeError
+                raise self._unparsed(b"key") from None
+            _set_key(self, value)
+        return value
+
+    @property
+    def data(self) -> dict | None:
+        value = self._data
+        if value is _UNREAD:  # (inline: read once per entry by most handlers)
+            raw = self.fields.get(b"data")
+            try:
+                value = (_loads(raw) if raw is not None else None)
+            except ValueError:  # orjson.JSONDecodeError
+                raise self._unparsed(b"data") from None
+            _set_data(self, value)
+        return value
+
+    @property
+    def before(self) -> dict | None:
+        value = self._before
+        if value is _UNREAD:  # (inline: read once per entry by most handlers)
+            raw = self.fields.get(b"before")
+            try:
+                value = (_loads(raw) if raw is not None else None)
+            except ValueError:  # orjson.JSONDecodeError
+                raise self._unparsed(b"before") from None
+            _set_before(self, value)
+        return value
+
+    @property
+    def unchanged(self) -> tuple[str, ...]:
+        value = self._unchanged
+        if value is _UNREAD:
+            raw = self.fields.get(b"unchanged")
+            try:
+                listed = (_loads(raw) if raw is not None else None) or ()
+            except ValueError:
+                raise self._unparsed(b"unchanged") from None
+            if not isinstance(listed, list | tuple):
+                raise foreign_entry(self.stream, self.id, "its unchanged field is no list")
+            value = tuple(listed)
+            _set_unchanged(self, value)
+        return value
+
+    def _values(self) -> tuple:
+        return (self.stream, self.id, self.op, self.key, self.data, self.before, self.unchanged, self.lsn, self.seq,
+                self.xid, self.ts_ms, self.v, self.fields)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not Entry:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # (its dicts are not hashable)
+
+    def __repr__(self) -> str:
+        names = ("stream", "id", "op", "key", "data", "before", "unchanged", "lsn", "seq", "xid", "ts_ms", "v", "fields")
+        return "Entry(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._values())) + ")"
 
     @property
     def position(self) -> tuple[int, int]:
@@ -38,6 +126,12 @@ class Entry:
     @property
     def id_ms(self) -> int:
         return int(self.id.partition("-")[0])
+
+
+_set_key = Entry._key.__set__  # type: ignore[attr-defined]
+_set_data = Entry._data.__set__  # type: ignore[attr-defined]
+_set_before = Entry._before.__set__  # type: ignore[attr-defined]
+_set_unchanged = Entry._unchanged.__set__  # type: ignore[attr-defined]
 
 
 class ForeignEntryError(PublishError):
@@ -56,7 +150,8 @@ def foreign_entry(stream: str, entry_id: str, reason: str) -> ForeignEntryError:
 
 def parse_entry(stream: str | bytes, entry_id: str | bytes, fields: dict) -> Entry:
     """An `Entry` from XREADGROUP/XRANGE output (bytes keys and values); `ForeignEntryError` for an
-    entry the bridge did not write (no ``op``, ``lsn`` or ``seq``, or a field that does not parse)."""
+    entry the bridge did not write (no ``op``, ``lsn`` or ``seq``, or one of them that does not parse;
+    a JSON field that does not parse raises it when it is read)."""
     if isinstance(stream, bytes):
         stream = stream.decode()
     if isinstance(entry_id, bytes):
@@ -70,11 +165,10 @@ def parse_entry(stream: str | bytes, entry_id: str | bytes, fields: dict) -> Ent
 
 
 class _Building:
-    """An `Entry` while it is filled in: the same slots, plain attributes (a frozen dataclass' own
-    constructor sets each field through object.__setattr__, which was half of a consumer's CPU per
-    entry); its class becomes `Entry` once complete."""
+    """An `Entry` while it is filled in: the same slots, plain attributes (setting each through
+    object.__setattr__ was half of a consumer's CPU per entry); its class becomes `Entry` once complete."""
 
-    __slots__ = Entry.__slots__  # type: ignore[attr-defined]
+    __slots__ = Entry.__slots__
 
 
 _loads = orjson.loads
@@ -86,14 +180,7 @@ def _entry(stream: str, entry_id: str, fields: dict) -> Entry:
     e.stream = stream  # type: ignore[attr-defined]
     e.id = entry_id  # type: ignore[attr-defined]
     e.op = fields[b"op"].decode()  # type: ignore[attr-defined]
-    raw = get(b"key")
-    e.key = (_loads(raw) if raw is not None else None) or {}  # type: ignore[attr-defined]
-    raw = get(b"data")
-    e.data = _loads(raw) if raw is not None else None  # type: ignore[attr-defined]
-    raw = get(b"before")
-    e.before = _loads(raw) if raw is not None else None  # type: ignore[attr-defined]
-    raw = get(b"unchanged")
-    e.unchanged = tuple((_loads(raw) if raw is not None else None) or ())  # type: ignore[attr-defined]
+    e._key = e._data = e._before = e._unchanged = _UNREAD  # type: ignore[attr-defined]  # parsed when read
     e.lsn = int(fields[b"lsn"])  # type: ignore[attr-defined]
     e.seq = int(fields[b"seq"])  # type: ignore[attr-defined]
     e.xid = int(get(b"xid", b"0"))  # type: ignore[attr-defined]

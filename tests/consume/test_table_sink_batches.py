@@ -160,7 +160,17 @@ def test_a_parsed_entry_is_a_frozen_entry_with_every_field():
         e.op = "d"  # type: ignore[misc]
     bare = parse_entry("s", "2-0", {b"op": b"t", b"lsn": b"7", b"seq": b"0"})
     assert (bare.key, bare.data, bare.before, bare.unchanged, bare.xid, bare.ts_ms, bare.v) == ({}, None, None, (), 0, 0, 1)
-    for broken in ({b"op": b"c", b"lsn": b"7"}, {b"op": b"c", b"lsn": b"7", b"seq": b"0", b"data": b"{"},
-                   {b"op": b"c", b"lsn": b"7", b"seq": b"0", b"unchanged": b"5"}):
+    for broken in ({b"op": b"c", b"lsn": b"7"}, {b"op": b"c", b"lsn": b"x7", b"seq": b"0"}):
         with pytest.raises(ForeignEntryError):
             parse_entry("s", "3-0", broken)
+    # JSON fields are parsed when first read (a handler passing the text on never pays for them), once
+    lazy = parse_entry("cdc:person", "1-0", dict(fields))
+    assert lazy.data is lazy.data and lazy.key == {"id": 1} and lazy == e
+    for name, broken_field in (("data", {b"data": b"{"}), ("key", {b"key": b"nope"}), ("before", {b"before": b"["}),
+                               ("unchanged", {b"unchanged": b"5"}), ("unchanged", {b"unchanged": b"]"})):
+        entry = parse_entry("s", "3-0", {b"op": b"c", b"lsn": b"7", b"seq": b"0", **broken_field})
+        assert entry.op == "c" and entry.position == (7, 0)
+        with pytest.raises(ForeignEntryError, match=f"s 3-0 is not a bridge entry .*{name}"):
+            getattr(entry, name)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del e.key

@@ -35,6 +35,10 @@ class Entry:
     ts_ms: int
     v: int
     fields: dict  # every field as sent, bytes to bytes
+    _key: Any  # the JSON fields, parsed, or _UNREAD
+    _data: Any
+    _before: Any
+    _unchanged: Any
 
     def __init__(self, stream: str, id: str, op: str, key: dict, data: dict | None, before: dict | None,
                  unchanged: tuple[str, ...], lsn: int, seq: int, xid: int, ts_ms: int, v: int, fields: dict) -> None:

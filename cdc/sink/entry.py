@@ -132,10 +132,11 @@ class Entry:
         return int(self.id.partition("-")[0])
 
 
-_set_key = Entry._key.__set__  # type: ignore[attr-defined]
-_set_data = Entry._data.__set__  # type: ignore[attr-defined]
-_set_before = Entry._before.__set__  # type: ignore[attr-defined]
-_set_unchanged = Entry._unchanged.__set__  # type: ignore[attr-defined]
+_slot = Entry.__dict__  # the slots' own descriptors: they set a parsed field past the frozen __setattr__
+_set_key = _slot["_key"].__set__
+_set_data = _slot["_data"].__set__
+_set_before = _slot["_before"].__set__
+_set_unchanged = _slot["_unchanged"].__set__
 
 
 class ForeignEntryError(PublishError):

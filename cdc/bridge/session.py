@@ -32,7 +32,7 @@ from ..mapping.model import Mapping
 from ..mapping.projector import Projector
 from ..ops.rebuild import EMPTY_KEY, REBUILT
 from ..sink.lane import packer
-from ..sink.publisher import Publisher
+from ..sink.publisher import Publisher, position
 from ..source import pgoutput as pg
 from ..source.catalog import load_types, table_shape
 from ..source.deadline import ConnectionSilent, bounded
@@ -184,7 +184,7 @@ class Session:
         self.tx = Transaction()
         tx_stream = settings.transactions.stream
         #: the END records of source transactions, when a transactions stream is set
-        self.ends = TransactionEnds(self.batcher, tx_stream) if tx_stream else None
+        self.ends = TransactionEnds(self.batcher, tx_stream, *self._grouping(publisher, settings)) if tx_stream else None
         self.inflight = InFlight(publisher)
         self.ack = host.ack
         self.ack.resume(held, confirmed)  # what Redis records now, not what an earlier session remembered
@@ -206,6 +206,16 @@ class Session:
         self.gap_count = self.counters.transactions
         #: the position the slot was last told (a status message that would tell it again waits for its time)
         self.told: Lsn | None = None
+
+    @staticmethod
+    def _grouping(publisher: Publisher, settings: Settings) -> tuple[int, str]:
+        """How many transactions an END record may cover, and (when more than one) the transactions stream's
+        high-water mark now, which no END straddles (`cdc.bridge.txends`)."""
+        per_end = settings.transactions.max_per_end
+        if per_end <= 1:
+            return per_end, ""
+        mark = publisher.marks([settings.transactions.stream])[settings.transactions.stream]
+        return per_end, position(*mark) if mark is not None else ""
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -523,6 +533,8 @@ class Session:
             self.ack.drained()
             return
         self.counters.batch_sizes.observe(batcher.pending)
+        if self.ends is not None:
+            self.ends.seal()
         self.inflight.send(batcher, self.ack.ackable, int(self.tx.ts or 0), time.monotonic())
         if self.host.memory_limited():
             # Redis has a memory limit: look again before the next batch, not in half a

@@ -42,9 +42,13 @@ def transaction(final: int, xid: int, changes_: list[tuple[int, int]]) -> list[b
 class Publisher:
     """Records every entry sent, per batch, as (stream, fields)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mark: tuple[int, int] | None = None) -> None:
         self.batches: list[list[tuple[str, list]]] = []
         self.confirmed: set = set()  # what the replaying stream records beside each status
+        self.mark = mark  # the transactions stream's high-water mark
+
+    def marks(self, streams):
+        return {s: self.mark for s in streams}
 
     def send(self, batches, flushed=None) -> None:
         self.batches.append([(b.stream, list(e)) for b in batches for e in b.queued()])
@@ -56,13 +60,14 @@ class Publisher:
         pass
 
 
-def run(messages: list[bytes], max_entries: int, stream: str = TX_STREAM) -> Publisher:
+def run(messages: list[bytes], max_entries: int, stream: str = TX_STREAM, per_end: int = 1,
+        mark: tuple[int, int] | None = None) -> Publisher:
     settings = Settings.from_dict({"http": {"port": 0}, "batch": {"max_entries": max_entries},
-                                   "transactions": {"stream": stream}})
+                                   "transactions": {"stream": stream, "max_per_end": per_end}})
     mappings = [parse_mapping(load_yaml_documents(text, "m.yaml")[0], {}) for text in (RIDE, NOTE, MESSAGE)]
     bridge = Bridge(settings, mappings)
     bridge.gate = Gate()
-    publisher = Publisher()
+    publisher = Publisher(mark)
     bridge._stream(VouchedSession(bridge, Stream(bridge, messages, publisher), publisher, Catalog(), Lsn(0)))
     return publisher
 
@@ -145,3 +150,74 @@ def test_both_paths_write_the_same_bytes(monkeypatch):
 def test_without_a_transactions_stream_nothing_else_changes(path):
     publisher = run(workload(), max_entries=3, stream="")
     assert not ends(publisher) and all(s != TX_STREAM for b in publisher.batches for s, _ in b)
+
+
+def small_transactions(n: int, seed: int) -> list[bytes]:
+    """`n` transactions of 0 to 3 inserts into the mapped tables (and the unmapped one), commit LSNs 1000 apart."""
+    import random
+
+    rng = random.Random(seed)
+    out = [xlog(RIDES), xlog(NOTES), xlog(OTHER)]
+    for i in range(n):
+        out += transaction(1000 * (i + 1), 600 + i, [(rng.choice((16400, 16401, 16402)), 10 * i + j)
+                                                     for j in range(rng.randint(0, 3))])
+    return out
+
+
+def covered(publisher: Publisher) -> list[tuple[int, dict]]:
+    """Each END in order with its fields, checked against the entries before it: it comes after every entry
+    of the transactions it covers, and counts exactly those."""
+    order = [(n, s, as_dict(f)) for n, b in enumerate(publisher.batches) for s, f in b]  # n: the batch (atomic)
+    out = []
+    for i, s, e in order:
+        if s != TX_STREAM:
+            continue
+        data = orjson.loads(e["data"])
+        txs = {(str(lsn), str(xid)) for xid, lsn, _ in data["transactions"]}
+        mine = [(t, x) for _, t, x in order if t != TX_STREAM and (x["lsn"], x["xid"]) in txs]
+        assert mine == [(t, x) for n, t, x in order if n <= i and t != TX_STREAM and (x["lsn"], x["xid"]) in txs]
+        assert data["count"] == len(mine) == sum(data["streams"].values())
+        assert all(data["streams"][t] == sum(1 for u, _ in mine if u == t) for t in data["streams"])
+        last = data["transactions"][-1]
+        assert (e["v"], e["op"], e["lsn"], e["xid"], e["ts_ms"]) == ("2", "e", str(last[1]), str(last[0]), str(last[2]))
+        assert e["pos"] == f"{last[1]:020d}{int(e['seq']):010d}" and int(e["seq"]) == 1 + max(
+            int(x["seq"]) for _, x in mine if x["lsn"] == str(last[1]))
+        out.append((len(data["transactions"]), data))
+    return out
+
+
+@pytest.mark.parametrize("per_end,max_entries", [(2, 4), (5, 7), (1000, 6), (1000, 1)])
+def test_grouped_ends_cover_each_transaction_of_a_batch_once(path, per_end, max_entries):
+    publisher = run(small_transactions(60, seed=per_end + max_entries), max_entries, per_end=per_end)
+    got = covered(publisher)
+    txs = [tuple(t) for _, data in got for t in data["transactions"]]
+    with_entries = sorted({(int(x["xid"]), int(x["lsn"])) for b in publisher.batches for s, f in b
+                           if s != TX_STREAM for x in [as_dict(f)] if x["xid"] != "0"}, key=lambda t: t[1])
+    assert [t[:2] for t in txs] == with_entries, "every transaction with entries once, in commit order"
+    assert max(n for n, _ in got) <= per_end
+    if per_end > 1 and max_entries > 1:
+        assert max(n for n, _ in got) > 1, "transactions of one batch share an END"
+    for batch in publisher.batches:  # an END covers transactions of its own batch only
+        assert sum(1 for s, _ in batch if s == TX_STREAM) <= max(1, len(batch))
+
+
+def test_a_grouped_end_never_straddles_the_mark_a_replay_starts_under(path):
+    # the mark of an END written before a crash: transactions up to commit LSN 20000 are covered already
+    publisher = run(small_transactions(40, seed=3), max_entries=1000, per_end=1000, mark=(20000, 5))
+    got = covered(publisher)
+    for _, data in got:
+        lsns = [lsn for _, lsn, _ in data["transactions"]]
+        assert max(lsns) <= 20000 or min(lsns) > 20000, lsns
+    assert len(got) >= 2
+
+
+def test_grouped_ends_are_the_same_bytes_on_both_paths(monkeypatch):
+    if changes.burst_changes is changes.burst:
+        pytest.skip(f"the compiled hot path does not run: {speedups.describe()}")
+    messages = small_transactions(50, seed=11)
+    compiled = run(messages, max_entries=5, per_end=4).batches
+    monkeypatch.setattr(session_module, "burst_changes", changes.burst)
+    monkeypatch.setattr(session_module, "route_change", changes.route_raw)
+    pure = run(messages, max_entries=5, per_end=4).batches
+    flat = [[(s, as_dict(f)) for s, f in b] for b in compiled]
+    assert flat == [[(s, as_dict(f)) for s, f in b] for b in pure]

@@ -101,7 +101,9 @@ class TransactionEnds:
 
     @contextmanager
     def uncounted(self) -> Iterator[None]:
-        """Entries queued inside belong to no transaction's count."""
+        """Entries queued inside belong to no transaction's count (and no END held open covers transactions on
+        both sides of them: a consumer hands them over between)."""
+        self.seal()
         before = {b.stream: _queued(b) for b in self.batcher.batches.values()}
         yield
         for b in self.batcher.batches.values():

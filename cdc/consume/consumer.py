@@ -44,7 +44,7 @@ from .defaults import BLOCK_MS, CLAIM_IDLE_MS, COUNT, LEASE_POLL_S, LEASE_TTL_MS
 from .failures import ENTRY, whose
 from .lease import Lease
 from .metrics import ConsumerMetrics, MetricsServer, serve_metrics
-from .transactions import IncompleteTransaction, TransactionAssembler, Unit, covered
+from .transactions import IncompleteTransaction, TransactionAssembler, Unit, covered, transactions_in
 
 __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
 
@@ -754,7 +754,7 @@ class Consumer:
         for _ in range(len(units)):
             ready.popleft()
         self.acked += sum(len(ids) for ids in by_stream.values())
-        self.transactions_handled += sum(1 for u in units if u.end is not None)
+        self.transactions_handled += sum(transactions_in(u.end) for u in units if u.end is not None)
         for stream, n in handled:  # what the handler finished; the END records are not handed over
             self.metrics.handled[stream] += n
 
@@ -765,8 +765,7 @@ class Consumer:
         head = unit.head
         failures = self._count_failure(head.stream, head.id, text)
         self._assembly.redelivered.add(head.id)  # a failure count to clear once it is done
-        log.warning("handler failed on %s %s%s: %s", head.stream, head.id,
-                    f" (a transaction of {len(unit.entries)} entries)" if unit.end is not None else "", error)
+        log.warning("handler failed on %s %s%s: %s", head.stream, head.id, _of(unit), error)
         if failures >= self.max_deliveries:
             self._dead_letter_unit(unit, failures, text)
 
@@ -799,6 +798,15 @@ class Consumer:
             self.metrics.dead_letters[e.stream] += 1
         log.warning("dead-lettered %s %s with its %d entries after %d failed deliveries: %s",
                     head.stream, head.id, len(unit.entries), failures, error)
+
+
+def _of(unit: Unit) -> str:
+    """What a unit with an END holds, in words."""
+    if unit.end is None:
+        return ""
+    n = transactions_in(unit.end)
+    return (f" (a transaction of {len(unit.entries)} entries)" if n == 1 else
+            f" ({n} transactions of {len(unit.entries)} entries, one END record)")
 
 
 def raise_gone(gone: list[tuple[str, str]]) -> None:

@@ -20,6 +20,10 @@ transactions stream, and gives back `Unit`s:
   before it that stays incomplete counts entries the rebuild replaced, and is acknowledged too
   (the handler gets each rebuilt stream's own marker and resets there).
 
+An END record of format 2 (``v`` 2, the bridge's ``transactions.max_per_end`` above 1) covers
+several consecutive transactions (``data.transactions``, each ``[xid, commit LSN, ts_ms]``), its
+position the last one's: they make one unit, their entries in commit order.
+
 Units come out in commit order (the transactions stream's order), and every stream's
 entries in that stream's order. A transaction whose END was read and that stays incomplete
 past `wait_s` raises `IncompleteTransaction`: the bridge writes an END after every entry it
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, DataLossError
 from ..sink.entry import Entry
 
-__all__ = ["END_OP", "IncompleteTransaction", "TransactionAssembler", "Unit", "covered"]
+__all__ = ["END_OP", "IncompleteTransaction", "TransactionAssembler", "Unit", "covered", "first_lsn", "transactions_in"]
 
 #: the op of an END record in the transactions stream
 END_OP = "e"
@@ -50,6 +54,7 @@ STANDALONE_OPS = ("r", "x")
 #: the position below every entry's: nothing handed over yet
 _NOWHERE = (-1, -1)
 _seq = attrgetter("seq")
+_position = attrgetter("lsn", "seq")
 
 
 class IncompleteTransaction(DataLossError):
@@ -60,6 +65,26 @@ class IncompleteTransaction(DataLossError):
 def covered(e: Entry) -> bool:
     """True when an END record covers `e` (a change of a source transaction)."""
     return e.op not in STANDALONE_OPS and e.xid != 0
+
+
+def _covers(end: Entry) -> list | None:
+    """The transactions a format 2 END covers, each [xid, commit LSN, ts_ms]; None for format 1."""
+    if end.v < 2:
+        return None
+    listed = (end.data or {}).get("transactions")
+    return listed if listed else None
+
+
+def first_lsn(end: Entry) -> int:
+    """The commit LSN of the first transaction an END record covers."""
+    listed = _covers(end)
+    return int(listed[0][1]) if listed else end.lsn
+
+
+def transactions_in(end: Entry) -> int:
+    """How many source transactions an END record covers."""
+    listed = _covers(end)
+    return len(listed) if listed else 1
 
 
 @dataclass(slots=True)
@@ -167,7 +192,7 @@ class TransactionAssembler:
     def _next(self) -> Unit | None:
         ends = self.ends
         # an entry at or below this commit LSN has its END behind (or none to come): it goes alone
-        bound = ends[0].lsn - 1 if ends else self.ends_written
+        bound = first_lsn(ends[0]) - 1 if ends else self.ends_written
         if self.last_end[0] > bound:
             bound = self.last_end[0]
         handed = self.handed
@@ -203,9 +228,13 @@ class TransactionAssembler:
             self.ends.popleft()
             self._markers -= end.op == "x"
             return Unit([], extra=[end])
-        counts = (end.data or {}).get("streams", {})
+        data = end.data or {}
+        counts = data.get("streams", {})
+        listed = _covers(end)
+        if listed is not None:
+            return self._several(end, counts, {(int(t[1]), int(t[0])) for t in listed})
         lsn, xid = end.lsn, end.xid
-        taken: list[tuple[str, deque[Entry], list[Entry], list[Entry], int]] = []
+        taken: list[tuple[str, deque[Entry], list[Entry], list[Entry], tuple[int, int]]] = []
         ordered = True  # the entries taken are in source order as they are (no sort needed)
         for stream, count in counts.items():
             buf = self.buffers.get(stream)
@@ -232,14 +261,63 @@ class TransactionAssembler:
                     entries.append(e)
                     seen.add(e.seq)
                     top = max(top, e.seq)
-            if len(entries) < count and self._markers:  # a cdc recover marker after it
-                return self._superseded(end)
             if len(entries) < count:
-                self.short = stream
-                self.waiting = (f"transaction {end.xid} (commit LSN {end.lsn}) is incomplete: its END record "
-                                f"{self.transactions} {end.id} counts {count} entries in {stream}, {len(entries)} arrived")
-                return None
+                return self._short(end, stream, count, len(entries))
+            taken.append((stream, buf, entries, twice, (lsn, top)))
+        return self._taken(end, taken, ordered, _seq)
+
+    def _several(self, end: Entry, counts: dict, covered_: set[tuple[int, int]]) -> Unit | None:
+        """`_transaction` for an END covering several transactions ((commit LSN, xid) in `covered_`): their
+        entries are told apart by their whole position."""
+        lsn = end.lsn
+        taken: list[tuple[str, deque[Entry], list[Entry], list[Entry], tuple[int, int]]] = []
+        ordered = True
+        for stream, count in counts.items():
+            buf = self.buffers.get(stream)
+            if buf is None:
+                continue
+            count = int(count)
+            entries: list[Entry] = []
+            twice: list[Entry] = []
+            top = (-1, -1)  # the highest position taken while the positions rise
+            seen: set[tuple[int, int]] | None = None  # the positions taken, once they stopped rising
+            for e in buf:
+                if e.lsn > lsn or e.op in STANDALONE_OPS or (e.lsn, e.xid) not in covered_:
+                    break
+                pos = (e.lsn, e.seq)
+                if seen is None:
+                    if pos > top or not entries:
+                        entries.append(e)
+                        top = pos
+                        continue
+                    seen = {x.position for x in entries}
+                    ordered = False
+                if pos in seen:
+                    twice.append(e)
+                else:
+                    entries.append(e)
+                    seen.add(pos)
+                    top = max(top, pos)
+            if len(entries) < count:
+                return self._short(end, stream, count, len(entries))
             taken.append((stream, buf, entries, twice, top))
+        return self._taken(end, taken, ordered, _position)
+
+    def _short(self, end: Entry, stream: str, count: int, arrived: int) -> Unit | None:
+        """The END's entries in `stream` are not all there: wait for them (or, before a cdc recover marker,
+        acknowledge the END: the rebuild replaced them)."""
+        if self._markers:  # a cdc recover marker after it
+            return self._superseded(end)
+        self.short = stream
+        listed = _covers(end)
+        what = (f"transaction {end.xid} (commit LSN {end.lsn})" if listed is None else
+                f"one of the {len(listed)} transactions of commit LSNs {listed[0][1]} to {end.lsn}")
+        self.waiting = (f"{what} is incomplete: its END record {self.transactions} {end.id} counts {count} "
+                        f"entries in {stream}, {arrived} arrived")
+        return None
+
+    def _taken(self, end: Entry, taken: list[tuple[str, deque[Entry], list[Entry], list[Entry], tuple[int, int]]],
+               ordered: bool, order: attrgetter) -> Unit:
         self.ends.popleft()
         self.short = ""
         handed = self.handed
@@ -252,12 +330,12 @@ class TransactionAssembler:
                 if out:
                     ordered = False
                 out += mine
-                if (lsn, top) > handed.get(stream, _NOWHERE):
-                    handed[stream] = (lsn, top)
+                if top > handed.get(stream, _NOWHERE):
+                    handed[stream] = top
             extra += twice
         self.last_end = end.position
         if not ordered:
-            out.sort(key=_seq)  # every entry has the END's commit LSN: by seq is by position
+            out.sort(key=order)  # by position (one END's transaction: every entry has its commit LSN, by seq)
         return Unit(out, end, extra)
 
     def _superseded(self, end: Entry) -> Unit:

@@ -152,13 +152,14 @@ def test_without_a_transactions_stream_nothing_else_changes(path):
     assert not ends(publisher) and all(s != TX_STREAM for b in publisher.batches for s, _ in b)
 
 
-def small_transactions(n: int, seed: int) -> list[bytes]:
-    """`n` transactions of 0 to 3 inserts into the mapped tables (and the unmapped one), commit LSNs 1000 apart."""
+def small_transactions(n: int, seed: int, start: int = 0) -> list[bytes]:
+    """`n` transactions of 0 to 3 inserts into the mapped tables (and the unmapped one), commit LSNs 1000 apart
+    (from 1000 * (start + 1)); the Relations first unless `start`."""
     import random
 
     rng = random.Random(seed)
-    out = [xlog(RIDES), xlog(NOTES), xlog(OTHER)]
-    for i in range(n):
+    out = [] if start else [xlog(RIDES), xlog(NOTES), xlog(OTHER)]
+    for i in range(start, start + n):
         out += transaction(1000 * (i + 1), 600 + i, [(rng.choice((16400, 16401, 16402)), 10 * i + j)
                                                      for j in range(rng.randint(0, 3))])
     return out
@@ -221,3 +222,17 @@ def test_grouped_ends_are_the_same_bytes_on_both_paths(monkeypatch):
     pure = run(messages, max_entries=5, per_end=4).batches
     flat = [[(s, as_dict(f)) for s, f in b] for b in compiled]
     assert flat == [[(s, as_dict(f)) for s, f in b] for b in pure]
+
+
+def test_no_grouped_end_spans_an_entry_no_end_counts(path):
+    """A message of no transaction between two transactions of one batch: the END before it is closed (a
+    consumer hands the message over between the two)."""
+    lone = xlog(po.Message(False, Lsn(10500), "app:lone", b"between"))
+    publisher = run(small_transactions(10, seed=5) + [lone] + small_transactions(10, seed=6, start=10),
+                    max_entries=1000, per_end=1000)
+    assert any(as_dict(f)["op"] == "m" for b in publisher.batches for _, f in b)
+    got = covered(publisher)
+    for _, data in got:
+        lsns = [lsn for _, lsn, _ in data["transactions"]]
+        assert max(lsns) < 10500 or min(lsns) > 10500, lsns
+    assert len(got) == 2

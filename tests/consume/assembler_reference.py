@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from cdc.consume.transactions import END_OP, IncompleteTransaction, Unit, covered
+from cdc.consume.transactions import END_OP, IncompleteTransaction, Unit, covered, first_lsn
 from cdc.errors import ConfigError
 from cdc.sink.entry import Entry
 
@@ -112,7 +112,7 @@ class ReferenceAssembler:
         if e.position <= self.handed.get(stream, (-1, -1)):
             buf.popleft()
             return Unit([], extra=[e])
-        if not (e.lsn <= self.last_end[0] or (self.ends and e.lsn < self.ends[0].lsn)
+        if not (e.lsn <= self.last_end[0] or (self.ends and e.lsn < first_lsn(self.ends[0]))
                 or (not self.ends and e.lsn <= self.ends_written)):
             return None  # its END is still to come
         entries = []
@@ -126,6 +126,8 @@ class ReferenceAssembler:
             self.ends.popleft()
             return Unit([], extra=[end])
         counts = (end.data or {}).get("streams", {})
+        listed = (end.data or {}).get("transactions") if end.v >= 2 else None  # format 2: several transactions
+        mine_ = {(int(lsn), int(xid)) for xid, lsn, _ in listed} if listed else {(end.lsn, end.xid)}
         taken: dict[str, tuple[list[Entry], list[Entry]]] = {}
         for stream, count in counts.items():
             if stream not in self.buffers:
@@ -134,7 +136,7 @@ class ReferenceAssembler:
             twice: list[Entry] = []
             seen: set = set()
             for e in self.buffers[stream]:
-                if not covered(e) or (e.lsn, e.xid) != (end.lsn, end.xid):
+                if not covered(e) or (e.lsn, e.xid) not in mine_:
                     break
                 (twice if e.position in seen else entries).append(e)
                 seen.add(e.position)
@@ -142,7 +144,9 @@ class ReferenceAssembler:
                 return self._superseded(end)
             if len(entries) < int(count):
                 self.short = stream
-                self.waiting = (f"transaction {end.xid} (commit LSN {end.lsn}) is incomplete: its END record "
+                what = (f"one of the {len(listed)} transactions of commit LSNs {listed[0][1]} to {end.lsn}" if listed
+                        else f"transaction {end.xid} (commit LSN {end.lsn})")
+                self.waiting = (f"{what} is incomplete: its END record "
                                 f"{self.transactions} {end.id} counts {count} entries in {stream}, {len(entries)} arrived")
                 return None
             taken[stream] = (entries, twice)

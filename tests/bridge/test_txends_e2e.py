@@ -30,8 +30,9 @@ CREATE TABLE public.audit (id bigint PRIMARY KEY);
 
 
 def assert_ends_match(client, streams: list[str]) -> list[dict]:
-    """Every transaction with entries in `streams` has exactly one END, after them, whose counts are what the
-    streams hold for it; every END names such a transaction. Returns the ENDs."""
+    """Every transaction with entries in `streams` is covered by exactly one END, after them, whose counts are
+    what the streams hold for the transactions it covers (format 1: one; format 2: those it lists); every END
+    covers such transactions only. Returns the ENDs (and rebuild markers)."""
     held: dict[tuple[str, str], Counter] = defaultdict(Counter)
     last: dict[tuple[str, str], int] = defaultdict(int)
     for stream in streams:
@@ -43,14 +44,21 @@ def assert_ends_match(client, streams: list[str]) -> list[dict]:
     everything = read_stream(client, TX_STREAM)
     ends = [e for e in everything if e["op"] == "e"]
     assert all(e["op"] == "x" for e in everything if e["op"] != "e"), "only ENDs and rebuild markers"
-    by_tx = Counter((e["lsn"], e["xid"]) for e in ends)
-    assert not [tx for tx, n in by_tx.items() if n > 1], "an END written twice"
-    assert set(by_tx) == set(held), "a transaction without its END, or an END of no transaction"
+    by_tx: Counter = Counter()
     for e in ends:
-        tx = (e["lsn"], e["xid"])
-        assert e["key"] == {} and e["v"] == "1"
-        assert e["data"] == {"count": sum(held[tx].values()), "streams": dict(held[tx])}, tx
-        assert int(e["seq"]) == last[tx] + 1
+        listed = [(str(lsn), str(xid)) for xid, lsn, _ in e["data"]["transactions"]] if e["v"] == "2" else [
+            (e["lsn"], e["xid"])]
+        by_tx.update(listed)
+        assert e["key"] == {} and e["v"] in ("1", "2")
+        totals: Counter = Counter()
+        for tx in listed:
+            totals.update(held[tx])
+        assert {k: v for k, v in e["data"].items() if k != "transactions"} == {
+            "count": sum(totals.values()), "streams": dict(totals)}, listed
+        assert (e["lsn"], e["xid"]) == listed[-1] and int(e["seq"]) == last[listed[-1]] + 1
+        assert [int(lsn) for lsn, _ in listed] == sorted(int(lsn) for lsn, _ in listed)
+    assert not [tx for tx, n in by_tx.items() if n > 1], "a transaction covered twice"
+    assert set(by_tx) == set(held), "a transaction without its END, or an END of no transaction"
     lsns = [int(e["lsn"]) for e in everything]
     assert lsns == sorted(lsns), "ENDs in commit order"
     return everything
@@ -103,11 +111,13 @@ def test_a_clashing_transactions_stream_is_a_config_error(env):
 
 
 @pytest.mark.slow
-def test_kill_9_mid_stream_leaves_every_end_once_with_its_counts(env):
+@pytest.mark.parametrize("per_end", [1, 50])
+def test_kill_9_mid_stream_leaves_every_end_once_with_its_counts(env, per_end):
     env.apply_sql("10_rocket_rides.sql")
     env.copy_mappings("ride.yaml")
     env.write_mapping("rider.yaml", RIDER_MAPPING)
-    env.write_config(f"batch: {{max_entries: 40, max_delay_ms: 5}}\ntransactions: {{stream: '{TX_STREAM}'}}\n")
+    env.write_config(f"batch: {{max_entries: 40, max_delay_ms: 5}}\n"
+                     f"transactions: {{stream: '{TX_STREAM}', max_per_end: {per_end}}}\n")
     env.cdc("init", check=True)
     workload = MixedWorkload(env.dsn, transactions=600, seed=7, big_every=40, big_size=300, rate=120)
     workload.start()
@@ -124,6 +134,9 @@ def test_kill_9_mid_stream_leaves_every_end_once_with_its_counts(env):
     assert_streams_exact(env, workload)
     ends = assert_ends_match(env.redis, ["cdc:ride", "cdc:rider"])
     assert any(e["data"]["count"] > 40 for e in ends), "a transaction spanning batches was counted whole"
+    if per_end > 1:
+        assert all(e["v"] == "2" for e in ends if e["op"] == "e")
+        assert any(len(e["data"]["transactions"]) > 1 for e in ends if e["op"] == "e"), "transactions shared ENDs"
 
 
 @pytest.mark.one_path

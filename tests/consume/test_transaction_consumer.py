@@ -38,6 +38,21 @@ class Source:
             self.client.xadd(TX, self.fields("e", {"count": sum(counts.values()), "streams": counts}, len(rows), key={}))
         return self.xid
 
+    def grouped(self, *transactions: tuple[tuple[str, dict], ...]) -> list[int]:
+        """Several transactions and one END record of format 2 covering them all (as a batch of the bridge with
+        transactions.max_per_end above 1 writes them); their xids."""
+        covered, totals = [], {}
+        for rows in transactions:
+            self.lsn, self.xid = self.lsn + 100, self.xid + 1
+            for seq, (stream, data) in enumerate(rows):
+                self.client.xadd(stream, self.fields("c", data, seq))
+                totals[stream] = totals.get(stream, 0) + 1
+            covered.append([self.xid, self.lsn, 1])
+        fields = self.fields("e", {"count": sum(totals.values()), "streams": totals, "transactions": covered},
+                             len(transactions[-1]), key={})
+        self.client.xadd(TX, {**fields, "v": 2})
+        return [xid for xid, _, _ in covered]
+
     def fields(self, op: str, data: dict, seq: int, key: dict | None = None) -> dict:
         return {"op": op, "key": orjson.dumps(key if key is not None else {"id": data.get("id", 0)}),
                 "data": orjson.dumps(data), "lsn": self.lsn, "seq": seq, "xid": self.xid, "ts_ms": 1, "v": 1}
@@ -117,6 +132,33 @@ def test_a_failing_transaction_is_dead_lettered_whole_and_nothing_overtakes_it(s
     m = consumer.metrics  # what /metrics would serve: entries handled, failures counted on the END, dead letters
     assert (dict(m.handled), dict(m.failures), dict(m.dead_letters)) == ({A: 3, B: 2}, {TX: 2}, {A: 1, B: 1, TX: 1})
     assert m.handler_seconds.count >= 4
+
+
+def test_an_end_covering_several_transactions_hands_them_over_together_in_commit_order(setup):
+    env, src = setup
+    first = src.transaction((A, {"id": 1}))
+    group = src.grouped(((A, {"id": 2}), (B, {"id": 3}), (C, {"id": 4})), ((B, {"id": 5}),), ((C, {"id": 6}),),
+                        ((A, {"id": 7}), (A, {"id": 8})))
+    env.redis.xadd(A, {"op": "r", "key": b'{"id":9}', "data": b'{"id":9}', "lsn": src.lsn + 1, "seq": 0, "xid": 0,
+                       "ts_ms": 1, "v": 1})
+    poisoned = src.grouped(((A, {"id": 10}),), ((B, {"id": 11, "poison": True}),))
+    last = src.transaction((B, {"id": 12}))
+    consumer, stop, thread, failure = running(env)
+    try:
+        wait_for(lambda: pending(env) == 0 and len(applied(env)) == 8 or failure, 30, "the consumer to settle")
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not failure
+    assert applied(env) == [(A, first, 1), (A, group[0], 2), (B, group[0], 3), (B, group[1], 5), (A, group[3], 7),
+                            (A, group[3], 8), (A, 0, 9), (B, last, 12)], \
+        "the transactions of an END in commit order, a snapshot row after them; a failing one dead-letters its END's"
+    letters = [{k.decode(): v.decode() for k, v in f.items()} for _, f in env.redis.xrange("cdc:dlq:g")]
+    assert [(d["source_stream"], orjson.loads(orjson.loads(d["entry"])["data"]).get("id")) for d in letters] == \
+        [(A, 10), (B, 11), (TX, None)], "the transactions one END covers are dead-lettered together"
+    assert {d["transaction"] for d in letters} == {letters[-1]["source_id"]}
+    assert consumer.transactions_handled == 1 + 4 + 1, "each transaction an END covers counts"
+    assert poisoned[0] not in {xid for _, xid, _ in applied(env)}
 
 
 def test_an_incomplete_transaction_stops_the_consumer_with_none_of_it_applied(setup):

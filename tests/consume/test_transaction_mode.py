@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import orjson
 import psycopg
 import pytest
 
@@ -117,12 +118,14 @@ def tables_equal_read_model(env) -> bool:
 
 
 @pytest.mark.slow
-def test_killed_bridge_and_consumer_never_show_part_of_a_transaction(env):
+@pytest.mark.parametrize("per_end, delay_ms", [(1, 5), (20, 60)], ids=["an-end-each", "shared-ends"])
+def test_killed_bridge_and_consumer_never_show_part_of_a_transaction(env, per_end, delay_ms):
     env.apply_sql("20_consumer_state.sql")
     env.execute(TABLES + SCHEMA)
     for name, text in MAPPINGS.items():
         env.write_mapping(name, text)
-    env.write_config(f"batch: {{max_entries: 7, max_delay_ms: 5}}\ntransactions: {{stream: '{TX}'}}\n")
+    env.write_config(f"batch: {{max_entries: 7, max_delay_ms: {delay_ms}}}\n"
+                     f"transactions: {{stream: '{TX}', max_per_end: {per_end}}}\n")
     env.cdc("init", check=True)
     extra = {"PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])),
              "CDC_FAULT_CRASH_BEFORE_COMMIT": "0.01", "PYTHONUNBUFFERED": "1"}
@@ -185,6 +188,10 @@ def test_killed_bridge_and_consumer_never_show_part_of_a_transaction(env):
     pending = sum(g["pending"] for s in ("cdc:order", "cdc:order_line", TX) for g in env.redis.xinfo_groups(s))
     assert pending == 0
     ends = env.redis.xinfo_stream(TX)["entries-added"]
+    covered = sum(len(orjson.loads(f[b"data"]).get("transactions") or [0]) for _, f in env.redis.xrange(TX)
+                  if f[b"op"] == b"e")
     print(f"kills {kills}, crashes before commit {sum(code == 86 for _, code in exits)}, readings {checker.readings}, "
-          f"transactions committed {sum(w.committed for w in writers)}, END records {ends}")
-    assert ends >= sum(w.committed for w in writers) * 0.9
+          f"transactions committed {sum(w.committed for w in writers)}, END records {ends} covering {covered}")
+    assert covered >= sum(w.committed for w in writers) * 0.9
+    if per_end > 1:
+        assert ends < covered, "transactions shared END records"

@@ -17,11 +17,13 @@ With ``--baseline REV`` the consumer contestants also run on the package as it w
 in the same rounds, so that before and after come from one run on the same machine.
 With ``--transactions`` transaction mode runs too: the same number of changes over 3 streams plus the
 transactions stream, in source transactions of 1, 10 and 1,000 changes, each against plain mode on the
-same entries (trivial handler); with ``--baseline REV`` both on REV's package too, in the same rounds.
+same entries (trivial handler); with ``--baseline REV`` both on REV's package too, in the same rounds; and
+transaction mode again with END records each covering up to ``--per-end`` of a batch's transactions (format 2,
+the bridge's ``transactions.max_per_end``), on this tree.
 ``--tx-only`` runs that part alone (``--tx-sizes`` picks the transaction sizes).
 
 Usage: python bench/sink.py [--entries 300000] [--batch 1000] [--rounds 3] [--baseline REV]
-       [--transactions [--tx-entries 100000] [--tx-sizes 1,10,1000] [--tx-only]] [--cli-gc]
+       [--transactions [--tx-entries 100000] [--tx-sizes 1,10,1000] [--tx-only] [--per-end 100]] [--cli-gc]
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import redis  # noqa: E402
 STREAM = "cdc:ride"
 TX_STREAMS = ["cdc:ride:0", "cdc:ride:1", "cdc:ride:2"]
 TX_END = "cdc:transactions"
+TX_END_SHARED = "cdc:transactions:shared"  # the same transactions, END records shared as with transactions.max_per_end
 _SCHEMA = ("CREATE TABLE {t} (key jsonb PRIMARY KEY, data jsonb, lsn numeric(20) NOT NULL, seq bigint NOT NULL, "
            "deleted boolean NOT NULL DEFAULT false)")
 
@@ -109,33 +112,57 @@ def workload(n: int, seed: int = 7, per_tx: int = 10):
     return out, final
 
 
-def fill(url: str, entries, streams: list[str] | None = None, ends: str | None = None) -> None:
+def fill(url: str, entries, streams: list[str] | None = None, ends: str | None = None, per_end: int = 100) -> None:
     """Publish `entries` to STREAM, or partitioned over `streams` with an END record per source transaction
-    in `ends` (transaction mode), through the bridge's publisher."""
+    in `ends` (transaction mode) and, in TX_END_SHARED, END records each covering up to `per_end` of a batch's
+    transactions (format 2, as the bridge writes them with transactions.max_per_end), through the bridge's
+    publisher, in batches of 2000 changes (the bridge's default batch.max_entries)."""
     from cdc.sink.publisher import Publisher, StreamBatch, position
 
     publisher = Publisher(url)
+    step = 2000
     try:
-        for start in range(0, len(entries), 5000):
-            chunk = entries[start:start + 5000]
+        for start in range(0, len(entries), step):
+            chunk = entries[start:start + step]
             batches = {s: StreamBatch(s) for s in (streams or [STREAM])}
             end_batch = StreamBatch(ends) if ends else None
+            shared_batch = StreamBatch(TX_END_SHARED) if ends else None
             tx: dict[str, int] = {}
+            shared: list[list] = []  # the transactions the next shared END covers
+            totals: dict[str, int] = {}
             for j, (fields, part, (lsn, seq, xid)) in enumerate(chunk):
                 stream = streams[part] if streams else STREAM
                 batches[stream].add(position(lsn, seq), fields)
                 if end_batch is not None:
                     tx[stream] = tx.get(stream, 0) + 1
-                    nxt = chunk[j + 1][2] if j + 1 < len(chunk) else (entries[start + 5000][2] if start + 5000 < len(entries) else None)
+                    nxt = chunk[j + 1][2] if j + 1 < len(chunk) else (entries[start + step][2] if start + step < len(entries) else None)
                     if nxt is None or nxt[0] != lsn:
                         end_batch.add(position(lsn, seq + 1), [b"op", "e", b"key", b"{}",
                                                                b"data", orjson.dumps({"count": sum(tx.values()), "streams": tx}),
                                                                b"lsn", str(lsn), b"seq", seq + 1, b"xid", xid,
                                                                b"ts_ms", b"0", b"v", 1])
+                        shared.append([xid, lsn, 0, seq + 1])
+                        for s_, n_ in tx.items():
+                            totals[s_] = totals.get(s_, 0) + n_
+                        if len(shared) == per_end:
+                            add_shared(shared_batch, shared, totals)
+                            shared, totals = [], {}
                         tx = {}
-            publisher.publish(list(batches.values()) + ([end_batch] if end_batch is not None else []))
+            if shared:  # a batch's last END closes with it
+                add_shared(shared_batch, shared, totals)
+            publisher.publish(list(batches.values()) + ([end_batch, shared_batch] if end_batch is not None else []))
     finally:
         publisher.close()
+
+
+def add_shared(batch, shared: list[list], totals: dict[str, int]) -> None:
+    """An END record of format 2 covering `shared` ([xid, lsn, ts_ms, its END's seq] each)."""
+    from cdc.bridge.txends import GROUPED_VERSION, grouped_data
+    from cdc.sink.publisher import position
+
+    xid, lsn, _, seq = shared[-1]
+    batch.add(position(lsn, seq), [b"op", "e", b"key", b"{}", b"data", grouped_data([t[:3] for t in shared], totals),
+                                   b"lsn", str(lsn), b"seq", seq, b"xid", xid, b"ts_ms", b"0", b"v", GROUPED_VERSION])
 
 
 # -- the workers (each in a process of its own) -------------------------------------------------------------
@@ -229,6 +256,8 @@ def worker(args) -> int:
         copy_mirror(client, args.dsn, args.group, args.table, args.entries, args.batch)
     elif args.worker == "tx":
         consume(client, args.dsn, args.group, args.table, args.entries, args.batch, "trivial", TX_STREAMS, TX_END)
+    elif args.worker == "txg":
+        consume(client, args.dsn, args.group, args.table, args.entries, args.batch, "trivial", TX_STREAMS, TX_END_SHARED)
     elif args.worker == "plain3":
         consume(client, args.dsn, args.group, args.table, args.entries, args.batch, "trivial", TX_STREAMS)
     else:
@@ -280,6 +309,8 @@ def main() -> int:
     parser.add_argument("--tx-entries", type=int, default=100_000, help="changes per transaction-mode run")
     parser.add_argument("--tx-sizes", default="1,10,1000", help="the source transactions' sizes (changes), comma-separated")
     parser.add_argument("--tx-only", action="store_true", help="only transaction mode against plain mode (--transactions)")
+    parser.add_argument("--per-end", type=int, default=100,
+                        help="transaction mode with shared END records too: the most transactions one covers")
     parser.add_argument("--cli-gc", action="store_true",
                         help="every contestant sets Python's collector as cdc consume does (gc.freeze, young threshold 20,000)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -369,15 +400,15 @@ def transaction_rounds(args, pg, rd, trees) -> dict[tuple[int, str], tuple[float
     for size in (int(x) for x in args.tx_sizes.split(",")):
         client.flushall()  # the streams and their marks (the publisher refuses a stream gone under its mark)
         entries, _ = workload(args.tx_entries, per_tx=size)
-        fill(rd.url, entries, TX_STREAMS, TX_END)
+        fill(rd.url, entries, TX_STREAMS, TX_END, args.per_end)
         del entries
-        runs = [(kind, tag) for tag in trees for kind in ("tx", "plain3")]
+        runs = [(kind, tag) for tag in trees for kind in ("tx", "plain3")] + [("txg", "")]
         got_by: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
         for r in range(args.rounds):
             for kind, tag in (runs if r % 2 == 0 else runs[::-1]):
                 group = f"t{size}_{r}_{kind}_{list(trees).index(tag)}"
                 got = run_worker(kind, trees[tag], pg, rd, group, "none", args.tx_entries, args.batch, args.cli_gc)
-                for s in TX_STREAMS + ([TX_END] if kind == "tx" else []):
+                for s in TX_STREAMS + {"tx": [TX_END], "txg": [TX_END_SHARED]}.get(kind, []):
                     client.xgroup_destroy(s, group)
                 got_by[kind, tag].append(args.tx_entries / got["wall"])
                 print(f"  transactions of {size}, round {r + 1} {kind + tag:<16} {args.tx_entries / got['wall']:>9,.0f} entries/s",
@@ -385,6 +416,9 @@ def transaction_rounds(args, pg, rd, trees) -> dict[tuple[int, str], tuple[float
         for tag in trees:
             tx, plain = got_by["tx", tag], got_by["plain3", tag]
             out[size, tag] = (statistics.median(tx), statistics.median(plain), [t / p for t, p in zip(tx, plain)])
+        tx, plain = got_by["txg", ""], got_by["plain3", ""]
+        out[size, f" shared ENDs (max_per_end {args.per_end})"] = (
+            statistics.median(tx), statistics.median(plain), [t / p for t, p in zip(tx, plain)])
     return out
 
 

@@ -523,12 +523,19 @@ def end_record_schema(stream: str) -> dict:
             "data": _json_text({"type": "object", "properties": {
                 "count": {"type": "integer", "minimum": 1, "description": "the transaction's entries, in all streams"},
                 "streams": {**counts, "description": "its entries per stream key (partition streams separately)"},
+                "transactions": {"type": "array", "minItems": 1, "items": {
+                    "type": "array", "prefixItems": [{"type": "integer"}] * 3, "minItems": 3, "maxItems": 3,
+                    "description": "[xid, commit LSN, ts_ms]"},
+                    "description": "format 2 (v 2): the transactions it covers, in commit order (count and streams "
+                                   "are theirs together)"},
             }, "description": "of op e; op x carries the marker of cdc recover"}),
-            "lsn": {**digits, "description": "commit LSN of the source transaction (as its entries)"},
+            "lsn": {**digits, "description": "commit LSN of the source transaction (as its entries; format 2: the "
+                                             "last one's)"},
             "seq": {**digits, "description": "one past the largest seq of the transaction's entries"},
             "xid": {**digits, "description": "transaction id (as its entries)"},
             "ts_ms": {**digits, "description": "commit time, Unix milliseconds (as its entries)"},
-            "v": {"const": "1", "description": "the END record's format version"},
+            "v": {"enum": ["1", "2"], "description": "the END record's format version: 2 covers several transactions "
+                                                    "(transactions.max_per_end)"},
         },
         "required": ["op", "key", "lsn", "seq", "xid", "ts_ms", "v"],
     }

@@ -107,17 +107,17 @@ class TableSink(StateConnection):
                     if op in _WRITES:  # as _rows, inline: this loop is most of the sink's own CPU
                         fields = e.fields
                         key = fields.get(b"key") or _json(e.key)
+                        if op == "d":
+                            add(key, (None, e.lsn, e.seq, True, False))
+                            continue
                         if op == "u" and e.before:
                             moved = _old_key(e)
                             if moved is not None:  # the key changed: the row under the old key is gone
                                 add(_json(moved), (None, e.lsn, e.seq, True, False))
-                        if op == "d":
-                            add(key, (None, e.lsn, e.seq, True, False))
-                        else:
-                            data = fields.get(b"data")
-                            if data is None and e.data is not None:  # an entry made in code, without its fields
-                                data = _json(e.data)
-                            add(key, (data, e.lsn, e.seq, False, bool(e.unchanged)))
+                        data = fields.get(b"data")
+                        if data is None and e.data is not None:  # an entry made in code, without its fields
+                            data = _json(e.data)
+                        add(key, (data, e.lsn, e.seq, False, bool(e.unchanged)))
                     elif op in ("t", "x"):  # x: the stream was rebuilt; the rows after it are the whole table
                         self._write(cur, fold)
                         fold = _Fold()

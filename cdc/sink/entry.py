@@ -185,7 +185,10 @@ def _entry(stream: str, entry_id: str, fields: dict) -> Entry:
     e.stream = stream  # type: ignore[attr-defined]
     e.id = entry_id  # type: ignore[attr-defined]
     e.op = fields[b"op"].decode()  # type: ignore[attr-defined]
-    e._key = e._data = e._before = e._unchanged = _UNREAD  # type: ignore[attr-defined]  # parsed when read
+    e._key = e._data = _UNREAD  # type: ignore[attr-defined]  # parsed when read
+    # (most entries have neither: known now for the price of a look)
+    e._before = _UNREAD if b"before" in fields else None  # type: ignore[attr-defined]
+    e._unchanged = _UNREAD if b"unchanged" in fields else ()  # type: ignore[attr-defined]
     e.lsn = int(fields[b"lsn"])  # type: ignore[attr-defined]
     e.seq = int(fields[b"seq"])  # type: ignore[attr-defined]
     e.xid = int(get(b"xid", b"0"))  # type: ignore[attr-defined]

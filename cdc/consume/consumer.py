@@ -35,7 +35,7 @@ from redis.exceptions import ResponseError
 
 from .. import keys
 from ..redact import redact
-from ..sink.entry import Entry, parse_entry, reply_text, stream_id_for
+from ..sink.entry import Entry, parse_entries, parse_entry, reply_text, stream_id_for
 from ..sink.publisher import split_position
 from ..sink.trim import foreign_removals, removal_reads, removed_unconsumed, unconsumed_loss_error
 from ..errors import CdcError
@@ -281,9 +281,12 @@ class Consumer:
     # -- reading -------------------------------------------------------------------------
 
     def _parse(self, reply, gone: list[tuple[str, str]] | None = None) -> list[Entry]:
-        entries = []
+        entries: list[Entry] = []
         for stream, items in reply or []:
             stream = reply_text(stream)
+            if all(fields for _, fields in items):
+                entries += parse_entries(stream, items)
+                continue
             for entry_id, fields in items:
                 if fields:
                     entries.append(parse_entry(stream, entry_id, fields))

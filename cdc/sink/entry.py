@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import datetime
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -11,7 +12,8 @@ import orjson
 from ..errors import PublishError
 from ..keys import DEAD_LETTER_PREFIX
 
-__all__ = ["Entry", "ForeignEntryError", "foreign_entry", "next_stream_id", "parse_entry", "parse_stream_id", "reply_text", "stream_id_for"]
+__all__ = ["Entry", "ForeignEntryError", "foreign_entry", "next_stream_id", "parse_entries", "parse_entry",
+           "parse_stream_id", "reply_text", "stream_id_for"]
 
 
 _UNREAD: Any = object()  # a JSON field not parsed yet
@@ -159,14 +161,7 @@ def parse_entry(stream: str | bytes, entry_id: str | bytes, fields: dict) -> Ent
     a JSON field that does not parse raises it when it is read)."""
     if isinstance(stream, bytes):
         stream = stream.decode()
-    if isinstance(entry_id, bytes):
-        entry_id = entry_id.decode()
-    try:
-        return _entry(stream, entry_id, fields)
-    except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:  # orjson.JSONDecodeError is a ValueError
-        missing = [name for name in ("op", "lsn", "seq") if name.encode() not in fields]
-        reason = f"no {', '.join(missing)} field" if missing else f"a field that does not parse: {type(exc).__name__}"
-        raise foreign_entry(stream, entry_id, reason) from None
+    return parse_entries(stream, ((entry_id, fields),))[0]
 
 
 class _Building:
@@ -179,24 +174,36 @@ class _Building:
 _loads = orjson.loads
 
 
-def _entry(stream: str, entry_id: str, fields: dict) -> Entry:
-    get = fields.get
-    e = _Building()
-    e.stream = stream  # type: ignore[attr-defined]
-    e.id = entry_id  # type: ignore[attr-defined]
-    e.op = fields[b"op"].decode()  # type: ignore[attr-defined]
-    e._key = e._data = _UNREAD  # type: ignore[attr-defined]  # parsed when read
-    # (most entries have neither: known now for the price of a look)
-    e._before = _UNREAD if b"before" in fields else None  # type: ignore[attr-defined]
-    e._unchanged = _UNREAD if b"unchanged" in fields else ()  # type: ignore[attr-defined]
-    e.lsn = int(fields[b"lsn"])  # type: ignore[attr-defined]
-    e.seq = int(fields[b"seq"])  # type: ignore[attr-defined]
-    e.xid = int(get(b"xid", b"0"))  # type: ignore[attr-defined]
-    e.ts_ms = int(get(b"ts_ms", b"0"))  # type: ignore[attr-defined]
-    e.v = int(get(b"v", b"1"))  # type: ignore[attr-defined]
-    e.fields = fields  # type: ignore[attr-defined]
-    e.__class__ = Entry  # type: ignore[assignment]
-    return e  # type: ignore[return-value]
+def parse_entries(stream: str, items: Iterable[tuple[str | bytes, dict]]) -> list[Entry]:
+    """`parse_entry` over the (ID, fields) items of one stream, in one loop (a consumer's hot path)."""
+    out: list[Entry] = []
+    append = out.append
+    entry_id: str | bytes = ""
+    fields: dict = {}
+    try:
+        for entry_id, fields in items:
+            get = fields.get
+            e = _Building()
+            e.stream = stream  # type: ignore[attr-defined]
+            e.id = entry_id.decode() if entry_id.__class__ is bytes else entry_id  # type: ignore[attr-defined,union-attr]
+            e.op = fields[b"op"].decode()  # type: ignore[attr-defined]
+            e._key = e._data = _UNREAD  # type: ignore[attr-defined]  # parsed when read
+            # (most entries have neither: known now for the price of a look)
+            e._before = _UNREAD if b"before" in fields else None  # type: ignore[attr-defined]
+            e._unchanged = _UNREAD if b"unchanged" in fields else ()  # type: ignore[attr-defined]
+            e.lsn = int(fields[b"lsn"])  # type: ignore[attr-defined]
+            e.seq = int(fields[b"seq"])  # type: ignore[attr-defined]
+            e.xid = int(get(b"xid", b"0"))  # type: ignore[attr-defined]
+            e.ts_ms = int(get(b"ts_ms", b"0"))  # type: ignore[attr-defined]
+            e.v = int(get(b"v", b"1"))  # type: ignore[attr-defined]
+            e.fields = fields  # type: ignore[attr-defined]
+            e.__class__ = Entry  # type: ignore[assignment]
+            append(e)  # type: ignore[arg-type]
+    except (KeyError, ValueError, TypeError, UnicodeDecodeError, AttributeError) as exc:
+        missing = [name for name in ("op", "lsn", "seq") if name.encode() not in fields]
+        reason = f"no {', '.join(missing)} field" if missing else f"a field that does not parse: {type(exc).__name__}"
+        raise foreign_entry(stream, reply_text(entry_id), reason) from None
+    return out
 
 
 def reply_text(value: Any) -> str:

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import datetime
 
 import orjson
@@ -369,12 +370,22 @@ class Consumer:
         (of the streams in `only`, when given)."""
         now = time.monotonic()
         self.metrics.loop_at = now
+        self._housekeeping(now)
+        return self._next_batch(only)
+
+    def _housekeeping_due(self, now: float) -> bool:
+        return now >= (self._next_lease_check if self.exclusive else self._next_reap)
+
+    def _housekeeping(self, now: float) -> None:
+        """Renew or take the leases (exclusive), or claim what dead consumers left (shared), when due."""
         if self.exclusive and now >= self._next_lease_check:
             self._refresh_leases()
             self._next_lease_check = now + self._lease_check_every
         elif not self.exclusive and now >= self._next_reap:
             self.reap()
             self._next_reap = now + min(self.claim_idle_ms / 2000, 1.0)
+
+    def _next_batch(self, only: Sequence[str] | None = None) -> list[Entry]:
         active = self.active_streams
         if not active:
             time.sleep(min(self.block_ms / 1000, self._lease_check_every))
@@ -503,22 +514,27 @@ class Consumer:
     def run(self, handle: Callable[[list[Entry]], None], stop: threading.Event | None = None) -> None:
         """Read, handle, acknowledge until `stop` is set; a failing batch is retried entry by entry.
 
-        On stop the batch in hand is finished and acknowledged before returning.
+        While a batch is handled, the next one is read (Redis and the handler's own database work at
+        once). On stop the batch in hand is finished and acknowledged before returning; a batch read
+        ahead meanwhile stays pending, delivered again at the next start.
         """
         check_signature(handle, ("entries",), f"the handler of consumer {self.name}")
         stop = stop or threading.Event()
         log.info("consumer %s of group %s on %s%s", self.name, self.group, ", ".join(self.streams),
                  f", transactions from {self.transactions}" if self.transactions else "")
         self.metrics.state = "reading"
+        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cdc-read-ahead")
         try:
+            entries: list[Entry] | None = None
             while not stop.is_set():
                 if self.transactions:
                     self._step_transactions(handle)
                     continue
-                entries = self.read()
-                if entries:
-                    self.process(entries, handle)
+                if entries is None:
+                    entries = self.read()
+                entries = self._process_reading_ahead(entries, handle, ahead) if entries else None
         finally:
+            ahead.shutdown(wait=True)
             self.metrics.state = "stopped"
             self.metrics.end_wait_since = None
             self._assembly = None  # a run again (after a transient error) reads its pending entries again
@@ -526,8 +542,39 @@ class Consumer:
             for lease in self.leases.values():
                 lease.release()
 
-    def process(self, entries: list[Entry], handle: Callable[[list[Entry]], None]) -> None:
-        """Handle and acknowledge a batch; on failure, go entry by entry.
+    def _process_reading_ahead(self, entries: list[Entry], handle: Callable[[list[Entry]], None],
+                               ahead: ThreadPoolExecutor) -> list[Entry] | None:
+        """`process` the batch while the next one is read, when nothing must come before that read (a lease
+        check or a reap due, own pending entries to read again); the next batch when it may be handled next,
+        else None (read again). A batch read ahead and not handled is pending to this consumer: it is read
+        again from the pending list, in order (after a failure, a changed lease, or on stop: at the next start)."""
+        following: Future | None = None
+        epochs: tuple[int, ...] = ()
+        if not self._pending_phase and not self._retry_one and not self._housekeeping_due(time.monotonic()):
+            epochs = tuple(lease.epoch for lease in self.leases.values())
+            following = ahead.submit(self._next_batch)
+        try:
+            clean = self.process(entries, handle)
+        finally:
+            if following is not None and not following.done():
+                wait([following])  # (an error of the batch in hand is raised, the one read ahead dropped)
+        if following is None:
+            return None
+        after = following.result()
+        now = time.monotonic()
+        self.metrics.loop_at = now
+        if not after:
+            return None
+        self._housekeeping(now)
+        if clean and not self._pending_phase and not self._retry_one and epochs == tuple(
+                lease.epoch for lease in self.leases.values()):
+            return after
+        self._pending_phase.update(e.stream for e in after)
+        return None
+
+    def process(self, entries: list[Entry], handle: Callable[[list[Entry]], None]) -> bool:
+        """Handle and acknowledge a batch; on failure, go entry by entry. True when the batch was handled
+        and acknowledged whole at once.
 
         In exclusive mode a stream stops at its first failing entry, which is
         retried alone until it succeeds or is dead-lettered: later entries never
@@ -540,7 +587,7 @@ class Consumer:
             self._timed(handle, entries)
         except Fenced as exc:
             self._fenced(entries, exc)
-            return
+            return False
         except Exception as exc:
             if whose(exc) != ENTRY:  # a server away or a broken setup is no failure of the entries
                 self._pending_phase.update(e.stream for e in entries)  # read them again after the retry
@@ -548,10 +595,10 @@ class Consumer:
             if len(entries) == 1:
                 self.fail(entries[0], exc)
                 log.warning("handler failed on %s %s: %s", entries[0].stream, entries[0].id, exc)
-                return
+                return False
         else:
             self.ack(entries)
-            return
+            return True
         blocked: set[str] = set()
         for e in entries:
             if e.stream in blocked:
@@ -571,6 +618,7 @@ class Consumer:
                     blocked.add(e.stream)
             else:
                 self.ack([e])
+        return False
 
     def _timed(self, handle: Callable[[list[Entry]], None], entries: list[Entry]) -> None:
         started = time.monotonic()

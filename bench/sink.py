@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -231,13 +232,20 @@ def consume(client: redis.Redis, dsn: str, group: str, table: str, n: int, batch
         handler.epoch_of = consumer.epoch
     handle = handler if handler is not None else (lambda entries: None)
     total = n + (client.xlen(ends) if ends else 0)  # transaction mode acknowledges the END records too
-    while consumer.acked < total:
-        if ends:
+    if ends:
+        while consumer.acked < total:
             consumer._step_transactions(handle)
-            continue
-        entries = consumer.read()
-        if entries:
-            consumer.process(entries, handle)
+    else:  # the consumer's own loop (it reads the next batch while one is handled)
+        stop = threading.Event()
+        handled = [0]
+
+        def counted(entries) -> None:
+            handle(entries)
+            handled[0] += len(entries)
+            if handled[0] >= n:
+                stop.set()
+
+        consumer.run(counted, stop)
     for lease in consumer.leases.values():
         lease.release()
     if handler is not None:

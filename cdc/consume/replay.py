@@ -60,7 +60,7 @@ def read_range(client: redis.Redis, stream: str, start: str = "-", end: str = "+
         items = client.xrange(stream, start, end, count=page)
         for entry_id, fields in items:
             try:
-                entry = parse_entry(stream, entry_id, fields)
+                entry = parse_entry(stream, entry_id, fields).parsed()
             except ForeignEntryError as error:
                 if on_foreign is None:
                     raise

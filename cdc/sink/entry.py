@@ -121,8 +121,18 @@ class Entry:
     __hash__ = None  # type: ignore[assignment]  # (its dicts are not hashable)
 
     def __repr__(self) -> str:
-        names = ("stream", "id", "op", "key", "data", "before", "unchanged", "lsn", "seq", "xid", "ts_ms", "v", "fields")
-        return "Entry(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._values())) + ")"
+        shown = []
+        for name in ("stream", "id", "op", "key", "data", "before", "unchanged", "lsn", "seq", "xid", "ts_ms", "v", "fields"):
+            try:
+                shown.append(f"{name}={getattr(self, name)!r}")
+            except ForeignEntryError:  # (a field that is not JSON: shown as sent, in `fields`)
+                shown.append(f"{name}=<not JSON>")
+        return "Entry(" + ", ".join(shown) + ")"
+
+    def parsed(self) -> Entry:
+        """The entry with every JSON field parsed now: `ForeignEntryError` here, not when a field is read."""
+        self.key, self.data, self.before, self.unchanged  # noqa: B018  # (the properties parse and keep them)
+        return self
 
     @property
     def position(self) -> tuple[int, int]:

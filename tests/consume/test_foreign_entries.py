@@ -36,6 +36,10 @@ def test_cdc_read_skips_a_foreign_entry_by_its_id_and_ends_with_its_error(rides)
     _one_error(result, 5, f"cdc:ride {foreign} is not a bridge entry", f"redis-cli XDEL cdc:ride {foreign}")
     rides.redis.xadd("cdc:ride", {"op": "c", "lsn": "x", "seq": "1"})  # the bridge's field names, not its values
     _one_error(rides.cdc("read", "--entity", "ride"), 5, "(2 entries skipped in all)")
+    bad_json = rides.redis.xadd("cdc:ride", {"op": "c", "key": '{"id": 9}', "data": "{", "lsn": "9", "seq": "0"}).decode()
+    result = rides.cdc("read", "--entity", "ride")
+    assert f"skipped: cdc:ride {bad_json} is not a bridge entry (its data field does not parse as JSON)" in result.stderr
+    _one_error(result, 5, "(3 entries skipped in all)")
     # the advice works: once the foreign entries are deleted, cdc read shows every entry and exits 0
     for entry_id, fields in rides.redis.xrange("cdc:ride"):
         if b"v" not in fields:
@@ -80,3 +84,39 @@ def test_a_consumer_handed_a_foreign_entry_stops_naming_it(rides):
                        "--handler", "cdc.demo.rocketrides:ride_totals", timeout=120)
     _one_error(result, 5, f"cdc:ride {foreign} is not a bridge entry (no op, lsn, seq field)",
                f"redis-cli XDEL cdc:ride {foreign}")
+
+
+def test_an_entry_whose_json_does_not_parse_stops_a_handler_reading_it_and_is_dead_lettered_by_the_table_sink(rides):
+    """An entry's JSON is parsed when the handler reads it: a handler reading it stops the consumer with the
+    entry's error (nothing of the batch acknowledged); the table sink passes the text to PostgreSQL, which
+    refuses it: the entry's own failure, dead-lettered, the others applied."""
+    import threading
+
+    from cdc.consume.consumer import Consumer
+    from cdc.consume.table_sink import TableSink
+    from cdc.demo.local import wait_for
+
+    last = int(rides.redis.xrevrange("cdc:ride", count=1)[0][1][b"lsn"])  # past the bridge's: not taken for a redelivery
+    bad = rides.redis.xadd("cdc:ride", {"op": "c", "key": '{"id": 9}', "data": "{", "lsn": str(last + 1), "seq": "0",
+                                        "xid": "1", "ts_ms": "0", "v": "1"}).decode()
+    result = rides.cdc("consume", "--entity", "ride", "--group", "g", "--start", "0",
+                       "--handler", "cdc.demo.rocketrides:ride_totals", timeout=120)
+    _one_error(result, 5, f"cdc:ride {bad} is not a bridge entry (its data field does not parse as JSON)",
+               f"redis-cli XDEL cdc:ride {bad}")
+    assert rides.redis.xpending("cdc:ride", "g")["pending"] == 4, "nothing of the batch acknowledged"
+    consumer = Consumer(rides.redis, ["cdc:ride"], "mirror", "m1", max_deliveries=2, block_ms=50)
+    consumer.create_group("0")
+    sink = TableSink(rides.dsn, "public.ride_mirror")
+    stop = threading.Event()
+    thread = threading.Thread(target=consumer.run, args=(sink, stop), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: rides.redis.xlen("cdc:dlq:mirror") == 1 and consumer.acked == 3, 60,
+                 "the entry that is not JSON to be dead-lettered, the others applied")
+    finally:
+        stop.set()
+        thread.join(30)
+        sink.close()
+    [(_, letter)] = rides.redis.xrange("cdc:dlq:mirror")
+    assert letter[b"source_id"].decode() == bad and b"InvalidTextRepresentation" in letter[b"error"]
+    assert sorted(k for (k,) in rides.execute("SELECT key->>'id' FROM ride_mirror")) == ["1", "2", "3"]

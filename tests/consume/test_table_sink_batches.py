@@ -172,5 +172,8 @@ def test_a_parsed_entry_is_a_frozen_entry_with_every_field():
         assert entry.op == "c" and entry.position == (7, 0)
         with pytest.raises(ForeignEntryError, match=f"s 3-0 is not a bridge entry .*{name}"):
             getattr(entry, name)
+        assert f"{name}=<not JSON>" in repr(entry)  # (a log line naming it never fails)
+        with pytest.raises(ForeignEntryError):
+            entry.parsed()
     with pytest.raises(dataclasses.FrozenInstanceError):
         del e.key

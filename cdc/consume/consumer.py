@@ -107,6 +107,11 @@ class Fenced(CdcError):
     """A newer lease holder has written this stream's state: this consumer must stop using it."""
 
 
+#: read the next batch while one is handled once the handler takes this long on a batch (s): below it, a
+#: handler that barely waits (nothing to do, or memory only) gains nothing from a second thread
+READ_AHEAD_AFTER_S = 0.002
+
+
 def default_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -189,6 +194,7 @@ class Consumer:
         self.metrics = ConsumerMetrics(group, transactions=transactions is not None)
         self.transactions_handled = 0
         self._read_pending = False  # the last read() returned entries read again from the pending list
+        self._handled_in = float("inf")  # how long the handler took on the last batch (s; none yet: read ahead)
         self._assembly: TransactionAssembler | None = None  # transaction mode: what was read and not yet handled
         self._end_wait_told = ""  # transaction mode: the entry whose wait for its END record was logged
 
@@ -544,13 +550,15 @@ class Consumer:
 
     def _process_reading_ahead(self, entries: list[Entry], handle: Callable[[list[Entry]], None],
                                ahead: ThreadPoolExecutor) -> list[Entry] | None:
-        """`process` the batch while the next one is read, when nothing must come before that read (a lease
-        check or a reap due, own pending entries to read again); the next batch when it may be handled next,
+        """`process` the batch while the next one is read, when the handler took long enough on the last batch
+        for that to pay (`READ_AHEAD_AFTER_S`) and nothing must come before that read (a lease check or a reap
+        due, own pending entries to read again); the next batch when it may be handled next,
         else None (read again). A batch read ahead and not handled is pending to this consumer: it is read
         again from the pending list, in order (after a failure, a changed lease, or on stop: at the next start)."""
         following: Future | None = None
         epochs: tuple[int, ...] = ()
-        if not self._pending_phase and not self._retry_one and not self._housekeeping_due(time.monotonic()):
+        if (self._handled_in >= READ_AHEAD_AFTER_S and not self._pending_phase and not self._retry_one
+                and not self._housekeeping_due(time.monotonic())):
             epochs = tuple(lease.epoch for lease in self.leases.values())
             following = ahead.submit(self._next_batch)
         try:
@@ -625,7 +633,8 @@ class Consumer:
         try:
             handle(entries)
         finally:
-            self.metrics.handler_seconds.observe(time.monotonic() - started)
+            self._handled_in = time.monotonic() - started
+            self.metrics.handler_seconds.observe(self._handled_in)
 
     def _fenced(self, entries: Sequence[Entry], exc: Fenced) -> None:
         log.warning("fenced off: %s", exc)

@@ -5,6 +5,7 @@ pending list), and on stop the batch read ahead stays pending, handed over first
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -74,6 +75,7 @@ def test_a_failure_drops_the_batch_read_ahead_and_nothing_overtakes_the_failing_
     stop = threading.Event()
 
     def handle(entries):
+        time.sleep(0.005)  # a handler's work on a batch, as a database's (long enough for the read ahead to pay)
         for e in entries:
             if e.key["i"] in (150, 420) and failed.count(e.key["i"]) < 2:  # fails twice, then works
                 failed.append(e.key["i"])

@@ -13,7 +13,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 install: $(VENV)/.installed servers-deps
 
 # the install builds the compiled hot path where a C compiler exists (pure Python otherwise)
-$(VENV)/.installed: pyproject.toml setup.py cdc/bridge/_changes.pyx cdc/sink/_resp.pyx
+$(VENV)/.installed: pyproject.toml setup.py cdc/bridge/_changes.pyx cdc/sink/_resp.pyx cdc/sink/_entries.pyx
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@# 0.1.0 was the distribution `cdc` (this project's: its summary says so; PyPI's `cdc` is another project)

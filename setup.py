@@ -7,7 +7,8 @@ warning and the package installs as pure Python, which works the same, slower.
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = {"cdc.bridge._changes": "cdc/bridge/_changes.pyx", "cdc.sink._resp": "cdc/sink/_resp.pyx"}
+SOURCES = {"cdc.bridge._changes": "cdc/bridge/_changes.pyx", "cdc.sink._resp": "cdc/sink/_resp.pyx",
+           "cdc.sink._entries": "cdc/sink/_entries.pyx"}
 
 
 class OptionalBuildExt(build_ext):

@@ -28,7 +28,7 @@ __all__ = ["IMPL_ENV", "PURE_ENV", "check", "chosen", "load", "describe"]
 IMPL_ENV = "CDC_IMPL"
 PURE_ENV = "CDC_PURE_PYTHON"
 _IMPLS = ("pure", "compiled")
-_MODULES = ("cdc.bridge._changes", "cdc.sink._resp")
+_MODULES = ("cdc.bridge._changes", "cdc.sink._resp", "cdc.sink._entries")
 _BUILD_HINT = "install a C compiler, then reinstall the package, e.g. make install"
 
 

@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable, Sequence
 
 import psycopg
+from psycopg import sql
 
 from .consumer import Fenced
 from ..loader import APPLY_PARAMETERS, check_signature
@@ -114,6 +115,7 @@ class TransactionalHandler(StateConnection):
         self.crash_before_commit = crash_before_commit
         self.applied = 0
         self.skipped = 0
+        self._openings: dict[tuple[str, ...], str] = {}
 
     def __repr__(self) -> str:
         return f"<TransactionalHandler {self.consumer} applied={self.applied} skipped={self.skipped}>"
@@ -122,15 +124,38 @@ class TransactionalHandler(StateConnection):
         """The checkpoints and replays (the apply function's own tables are its business)."""
         return STATE_TABLES
 
+    def _opening(self, conn: psycopg.Connection, streams: list[str]) -> str:
+        """BEGIN, then `lock_checkpoints`' two statements, in one query (one round trip: the opening of each batch)."""
+        key = tuple(streams)
+        text = self._openings.get(key)
+        if text is None:
+            consumer, listed = sql.Literal(self.consumer), sql.Literal(streams)
+            text = self._openings[key] = "; ".join(
+                sql.SQL(statement.replace("%s", "{}")).format(consumer, listed).as_string(conn)
+                for statement in ("BEGIN", _ENSURE, _LOCK))
+        return text
+
+    def _closing(self, conn: psycopg.Connection, last: dict[str, Entry]) -> str:
+        """The checkpoints' updates, then COMMIT, in one query (one round trip: the closing of each batch)."""
+        statements = [
+            sql.SQL(_SAVE.replace("%s", "{}")).format(*map(sql.Literal, (
+                e.id, e.lsn, e.seq, self.epoch_of(stream), self.consumer, stream))).as_string(conn)
+            for stream, e in last.items()
+        ]
+        return "; ".join([*statements, "COMMIT"])
+
     def __call__(self, entries: Sequence[Entry]) -> None:
         streams = sorted({e.stream for e in entries})
-        with self.transaction() as conn:
+        with self.transaction(opened=True) as conn:
+            cur = conn.execute(self._opening(conn, streams), prepare=False)
+            cur.nextset()
+            cur.nextset()  # the lock's rows
             marks = {}
-            for stream, (_, mark, epoch) in lock_checkpoints(conn, self.consumer, streams).items():
+            for stream, _, lsn, seq, epoch in cur:
                 mine = self.epoch_of(stream)
                 if epoch > mine:
                     raise Fenced(f"{self.consumer} on {stream}: state written by epoch {epoch}, this consumer holds {mine}")
-                marks[stream] = mark
+                marks[stream] = (int(lsn), seq)
             fresh: list[Entry] = []
             last: dict[str, Entry] = {}
             stream, mark = None, (0, 0)
@@ -156,10 +181,9 @@ class TransactionalHandler(StateConnection):
                 marks[stream] = mark
             if fresh:
                 self.apply(conn, fresh, self.consumer)
-            for stream, e in last.items():
-                conn.execute(_SAVE, (e.id, e.lsn, e.seq, self.epoch_of(stream), self.consumer, stream))
             if self.crash_before_commit and random.random() < self.crash_before_commit:
                 log.warning("fault injection: crashing before commit")
                 os._exit(86)
+            conn.execute(self._closing(conn, last), prepare=False)
         self.applied += len(fresh)
         self.skipped += len(entries) - len(fresh)

@@ -34,9 +34,9 @@ import orjson
 import redis
 from redis.exceptions import ResponseError
 
-from .. import keys
+from .. import keys, speedups
 from ..redact import redact
-from ..sink.entry import Entry, parse_entries, parse_entry, reply_text, stream_id_for
+from ..sink.entry import Entry, parse_entry, parse_reply, reply_text, stream_id_for
 from ..sink.publisher import split_position
 from ..sink.trim import foreign_removals, removal_reads, removed_unconsumed, unconsumed_loss_error
 from ..errors import CdcError
@@ -46,6 +46,10 @@ from .failures import ENTRY, whose
 from .lease import Lease
 from .metrics import ConsumerMetrics, MetricsServer, serve_metrics
 from .transactions import IncompleteTransaction, TransactionAssembler, Unit, covered, transactions_in
+
+_compiled = speedups.load("cdc.sink._entries")
+#: `parse_reply`, compiled where the extension is built (the same entries, the same errors)
+parse_read = _compiled.parse_reply if _compiled is not None else parse_reply
 
 __all__ = ["Consumer", "Fenced", "default_name", "ensure_group", "stream_id_for"]
 
@@ -249,8 +253,8 @@ class Consumer:
                 self._pending_phase.update(covers)
 
     def _raw(self, stream: str) -> redis.Redis:
-        """A client on the same connections as `client` (the node's, on a cluster) that keeps
-        the reply of XAUTOCLAIM ... JUSTID whole: redis-py drops its cursor otherwise."""
+        """A client on the same connections as `client` (the node's, on a cluster) that keeps the replies of
+        XAUTOCLAIM ... JUSTID (redis-py drops its cursor otherwise) and XREADGROUP as Redis sent them."""
         if self._cluster:
             node = self.client.get_node_from_key(stream)
             name, pool = node.name, self.client.get_redis_connection(node).connection_pool
@@ -260,7 +264,14 @@ class Consumer:
         if raw is None:
             raw = self._raw_clients[name] = redis.Redis(connection_pool=pool)
             raw.set_response_callback("XAUTOCLAIM", lambda response, **options: response)
+            raw.set_response_callback("XREADGROUP", lambda response, **options: response)
         return raw
+
+    def _xreadgroup_args(self, ids: dict[str, str], count: int, block: int | None) -> list:
+        args: list = ["XREADGROUP", "GROUP", self.group, self.name, "COUNT", count]
+        if block is not None:
+            args += ["BLOCK", block]
+        return [*args, "STREAMS", *ids, *ids.values()]
 
     def _claim(self, stream: str, min_idle_ms: int) -> int:
         """Take over the group's pending entries on `stream` idle at least `min_idle_ms`."""
@@ -288,18 +299,8 @@ class Consumer:
     # -- reading -------------------------------------------------------------------------
 
     def _parse(self, reply, gone: list[tuple[str, str]] | None = None) -> list[Entry]:
-        entries: list[Entry] = []
-        for stream, items in reply or []:
-            stream = reply_text(stream)
-            if all(fields for _, fields in items):
-                entries += parse_entries(stream, items)
-                continue
-            for entry_id, fields in items:
-                if fields:
-                    entries.append(parse_entry(stream, entry_id, fields))
-                elif gone is not None:  # an entry deleted (trimmed) while pending comes back empty
-                    gone.append((reply_text(stream), reply_text(entry_id)))
-        return entries
+        """The entries of a raw XREADGROUP reply (`_xreadgroup`); entries deleted while pending go to `gone`."""
+        return parse_read(reply, gone)
 
     def dead_letter(self, stream: str, entry_id: str, entry: Entry | None, failures: int, error: str) -> bool:
         """Move one entry to the group's dead-letter stream with its error, then acknowledge it; False
@@ -361,12 +362,20 @@ class Consumer:
         return left
 
     def _xreadgroup(self, ids: dict[str, str], count: int, block: int | None = None):
-        """XREADGROUP over several streams; on a cluster, one call per stream (slots differ)."""
-        if not self._cluster or len(ids) == 1:
-            return self.client.xreadgroup(self.group, self.name, ids, count=count, block=block)
+        """XREADGROUP over several streams, its reply as Redis sent it (`parse_read` parses it in one pass);
+        on a cluster, one call per stream (slots differ)."""
+        if not self._cluster:
+            return self._raw("").execute_command(*self._xreadgroup_args(ids, count, block))
+        # on a cluster, through the cluster client (it follows the slots), the entries' fields flattened back
         reply = []
         for stream, sid in ids.items():
-            reply += self.client.xreadgroup(self.group, self.name, {stream: sid}, count=count) or []
+            got = self.client.xreadgroup(self.group, self.name, {stream: sid}, count=count,
+                                         block=block if len(ids) == 1 else None) or []
+            for name, items in (got.items() if isinstance(got, dict) else got):
+                for listed in (items if isinstance(got, dict) else [items]):
+                    reply.append([name, [(i, [x for pair in f.items() for x in pair] if f else None) for i, f in listed]])
+        if len(ids) == 1:
+            return reply
         if not reply and block:
             time.sleep(min(block, 100) / 1000)  # nothing anywhere: a short pause instead of a blocking read
         return reply

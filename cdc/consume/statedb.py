@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import psycopg
 from psycopg import errors as pgerrors
+from psycopg.pq import TransactionStatus
 
 from ..errors import CdcError, PrivilegeError, SourceError
 from ..source.privileges import fix_for
@@ -38,6 +39,9 @@ class StateTable:
     name: str
     privileges: tuple[str, ...]
     created_by: str
+
+
+_OPEN = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 
 
 class StateConnection:
@@ -98,13 +102,30 @@ class StateConnection:
                                  hint="run: " + "; ".join(grants))
 
     @contextmanager
-    def transaction(self) -> Iterator[psycopg.Connection]:
+    def transaction(self, opened: bool = False) -> Iterator[psycopg.Connection]:
         """One transaction on the state connection. An error that is not the entry's (see
-        `cdc.consume.failures`) drops the connection; a setup error becomes the fix to make."""
+        `cdc.consume.failures`) drops the connection; a setup error becomes the fix to make.
+
+        With `opened`, the caller's own statements begin and commit it (BEGIN and COMMIT sent with its
+        first and last statements: two round trips fewer); left open, it is committed at the end, and
+        rolled back on any error."""
         conn = self.connection()
         try:
-            with conn.transaction():
+            if not opened:
+                with conn.transaction():
+                    yield conn
+                return
+            try:
                 yield conn
+                if conn.info.transaction_status != TransactionStatus.IDLE:
+                    conn.commit()
+            except BaseException:
+                if not conn.closed and conn.info.transaction_status in _OPEN:
+                    try:
+                        conn.rollback()
+                    except psycopg.Error:  # (the connection broke: dropped, the error raised is the first one)
+                        self.forget()
+                raise
         except psycopg.Error as exc:
             error = self._judged(exc)
             if error is exc:

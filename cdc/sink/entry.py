@@ -12,7 +12,7 @@ import orjson
 from ..errors import PublishError
 from ..keys import DEAD_LETTER_PREFIX
 
-__all__ = ["Entry", "ForeignEntryError", "foreign_entry", "next_stream_id", "parse_entries", "parse_entry",
+__all__ = ["Entry", "ForeignEntryError", "foreign_entry", "next_stream_id", "parse_entries", "parse_entry", "parse_reply",
            "parse_stream_id", "reply_text", "stream_id_for"]
 
 
@@ -213,6 +213,30 @@ def parse_entries(stream: str, items: Iterable[tuple[str | bytes, dict]]) -> lis
         missing = [name for name in ("op", "lsn", "seq") if name.encode() not in fields]
         reason = f"no {', '.join(missing)} field" if missing else f"a field that does not parse: {type(exc).__name__}"
         raise foreign_entry(stream, reply_text(entry_id), reason) from None
+    return out
+
+
+def parse_reply(reply: Any, gone: list[tuple[str, str]] | None = None) -> list[Entry]:
+    """The entries of an XREADGROUP (or XREAD) reply as Redis sends it, unparsed by the client: RESP2's list of
+    ``[stream, [[id, [field, value, ...]], ...]]`` or RESP3's map of stream to the same items, bytes throughout;
+    None (nothing read) gives no entries. An entry that comes back without fields (deleted while pending) is
+    added to `gone` as (stream, ID) when `gone` is given, and left out either way. `ForeignEntryError` as
+    `parse_entries` for an entry the bridge did not write. (The consumer's hot path: `cdc.sink._entries`
+    compiles it, with the same results.)"""
+    out: list[Entry] = []
+    if not reply:
+        return out
+    for stream, items in (reply.items() if reply.__class__ is dict else reply):
+        name = reply_text(stream)
+        whole: list[tuple[str | bytes, dict]] = []
+        append = whole.append
+        for entry_id, flat in items:
+            if flat:
+                pairs = iter(flat)
+                append((entry_id, dict(zip(pairs, pairs))))
+            elif gone is not None:
+                gone.append((name, reply_text(entry_id)))
+        out += parse_entries(name, whole)
     return out
 
 

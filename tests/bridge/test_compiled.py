@@ -802,7 +802,7 @@ def test_the_compiled_modules_are_built_where_they_can_be():
     headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     if not (shutil.which("cc") and headers):
         pytest.skip("no C compiler or no Python headers: the pure-Python path is expected")
-    for name in ("cdc.bridge._changes", "cdc.sink._resp"):
+    for name in ("cdc.bridge._changes", "cdc.sink._resp", "cdc.sink._entries"):
         try:
             importlib.import_module(name)
         except ImportError as exc:
@@ -863,7 +863,8 @@ def test_cdc_impl_compiled_is_refused_where_a_module_does_not_import(monkeypatch
 
 
 @pytest.mark.parametrize("compiled_name, pure_name", [("cdc.bridge._changes", "cdc.bridge.changes"),
-                                                      ("cdc.sink._resp", "cdc.sink.lane")])
+                                                      ("cdc.sink._resp", "cdc.sink.lane"),
+                                                      ("cdc.sink._entries", "cdc.sink.entry")])
 def test_the_stub_states_the_compiled_interface_and_the_pure_twins_match_it(compiled_name, pure_name):
     """The `.pyi` beside each `.pyx` lists its functions: the compiled module exports exactly those, with the
     stub's parameters, and each has a pure twin of the same name, parameters and annotations (`refusal`,

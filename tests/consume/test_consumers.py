@@ -14,7 +14,8 @@ from cdc.demo.local import wait_for
 
 from ride_consumers import Supervisor, state, truth
 
-pytestmark = pytest.mark.integration
+# the consumer parses replies on the path the run picked (cdc.sink._entries or cdc.sink.entry): both run
+pytestmark = [pytest.mark.integration, pytest.mark.both_paths]
 
 
 @pytest.mark.slow

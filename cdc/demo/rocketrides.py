@@ -91,32 +91,28 @@ def ride_totals(conn: psycopg.Connection, entries: list, consumer: str) -> None:
     deltas: dict[int, Decimal] = {}
     get = deltas.get
     zero = Decimal(0)
-    overall = zero
     for e in entries:
         op = e.op
         if op == "c" or op == "r":
             data = e.data
-            rider, amount = int(data["rider"]), Decimal(data["distance"])
-            deltas[rider] = get(rider, zero) + amount
-            overall += amount
+            rider = int(data["rider"])
+            deltas[rider] = get(rider, zero) + Decimal(data["distance"])
         elif op == "u" or op == "d":
             before = e.before
             if before is None or "distance" not in before:
                 raise ValueError(f"{e.stream} {e.id}: a {op} without a before-image; rides needs REPLICA IDENTITY FULL")
-            rider, amount = int(before["rider"]), Decimal(before["distance"])
-            deltas[rider] = get(rider, zero) - amount
-            overall -= amount
+            rider = int(before["rider"])
+            deltas[rider] = get(rider, zero) - Decimal(before["distance"])
             if op == "u":
                 data = e.data
-                rider, amount = int(data["rider"]), Decimal(data["distance"])
-                deltas[rider] = get(rider, zero) + amount
-                overall += amount
+                rider = int(data["rider"])
+                deltas[rider] = get(rider, zero) + Decimal(data["distance"])
         elif op == "t" or op == "x":  # x: the stream was rebuilt (cdc recover); its rows follow as r
             deltas.clear()
-            overall = zero
             conn.execute("DELETE FROM consumer_states WHERE consumer = %s", (consumer,))
     if deltas:
-        deltas[0] = get(0, zero) + overall
+        # the overall total (rider 0) moves by what every rider's did, rider 0's own rides included
+        deltas[0] = get(0, zero) + sum(deltas.values(), zero)
         riders = sorted(deltas)
         # one statement for the whole batch, the riders in one order (their rows are locked in it)
         conn.execute(

@@ -85,6 +85,25 @@ def test_a_consumer_handed_a_foreign_entry_stops_naming_it(rides):
                        "--handler", "cdc.demo.rocketrides:ride_totals", timeout=120)
     _one_error(result, 5, f"cdc:ride {foreign} is not a bridge entry (no op, lsn, seq field)",
                f"redis-cli XDEL cdc:ride {foreign}")
+    _advice_followed(rides, foreign)
+
+
+def _advice_followed(rides, foreign: str) -> None:
+    """The error's advice works: once the entry is deleted, `cdc consume` (a new process: it takes over what the
+    stopped one was handed, the deleted entry leaving the pending list as Redis claims it) applies every bridge
+    entry, acknowledges them and runs on."""
+    from cdc.demo.local import wait_for
+
+    rides.redis.xdel("cdc:ride", foreign)
+    proc = rides.start_consumer("g")
+    try:
+        wait_for(lambda: rides.execute("SELECT total_distance FROM consumer_states WHERE consumer = 'g' AND rider_id = 0")
+                 == [(6,)] and rides.redis.xpending("cdc:ride", "g")["pending"] == 0, 60,
+                 "every bridge entry applied and acknowledged")
+        assert proc.poll() is None, proc.log_path.read_text()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0, proc.log_path.read_text()
 
 
 def test_an_entry_whose_json_does_not_parse_stops_a_handler_reading_it_and_is_dead_lettered_by_the_table_sink(rides):
@@ -121,3 +140,4 @@ def test_an_entry_whose_json_does_not_parse_stops_a_handler_reading_it_and_is_de
     [(_, letter)] = rides.redis.xrange("cdc:dlq:mirror")
     assert letter[b"source_id"].decode() == bad and b"InvalidTextRepresentation" in letter[b"error"]
     assert sorted(k for (k,) in rides.execute("SELECT key->>'id' FROM ride_mirror")) == ["1", "2", "3"]
+    _advice_followed(rides, bad)

@@ -116,7 +116,13 @@ class StateConnection:
                     yield conn
                 return
             try:
-                yield conn
+                # as inside conn.transaction(), psycopg refuses the caller's conn.commit() and conn.rollback()
+                # (they would end the transaction that must hold the caller's writes with its checkpoint)
+                conn._num_transactions += 1
+                try:
+                    yield conn
+                finally:
+                    conn._num_transactions -= 1
                 if conn.info.transaction_status != TransactionStatus.IDLE:
                     conn.commit()
             except BaseException:

@@ -94,6 +94,25 @@ def test_a_database_error_in_the_batch_rolls_it_back(state, handlers):
         assert seen_rows(conn) == [("cdc:ride", 1), ("cdc:ride", 2)]
 
 
+@pytest.mark.parametrize("ending", ["commit", "rollback"])
+def test_an_apply_function_cannot_end_the_batchs_transaction(state, handlers, ending):
+    """A commit inside apply would keep its writes without the checkpoint (applied again when redelivered):
+    psycopg refuses it, as inside conn.transaction(), and the batch leaves nothing."""
+    def apply(conn, entries, consumer):
+        record(conn, entries, consumer)
+        getattr(conn, ending)()
+
+    handler = handlers(state.dsn, "c", apply)
+    with pytest.raises(psycopg.ProgrammingError, match=f"Explicit {ending}\\(\\) forbidden"):
+        handler(batch("cdc:ride", 1, 2))
+    with state.connect() as conn:
+        assert seen_rows(conn) == []
+    handler.apply = record
+    handler(batch("cdc:ride", 1, 2))
+    with state.connect() as conn:
+        assert seen_rows(conn) == [("cdc:ride", 1), ("cdc:ride", 2)]
+
+
 def test_a_savepoint_inside_the_apply_function_is_its_own(state, handlers):
     def apply(conn, entries, consumer):
         record(conn, entries[:1], consumer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import psycopg
 from psycopg import sql
@@ -87,10 +87,12 @@ def lock_checkpoints(conn: psycopg.Connection, consumer: str, streams: list[str]
     """Lock (creating if needed) `consumer`'s checkpoint rows on `streams`, always in stream order so that
     every holder (each batch, a reset) takes them alike: stream -> (entry_id, (lsn, seq), epoch)."""
     conn.execute(_ENSURE, (consumer, streams))
-    return {
-        stream: (entry_id, (int(lsn), seq), epoch)
-        for stream, entry_id, lsn, seq, epoch in conn.execute(_LOCK, (consumer, streams))
-    }
+    return _checkpoints(conn.execute(_LOCK, (consumer, streams)))
+
+
+def _checkpoints(rows: Iterable[tuple]) -> dict[str, tuple[str, tuple[int, int], int]]:
+    """`_LOCK`'s rows: stream -> (entry_id, (lsn, seq), epoch)."""
+    return {stream: (entry_id, (int(lsn), seq), epoch) for stream, entry_id, lsn, seq, epoch in rows}
 
 
 class TransactionalHandler(StateConnection):
@@ -151,11 +153,11 @@ class TransactionalHandler(StateConnection):
             cur.nextset()
             cur.nextset()  # the lock's rows
             marks = {}
-            for stream, _, lsn, seq, epoch in cur:
+            for stream, (_, mark, epoch) in _checkpoints(cur).items():
                 mine = self.epoch_of(stream)
                 if epoch > mine:
                     raise Fenced(f"{self.consumer} on {stream}: state written by epoch {epoch}, this consumer holds {mine}")
-                marks[stream] = (int(lsn), seq)
+                marks[stream] = mark
             fresh: list[Entry] = []
             last: dict[str, Entry] = {}
             stream, mark = None, (0, 0)

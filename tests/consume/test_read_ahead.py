@@ -42,6 +42,19 @@ def read_ahead(client, stop: threading.Event) -> bool:
         return False
 
 
+def recording(seen: list[int], stop: threading.Event, first=None):
+    """A handler that records each entry's number in `seen` and stops the run once all N are seen;
+    `first(entries)` runs before it records a batch (to wait for the read ahead, or to fail)."""
+    def handle(entries):
+        if first is not None:
+            first(entries)
+        seen.extend(e.key["i"] for e in entries)
+        if len(seen) >= N:
+            stop.set()
+
+    return handle
+
+
 def test_the_next_batch_is_read_while_one_is_handled_in_the_streams_order(env):
     client = env.redis
     backlog(client)
@@ -52,14 +65,11 @@ def test_the_next_batch_is_read_while_one_is_handled_in_the_streams_order(env):
 
     ahead: list[bool] = []
 
-    def handle(entries):
+    def first_batch_waits(entries):
         if not seen:  # the first batch in hand: the next one is read meanwhile
             ahead.append(read_ahead(client, stop))
-        seen.extend(e.key["i"] for e in entries)
-        if len(seen) >= N:
-            stop.set()
 
-    c.run(handle, stop)
+    c.run(recording(seen, stop, first_batch_waits), stop)
     assert ahead == [True]
     assert seen == list(range(N))
     assert pending(client) == 0 and c.acked == N
@@ -74,17 +84,14 @@ def test_a_failure_drops_the_batch_read_ahead_and_nothing_overtakes_the_failing_
     failed: list[int] = []
     stop = threading.Event()
 
-    def handle(entries):
+    def work_or_fail(entries):
         time.sleep(0.005)  # a handler's work on a batch, as a database's (long enough for the read ahead to pay)
         for e in entries:
             if e.key["i"] in (150, 420) and failed.count(e.key["i"]) < 2:  # fails twice, then works
                 failed.append(e.key["i"])
                 raise ValueError(f"entry {e.key['i']}")
-        seen.extend(e.key["i"] for e in entries)
-        if len(seen) >= N:
-            stop.set()
 
-    c.run(handle, stop)
+    c.run(recording(seen, stop, work_or_fail), stop)
     assert seen == list(range(N)), "each once, in the stream's order"
     assert failed == [150, 150, 420, 420] and client.xlen("cdc:dlq:g") == 0
     assert pending(client) == 0
@@ -110,11 +117,5 @@ def test_on_stop_the_batch_read_ahead_stays_pending_and_comes_first_at_the_next_
     assert seen == list(range(100)) and pending(client) == 100, "the batch read ahead, not handled, is pending"
     second = consumer(client)  # the same name, as `cdc consume` restarted
     stop = threading.Event()
-
-    def handle(entries):
-        seen.extend(e.key["i"] for e in entries)
-        if len(seen) >= N:
-            stop.set()
-
-    second.run(handle, stop)
+    second.run(recording(seen, stop), stop)
     assert seen == list(range(N)) and pending(client) == 0
